@@ -1,0 +1,113 @@
+"""Request: the scheduler's mutable view of one sequence, and its state machine.
+
+A request is `num_computed_tokens` catching up with `num_tokens`. There is no prefill or decode phase: a
+chunked prompt, a prefix-cache hit and a recompute after preemption are only different token counts.
+Statuses are ordered so that `is_finished` is `status > PREEMPTED`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.engine.protocol import EngineCoreRequest, FinishReason
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is terminal.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One sequence inside the engine core. Mutated only by the scheduler and the KV cache manager."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        max_tokens: int = 16,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        # Resolved by the scheduler from max_model_len when the user left it open.
+        self.max_tokens = max_tokens
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache the first time the request was scheduled.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Hashes of this request's full blocks, in order; extended by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+        # Extra keys mixed into every block hash (e.g. a LoRA adapter id); None when there are none.
+        self.cache_salt: str | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            max_tokens=max_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

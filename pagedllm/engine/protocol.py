@@ -1,0 +1,103 @@
+"""Messages that cross the engine-core process boundary, as msgspec Structs (msgpack on the wire).
+
+Nothing else crosses: no pickle, no tensors, no free-form dicts. The front end sends `EngineCoreRequest`s
+(wrapped by request type) and receives `EngineCoreOutputs`, one per engine step that produced something.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI/vLLM name."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every front-end -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized, validated request as the engine core receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs for a run of positions: row i is position i.
+
+    `token_ids[i]` is the sampled (or prompt) token followed by the top-N tokens; `logprobs[i]` their
+    log-probabilities in the same order; `ranks[i]` the rank of the first token (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Scheduler state after a step, for metrics and the stats line."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """All outputs of one engine step (or the answer to a utility call)."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Requests the core finished on its own (e.g. aborted); the front end drops their state.
+    finished_requests: list[str] | None = None
+    utility_output: UtilityOutput | None = None
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The result of a UTILITY call: `call_id` echoes the request, `result` is plain msgpack data."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None

@@ -1,0 +1,1 @@
+"""pagedllm.entrypoints.openai."""

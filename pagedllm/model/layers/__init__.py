@@ -1,0 +1,1 @@
+"""pagedllm.model.layers."""

@@ -1,0 +1,114 @@
+"""SamplingParams: the user's decoding knobs, validated once at construction.
+
+Field names and defaults follow vLLM's `SamplingParams`. It is a msgspec Struct so that it crosses the
+engine-core process boundary inside `EngineCoreRequest` as msgpack, never as pickle. Every invalid value
+raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """How a request's outputs are reported: whole text so far, only what is new, or only the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Sampling parameters for one request (vLLM-compatible names and defaults)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters are meaningless, normalise them so the sampler takes its fast path.
+            self.top_p = 1.0
+            self.top_k = -1
+            self.min_p = 0.0
+
+    def _validate(self) -> None:
+        def bad(name: str, value: Any, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "at least 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", self.top_k, "-1 (disabled) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", self.logprobs, "non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", self.prompt_logprobs, "non-negative")
+        if any(not s for s in self.stop):  # type: ignore[union-attr]
+            raise bad("stop", self.stop, "a list of non-empty strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request samples the argmax."""
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields replaced (validated again)."""
+        return msgspec.structs.replace(self, **changes)
