@@ -1,0 +1,57 @@
+"""SchedulerOutput: the plan of one step, from the scheduler to the worker.
+
+A request is sent in full once (`NewRequestData`), the first time it is scheduled; afterwards only diffs
+travel (`CachedRequestData`): new block ids and the computed-token count. A request resumed after
+preemption lost its blocks, so its block list is replaced rather than extended. The worker keeps the
+token ids it needs itself (it appends what it samples), so the scheduler never resends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)  # [num_cached] replace blocks if True
+    new_block_ids: list[list[int]] = field(default_factory=list)  # [num_cached] blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)  # [num_cached]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests that left the running set since the last step (finished, aborted or preempted): the worker
+    # drops them from its batch; finished ones also from its state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the worker returns for a step; rows are in `req_ids` order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty for a request still in its prompt
+    logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> LogprobsLists of the sampled token
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> LogprobsLists for a chunk

@@ -1,0 +1,134 @@
+"""Model path -> ModelConfig: an HF folder (config.json) or a single .gguf file (its metadata).
+
+For GGUF the transformers config is built from the file's metadata directly (a fraction of a second,
+where transformers' own GGUF config path parses the whole file). Only local paths are accepted: nothing is
+ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.config import ModelConfig
+from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """Scalar and string metadata of a GGUF file (token lists are skipped: they are large)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            meta[key + ".len"] = len(fld.data)
+            continue
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # unusual field types are not needed for the config
+            continue
+    meta["__tensor_names__"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def gguf_to_hf_config(meta: dict[str, Any]) -> PretrainedConfig:
+    arch = meta.get("general.architecture")
+    if arch not in MODEL_TYPES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported architectures: "
+            f"{', '.join(supported_architectures())}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens.len")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        tie_word_embeddings="output.weight" not in meta["__tensor_names__"],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        architectures=[MODEL_TYPES[arch]],
+    )
+    theta = float(get("rope.freq_base", 10000.0))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = get("rope.scaling.type")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    cfg = AutoConfig.for_model(arch, **kwargs)
+    cfg.rope_theta = theta
+    cfg.rope_parameters = rope
+    return cfg
+
+
+def _max_len(hf_config: Any, requested: int | None) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) is not False:
+        # Sliding-window attention is not implemented: stay within one window, where it equals full attention.
+        limit = min(limit, int(window))
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"max_model_len {requested} must be between 1 and the model's limit {limit}")
+    return requested
+
+
+def load_model_config(
+    model: str,
+    tokenizer: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int | None = None,
+    served_model_name: str | None = None,
+    seed: int = 0,
+) -> ModelConfig:
+    path = os.path.abspath(os.path.expanduser(model))
+    gguf_file = None
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        hf_config = gguf_to_hf_config(read_gguf_metadata(path))
+        tok_dir, gguf_file = os.path.split(path)
+        default_name = os.path.splitext(gguf_file)[0]
+    elif os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if len(ggufs) == 1:
+                return load_model_config(os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len,
+                                         served_model_name, seed)
+            raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        tok_dir = path
+        default_name = os.path.basename(path.rstrip("/"))
+    else:
+        raise ValueError(
+            f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors) "
+            f"or a .gguf file (models are never downloaded)"
+        )
+    arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    return ModelConfig(
+        model=path,
+        tokenizer=os.path.abspath(tokenizer) if tokenizer else tok_dir,
+        gguf_file=None if tokenizer else gguf_file,
+        hf_config=hf_config,
+        architecture=arch,
+        dtype=dtype,
+        max_model_len=_max_len(hf_config, max_model_len),
+        served_model_name=served_model_name or default_name,
+        seed=seed,
+    )

@@ -1,0 +1,51 @@
+"""Vocabulary-parallel embedding and LM head.
+
+Each rank holds a contiguous slice of the vocabulary; lookups outside the slice contribute zeros and are
+summed across ranks, and the LM head's partial logits are gathered. On one device both are plain ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32) -> None:
+        super().__init__()
+        self.tp_size = get_tp_world_size()
+        self.tp_rank = get_tp_rank()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        part = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states onto the vocabulary; may share its weight with the input embedding."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,128 @@
+"""Tensor-parallel-ready linear layers.
+
+Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies in the slice this
+rank owns of a full checkpoint tensor: column-parallel layers split the output dimension, row-parallel
+layers the input dimension (and all-reduce their partial sums). Merged layers (gate+up, q+k+v) hold several
+checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pass over the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
+
+
+def _set_loader(param: nn.Parameter, loader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole tensor (replicated parameters)."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The full matrix on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
+        super().__init__(input_size, output_size, bias, dtype)
+        _set_loader(self.weight, default_weight_loader)
+        if self.bias is not None:
+            _set_loader(self.bias, default_weight_loader)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split by columns (the output dimension); each rank keeps its slice of Y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
+        tp = get_tp_world_size()
+        super().__init__(input_size, divide(output_size, tp), bias, dtype)
+        _set_loader(self.weight, self.weight_loader)
+        if self.bias is not None:
+            _set_loader(self.bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked along the output (e.g. gate_proj and up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
+        shard_size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        part = loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size)
+        param.data.narrow(0, offset, shard_size).copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matrix; heads are split across ranks (KV heads replicated if fewer)."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+        dtype=torch.float32,
+    ) -> None:
+        tp = get_tp_world_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp)
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str = "q") -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, rank = q_size, kv_size, self.tp_rank // self.kv_replicas
+        elif shard_id == "v":
+            offset, size, rank = q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split by rows (the input dimension); partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
+        tp = get_tp_world_size()
+        super().__init__(divide(input_size, tp), output_size, bias, dtype)
+        _set_loader(self.weight, self.weight_loader)
+        if self.bias is not None:
+            _set_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = param.shape[1]
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the reduction, not once per rank.
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,73 @@
+"""Rotary position embedding (HF "rotate half" layout), with the default and llama3/linear scalings.
+
+The cos/sin table is computed once for every position up to max_position, in float32, and indexed by
+each token's position, so a batch can hold tokens of any positions (chunks, decodes) in any order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_len = float(params["original_max_position_embeddings"])
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
+        rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
+        elif rope_type != "default":
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # [max_position, rotary_dim]: cos | sin halves, kept in float32 for accuracy.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies (same shapes and dtype)."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim/2]
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot = x[..., : self.rotary_dim]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if self.rotary_dim < self.head_dim:
+            out = torch.cat([out, x[..., self.rotary_dim :]], dim=-1)
+        return out

@@ -1,0 +1,102 @@
+"""Checkpoint -> model: safetensors folders and GGUF files feed the same HF-named tensors to `load_weights`.
+
+GGUF tensors are dequantized by the `gguf` package to float32 and then cast to the compute dtype. llama.cpp
+stores Llama query/key weights with the rows of each head interleaved for its rotary layout; they are
+un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding expects.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.model.registry import get_model_class
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """llama.cpp tensor name -> HF name; None for tensors the model does not use (e.g. rope_freqs)."""
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q/k weights (and biases)."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    n_head = hf_config.num_attention_heads
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        # dequantize gives the logical shape in numpy order: [rows (out), cols (in)]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if arch in ("llama", "mistral"):
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                w = unpermute_rotary(w, n_head)
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                w = unpermute_rotary(w, n_kv)
+        # dequantize may return a read-only view of the mapped file; torch needs a writable array.
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+
+
+def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in model folder {folder!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """Build the model class for the architecture and load its weights onto `device`."""
+    cls = get_model_class(model_config.architecture)
+    with torch.device(device):
+        model = cls(model_config.hf_config, dtype=model_config.dtype)
+    path = model_config.model
+    weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
+    model.load_weights((name, t.to(device)) for name, t in weights)
+    return model.eval()

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2), composed from the parallel-ready layers.
+
+Also the base of Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), which differ only in the
+switches below. Contract of every model class:
+  forward(input_ids [T], positions [T], attn_metadata) -> hidden states [T, hidden]
+  compute_logits(hidden [N, hidden]) -> [N, vocab]
+  load_weights(iterable of (HF parameter name, tensor))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.activation import SiluAndMul
+from pagedllm.model.layers.attention import Attention, AttentionMetadata
+from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model.layers.linear import default_weight_loader
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.parallel_state import divide, get_tp_world_size
+from pagedllm.model.layers.rotary import RotaryEmbedding
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict) from either the top level or `rope_parameters` (transformers 5)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return float(theta), (params if kind != "default" else None)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        tp = get_tp_world_size()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.num_heads = divide(total_heads, tp)
+        self.num_kv_heads = max(1, total_kv // tp)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias=bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=False, dtype=dtype)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_bias = False
+    qk_norm = False
+    # HF checkpoint names -> (our merged parameter, shard id)
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        bias = self.attention_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, dtype, bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors through each parameter's weight_loader; returns the parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
+                continue
+            for merged, part, shard in self.stacked_params:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{merged}.")
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                    param = params[target]
+                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor.to(param.dtype))
+                loaded.add(name)
+        missing = set(params) - loaded
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
+        return loaded

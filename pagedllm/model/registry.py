@@ -1,0 +1,44 @@
+"""HF architecture name -> model class. A new model is one file under models/ and one line here."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# GGUF `general.architecture` / HF `model_type` -> architecture name
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(architectures: list[str] | None, model_type: str | None) -> str:
+    """Pick the first supported architecture; ValueError listing the supported ones otherwise."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            return arch
+    if not architectures and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    named = architectures or [model_type]
+    raise ValueError(
+        f"unsupported model architecture {named}; supported architectures: {', '.join(supported_architectures())}"
+    )
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    module, name = _MODELS[resolve_architecture([architecture], None)]
+    return getattr(importlib.import_module(f"pagedllm.model.models.{module}"), name)
