@@ -1,0 +1,271 @@
+"""Scheduler: decides every step which requests run and how many tokens each computes.
+
+One token budget (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`). Running requests
+are served first, in order, then waiting ones. A request computes `num_tokens - num_computed_tokens` tokens,
+capped by what is left of the budget, so long prompts are split across steps (chunked prefill) and share
+steps with decodes. A prefix-cache hit starts a request at the end of its cached blocks.
+
+When the KV cache runs out, the lowest-priority request not yet scheduled this step (the newest, under FCFS)
+is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed.
+Requests already scheduled in a step are never preempted in it: blocks cached at their allocation might be
+hit by others before they are computed.
+
+The scheduler never touches tensors; `update_from_output` turns the worker's sampled tokens into
+`EngineCoreOutputs` and retires finished requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+
+class WaitingQueue:
+    """FCFS: a deque where preempted requests return to the front. Priority: a heap on (priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, req: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
+        else:
+            self._fcfs.append(req)
+
+    def add_front(self, req: Request) -> None:
+        if self.policy == "priority":
+            self.add(req)  # its (priority, arrival) key already puts it where it belongs
+        else:
+            self._fcfs.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fcfs[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fcfs.popleft()
+
+    def remove(self, req: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+        else:
+            self._fcfs.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fcfs)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fcfs)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Requests that left since the last SchedulerOutput: the worker forgets them.
+        self._finished_req_ids: set[str] = set()
+        self._num_preemptions = 0  # since the last stats report
+        self._last_num_scheduled = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (abort); unknown or finished ids are ignored."""
+        assert RequestStatus.is_finished(status)
+        done = []
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free_request(req)
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self._finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            if new_blocks is None:
+                continue  # req itself was preempted; self.running[i] is now the next request
+            cached.req_ids.append(req.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        # Admit waiting requests only when nothing was preempted: memory is tight otherwise.
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            n = self._num_new_tokens(req, budget, num_hit)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+            if resumed:
+                cached.req_ids.append(req.request_id)
+                cached.resumed_from_preemption.append(True)
+                cached.new_block_ids.append(block_ids)
+                cached.num_computed_tokens.append(num_hit)
+            else:
+                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                               req.eos_token_id, block_ids, num_hit))
+            num_scheduled[req.request_id] = n
+            budget -= n
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        total = sum(num_scheduled.values())
+        self._last_num_scheduled = total
+        out = SchedulerOutput(new_reqs, cached, num_scheduled, total, self._finished_req_ids, preempted)
+        self._finished_req_ids = set()
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int, num_computed: int | None = None) -> int:
+        computed = req.num_computed_tokens if num_computed is None else num_computed
+        n = min(req.num_tokens - computed, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        candidates = self.running[first_unscheduled:]
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.add_front(req)
+
+    # ---- after the model ran ---------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for row, req_id in enumerate(result.req_ids):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # aborted while the step ran
+            new_ids = result.sampled_token_ids[row]
+            finished = False
+            if new_ids:
+                req.append_output_token_ids(new_ids)
+                finished = self._check_stop(req)
+            prompt_lp = result.prompt_logprobs.get(req_id)
+            if new_ids or prompt_lp is not None:
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_ids,
+                    new_logprobs=result.logprobs.get(req_id),  # type: ignore[arg-type]
+                    new_prompt_logprobs=prompt_lp,  # type: ignore[arg-type]
+                    finish_reason=req.get_finish_reason(),
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                ))
+            if finished:
+                self.running.remove(req)
+                self._free_request(req)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if last == req.eos_token_id and not params.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:  # type: ignore[operator]
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions,
+            num_scheduled_tokens=self._last_num_scheduled,
+        )
+        self._num_preemptions = 0
+        return stats

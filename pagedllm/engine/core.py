@@ -1,0 +1,62 @@
+"""EngineCore: the step loop. schedule -> execute_model -> update_from_output, nothing else.
+
+A feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component; it never adds a
+branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.max_model_len = config.model_config.max_model_len
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        params = request.sampling_params
+        room = self.max_model_len - len(request.prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        self.scheduler.add_request(Request.from_engine_core_request(request, max_tokens))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    # ---- utility calls (also reachable over the process boundary) ----------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> dict[str, Any]:
+        """Verify the block pool; returns counts tests can assert on (blocks in use, free)."""
+        kv = self.scheduler.kv_cache_manager
+        kv.check_invariants()
+        return {"num_blocks": self.num_blocks, "in_use": kv.num_blocks_in_use(),
+                "free": kv.get_num_free_blocks(), "unfinished": self.scheduler.get_num_unfinished_requests()}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,193 @@
+"""LLM: the offline front door. `generate()` and `chat()` block until every request is done.
+
+`LLM(model=None, **engine_args)` builds the EngineConfig once (vLLM argument names), loads the tokenizer in
+this process, and drives an engine core through a client. Results come back in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import eos_token_id, get_tokenizer
+
+
+def make_client(config, kind: str):
+    if kind == "inproc":
+        from pagedllm.engine.core_client import InprocClient
+
+        return InprocClient(config)
+    if kind == "mp":
+        from pagedllm.engine.core_client import SyncMPClient  # type: ignore[attr-defined]
+
+        return SyncMPClient(config)
+    raise ValueError(f"engine client must be 'inproc' or 'mp', got {kind!r}")
+
+
+class LLM:
+    """An offline engine: `LLM().generate("Hello")` runs the default model."""
+
+    def __init__(self, model: str | None = None, *, engine_client: str = "inproc", **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        mc = self.config.model_config
+        self.tokenizer = get_tokenizer(mc)
+        self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = make_client(self.config, engine_client)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list: strings, token-id lists or {"prompt_token_ids": [...]} dicts."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template,
+                                                     continue_final_message)
+            for conv in conversations
+        ]
+        params_list = self._as_params_list(sampling_params, len(prompts))
+        # The template already holds the special tokens (BOS etc.); do not add them twice.
+        return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False)
+
+    def _as_prompt_list(self, prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        if isinstance(prompts, Sequence):
+            if not prompts:
+                raise ValueError("prompts is empty")
+            return list(prompts)
+        raise ValueError(f"unsupported prompts type {type(prompts).__name__}")
+
+    def _as_params_list(self, params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priority: list[int] | None,
+        use_tqdm: bool,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        # Validate everything first: a bad prompt rejects the call before any request enters the engine.
+        now = time.time()
+        staged = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            request_id = str(next(self._counter))
+            text, req = self.input_processor.process(
+                request_id, prompt, params, now, priority[i] if priority else 0, add_special_tokens
+            )
+            staged.append((text, req))
+        order = {req.request_id: i for i, (_, req) in enumerate(staged)}
+        for text, req in staged:
+            self._add(text, req)
+        results: list[RequestOutput | None] = [None] * len(staged)
+        bar = tqdm(total=len(staged), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.output_processor.has_unfinished_requests():
+                outputs = self.engine_core.get_output()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                self.engine_core.abort_requests(processed.reqs_to_abort)
+                for ro in processed.request_outputs:
+                    if ro.finished:
+                        results[order[ro.request_id]] = ro
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call: nothing of this batch keeps running.
+            self.engine_core.abort_requests(self.output_processor.abort_requests(list(
+                self.output_processor.request_states)))
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def _add(self, prompt_text: str | None, req) -> None:
+        params = req.sampling_params
+        if params.n == 1:
+            self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids, params,
+                                              req.arrival_time)
+            self.engine_core.add_request(req)
+            return
+        parent = ParentRequest(req.request_id, params)
+        for index in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
+            child = type(req)(
+                request_id=parent.child_id(index),
+                prompt_token_ids=req.prompt_token_ids,
+                sampling_params=child_params,
+                eos_token_id=req.eos_token_id,
+                arrival_time=req.arrival_time,
+                priority=req.priority,
+            )
+            self.output_processor.add_request(child.request_id, prompt_text, req.prompt_token_ids,
+                                              child_params, req.arrival_time, parent, index)
+            self.engine_core.add_request(child)
+
+    # ---- utilities ----------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.engine_core.call_utility("reset_prefix_cache"))
+
+    def check_invariants(self) -> dict[str, Any]:
+        """Verify the KV block pool (raises AssertionError on corruption) and return its counts."""
+        return self.engine_core.call_utility("check_invariants")
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

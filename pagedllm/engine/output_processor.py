@@ -1,0 +1,232 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs, in the front-end process.
+
+The one loop over a step's outputs: detokenize incrementally, find stop strings (a request they finish must
+then be aborted in the core: returned in `reqs_to_abort`), convert logprobs, stamp times, and build
+RequestOutputs as each request asked (cumulative, delta or final only). A request with n > 1 is fanned out
+into n child requests in the core; `ParentRequest` gathers their completions back into one output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.protocol import EngineCoreOutput, FinishReason, LogprobsLists
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    """Gathers the completions of the n children of one user request."""
+
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.outputs: dict[int, CompletionOutput] = {}
+        self.num_finished = 0
+
+    def child_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+    def update(self, completion: CompletionOutput, kind: RequestOutputKind) -> tuple[list[CompletionOutput], bool]:
+        """Record one child's completion; returns (completions to report now, all children finished)."""
+        self.outputs[completion.index] = completion
+        if completion.finish_reason is not None:
+            self.num_finished += 1
+        done = self.num_finished == self.params.n
+        if kind == RequestOutputKind.DELTA:
+            return [completion], done
+        if kind == RequestOutputKind.FINAL_ONLY and not done:
+            return [], False
+        return [self.outputs[i] for i in sorted(self.outputs)], done
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the id inside the engine core
+    external_id: str  # the id the caller knows (the parent's for n > 1)
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    tokenizer: Any
+    arrival_time: float
+    parent: ParentRequest | None = None
+    queue: Any = None  # async consumers put their per-request collector here
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+
+@dataclass(slots=True)
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.request_states[request_id] = RequestState(
+            request_id=request_id,
+            external_id=parent.request_id if parent else request_id,
+            index=index,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            tokenizer=self.tokenizer,
+            arrival_time=arrival_time,
+            parent=parent,
+            queue=queue,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests (aborted by the caller); returns the engine-core ids to abort."""
+        removed = []
+        for rid in request_ids:
+            if self.request_states.pop(rid, None) is not None:
+                removed.append(rid)
+        return removed
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        now = time.time()
+        request_outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the caller while the step ran
+            if out.new_token_ids:
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                state.last_token_time = now
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+            new_ids = list(out.new_token_ids)
+            finish = out.finish_reason
+            stop_reason = out.stop_reason
+            stop_str = state.detokenizer.update(new_ids, finish == FinishReason.STOP)
+            if stop_str is not None and finish is None:
+                finish, stop_reason = FinishReason.STOP, stop_str
+                to_abort.append(out.request_id)
+            elif stop_str is not None:
+                finish, stop_reason = FinishReason.STOP, stop_str
+            state.token_ids.extend(new_ids)
+            if out.new_logprobs is not None and state.logprobs is not None:
+                dicts = self._logprob_dicts(out.new_logprobs)
+                state.logprobs.extend(dicts)
+                for tok, d in zip(new_ids, dicts):
+                    state.cumulative_logprob += d[tok].logprob  # type: ignore[operator]
+            if finish is not None:
+                state.finish_reason = str(finish)
+                state.stop_reason = stop_reason
+                self.request_states.pop(out.request_id, None)
+            ro = self._make_output(state, now)
+            if ro is not None:
+                if state.queue is not None:
+                    state.queue.put(ro)
+                else:
+                    request_outputs.append(ro)
+        return OutputProcessorOutput(request_outputs, to_abort)
+
+    def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        result = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            d: dict[int, Logprob] = {}
+            for j, (tid, lp) in enumerate(zip(ids, lps)):
+                if tid in d:
+                    continue  # the chosen token may also appear among the top-N
+                d[tid] = Logprob(lp, rank if j == 0 else j, self.tokenizer.decode([tid]))
+            result.append(d)
+        return result
+
+    def _make_output(self, state: RequestState, now: float) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finish_reason is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = state.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = state.token_ids[state.sent_tokens :]
+            logprobs = state.logprobs[state.sent_logprobs :] if state.logprobs is not None else None
+            if not token_ids and not text and not finished:
+                return None
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        state.sent_tokens = len(state.token_ids)
+        state.sent_logprobs = len(state.logprobs or [])
+        completion = CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
+        completions = [completion]
+        all_done = finished
+        if state.parent is not None:
+            completions, all_done = state.parent.update(completion, kind)
+            if not completions:
+                return None
+        prompt_lp = state.prompt_logprobs
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_token_time=state.first_token_time,
+            last_token_time=state.last_token_time,
+            finished_time=now if finished else None,
+        )
+        return RequestOutput(
+            request_id=state.external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_lp,
+            outputs=completions,
+            finished=all_done,
+            metrics=metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )

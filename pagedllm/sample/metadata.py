@@ -1,0 +1,167 @@
+"""SamplingMetadata: one step's per-row sampling state, batched into tensors for the `Sampler`.
+
+Contract:
+- Row i of every field describes row i of the logits the sampler receives (one row per request).
+- Tensors live on the device of the logits; per-row Python data (output tokens, logit bias, min_tokens)
+  stays on the host and is turned into index tensors by the sampler only when it is needed.
+- Optional tensors are `None` when no row uses the feature, so the sampler can skip that work entirely.
+  When present, rows that do not use the feature hold a neutral value (top_k = vocab_size, top_p = 1.0,
+  min_p = 0.0, penalties 0/0/1) so the batched op leaves them unchanged.
+- Greedy rows have temperature exactly 0.0, neutral filters and no entry in `generators`: they never
+  consume randomness.
+- `generators` holds only random rows that have their own (seeded) generator; the generator must be on
+  the logits' device.
+- `prompt_token_ids` is padded with `vocab_size`, so `vocab_size` must equal the logits' last dimension.
+
+`from_requests` builds all of this from per-row Python data; it runs every step for up to a few hundred
+rows, so it does one host->device copy per tensor and no per-row device work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Batched sampling parameters for one forward step (see the module docstring for the contract)."""
+
+    temperature: torch.Tensor  # [num_reqs] float32; 0.0 for greedy rows
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [num_reqs] int64; None when no row uses top-k
+    top_p: torch.Tensor | None  # [num_reqs] float32; None when no row uses top-p
+    min_p: torch.Tensor | None  # [num_reqs] float32; None when no row uses min-p
+    generators: dict[int, torch.Generator]  # row index -> that request's own generator (seeded rows)
+    no_penalties: bool
+    presence_penalties: torch.Tensor  # [num_reqs] float32
+    frequency_penalties: torch.Tensor  # [num_reqs] float32
+    repetition_penalties: torch.Tensor  # [num_reqs] float32
+    prompt_token_ids: torch.Tensor | None  # [num_reqs, max_prompt_len] int64 padded with vocab_size
+    output_token_ids: list[list[int]]  # per row: tokens generated so far
+    min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, token ids forbidden until then)
+    logit_bias: list[dict[int, float] | None]  # per row
+    max_num_logprobs: int | None  # None when no row wants logprobs
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Batch per-row parameters; all lists are indexed by row and must have the same length."""
+        num_reqs = len(params)
+        if not (
+            len(prompt_token_ids)
+            == len(output_token_ids)
+            == len(generators)
+            == len(eos_token_ids)
+            == num_reqs
+        ):
+            raise ValueError("from_requests: all per-row lists must have the same length")
+
+        temperature: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        presence: list[float] = []
+        frequency: list[float] = []
+        repetition: list[float] = []
+        gens: dict[int, torch.Generator] = {}
+        min_tokens: dict[int, tuple[int, set[int]]] = {}
+        logit_bias: list[dict[int, float] | None] = []
+        max_num_logprobs: int | None = None
+        num_greedy = 0
+        uses_top_k = uses_top_p = uses_min_p = False
+        no_penalties = True
+
+        for i, p in enumerate(params):
+            if p.greedy:
+                num_greedy += 1
+                # Exactly 0 so the sampler can tell greedy rows apart; filters are neutral for them.
+                temperature.append(0.0)
+                top_k.append(vocab_size)
+                top_p.append(1.0)
+                min_p.append(0.0)
+            else:
+                temperature.append(p.temperature)
+                k = vocab_size if p.top_k < 0 else min(p.top_k, vocab_size)
+                uses_top_k |= k < vocab_size
+                top_k.append(k)
+                uses_top_p |= p.top_p < 1.0
+                top_p.append(p.top_p)
+                uses_min_p |= p.min_p > 0.0
+                min_p.append(p.min_p)
+                # A greedy row's generator is deliberately left out so it is never advanced.
+                if generators[i] is not None:
+                    gens[i] = generators[i]
+
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            repetition.append(p.repetition_penalty)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0:
+                no_penalties = False
+
+            if p.min_tokens > 0 and len(output_token_ids[i]) < p.min_tokens:
+                forbidden = set(p.stop_token_ids or ())
+                eos = eos_token_ids[i]
+                if eos is not None and not p.ignore_eos:
+                    forbidden.add(eos)
+                # Out-of-range ids cannot be produced anyway; dropping them keeps the index op in bounds.
+                forbidden = {t for t in forbidden if 0 <= t < vocab_size}
+                if forbidden:
+                    min_tokens[i] = (p.min_tokens, forbidden)
+
+            bias = p.logit_bias
+            if bias:
+                # The front end should reject out-of-range ids; here they are dropped so a bad request
+                # cannot crash the whole batch with an index error.
+                bias = {t: b for t, b in bias.items() if 0 <= t < vocab_size} or None
+            logit_bias.append(bias or None)
+
+            if p.logprobs is not None:
+                max_num_logprobs = (
+                    p.logprobs if max_num_logprobs is None else max(max_num_logprobs, p.logprobs)
+                )
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        prompt_tensor: torch.Tensor | None = None
+        if not no_penalties:
+            # Built on the host with numpy (one copy per row) and moved to the device in one transfer.
+            max_len = max((len(t) for t in prompt_token_ids), default=0)
+            padded = np.full((num_reqs, max_len), vocab_size, dtype=np.int64)
+            for i, toks in enumerate(prompt_token_ids):
+                if toks:
+                    padded[i, : len(toks)] = toks
+            prompt_tensor = torch.from_numpy(padded).to(device)
+
+        return cls(
+            temperature=f32(temperature),
+            all_greedy=num_greedy == num_reqs,
+            all_random=num_greedy == 0,
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if uses_top_k else None,
+            top_p=f32(top_p) if uses_top_p else None,
+            min_p=f32(min_p) if uses_min_p else None,
+            generators=gens,
+            no_penalties=no_penalties,
+            presence_penalties=f32(presence),
+            frequency_penalties=f32(frequency),
+            repetition_penalties=f32(repetition),
+            prompt_token_ids=prompt_tensor,
+            output_token_ids=output_token_ids,
+            min_tokens=min_tokens,
+            logit_bias=logit_bias,
+            max_num_logprobs=max_num_logprobs,
+        )

@@ -1,0 +1,315 @@
+"""The sampler: logits [num_reqs, vocab] + SamplingMetadata -> one token per row (+ logprobs).
+
+Contract (vLLM V1 semantics):
+- Logprobs are those of the RAW logits (before bias, penalties, temperature and filters), in float32.
+  Each row holds the sampled token first, then the top-`max_num_logprobs` tokens; the caller slices
+  each request's own number. Rank = 1 + number of vocab entries with a strictly greater logprob.
+- Processing order: logit_bias -> min_tokens (forbid ids) -> repetition, frequency, presence penalties
+  -> greedy rows take the argmax -> random rows: temperature, top-k, top-p, min-p, then sample.
+- Random rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) per token.
+  A row with its own generator draws exactly vocab_size uniforms from it per step and nothing else, so
+  a seeded request yields the same tokens whatever batch it is in (filters break ties by token id, never
+  by batch shape). Unseeded rows use the default RNG.
+- Greedy rows never touch their own generator. An all-greedy batch without bias, penalties or
+  min_tokens is a plain argmax and consumes no randomness at all.
+- The input logits are never modified. Everything is vectorised device-agnostic torch: the only per-row
+  Python loop is over seeded generators (one kernel each), and the only host sync is one small `.tolist()`
+  per step when some row uses top-k (topk needs a Python int).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.sample.metadata import SamplingMetadata
+
+# Same threshold as SamplingParams.greedy; metadata stores exactly 0.0 for greedy rows anyway.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Logprobs for a run of rows: the chosen token first, then the top-N, plus the chosen token's rank."""
+
+    token_ids: torch.Tensor  # [num_rows, 1 + N] int64
+    logprobs: torch.Tensor  # [num_rows, 1 + N] float32
+    ranks: torch.Tensor  # [num_rows] int64, 1 = most likely
+
+    def tolists(self) -> LogprobsLists:
+        """Copy to the host as the wire struct (one device->host copy per tensor)."""
+        return LogprobsLists(
+            token_ids=self.token_ids.tolist(),
+            logprobs=self.logprobs.tolist(),
+            ranks=self.ranks.tolist(),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, and the logprobs when any row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64
+    logprobs: LogprobsTensors | None  # None when max_num_logprobs is None
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """From float32 logprobs [n, vocab]: the given tokens' logprobs, the top-N, and the tokens' ranks."""
+    token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64).view(-1, 1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    # Ties with the chosen token do not push its rank down: only strictly greater entries count.
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    num_logprobs = min(num_logprobs, logprobs.shape[-1])
+    if num_logprobs > 0:
+        top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        ids = torch.cat([token_ids, top_ids], dim=1)
+        lps = torch.cat([token_logprobs, top_logprobs], dim=1)
+    else:
+        ids, lps = token_ids, token_logprobs
+    return LogprobsTensors(token_ids=ids, logprobs=lps, ranks=ranks)
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """log_softmax of raw logits [n, vocab] in float32; gather token_ids [n], the top-num_logprobs and ranks.
+
+    Used for the sampled tokens and by the model runner for prompt_logprobs.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    return _gather_logprobs(logprobs, token_ids, num_logprobs)
+
+
+class Sampler(torch.nn.Module):
+    """Stateless: all per-request state (including RNG) arrives in the SamplingMetadata."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        num_logprobs = metadata.max_num_logprobs
+        # Raw logprobs first: everything below changes the logits and vLLM reports the raw distribution.
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
+        )
+
+        needs_processing = (
+            not metadata.no_penalties
+            or bool(metadata.min_tokens)
+            or any(b is not None for b in metadata.logit_bias)
+        )
+        if metadata.all_greedy and not needs_processing:
+            # Fast path: argmax is exact in the logits' own dtype, no float32 copy needed.
+            sampled = logits.argmax(dim=-1)
+        else:
+            # One float32 copy that the steps below may modify in place; the caller's logits stay intact.
+            work = logits.to(torch.float32, copy=True)
+            if needs_processing:
+                apply_logit_bias(work, metadata)
+                apply_min_tokens(work, metadata)
+                if not metadata.no_penalties:
+                    work = apply_penalties(work, metadata)
+            sampled = self._sample(work, metadata)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, sampled, num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    # ----------------------------------------------------------------------------------------------
+    # Sampling
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy_sampled is not None
+            return greedy_sampled
+
+        temperature = metadata.temperature.to(logits.device)
+        is_greedy = temperature < _GREEDY_EPS
+        # Greedy rows go through the random path too (their result is discarded below); temperature 1
+        # keeps them finite.
+        temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
+        logits = logits.div_(temperature.unsqueeze(1))
+
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+
+        probs = torch.softmax(logits, dim=-1)
+        if metadata.min_p is not None:
+            max_probs = probs.amax(dim=-1, keepdim=True)
+            # Renormalising is unnecessary: the exponential race works on unnormalised weights.
+            probs = probs.masked_fill(probs < metadata.min_p.to(logits.device).unsqueeze(1) * max_probs, 0.0)
+
+        random_sampled = _exponential_race(probs, metadata.generators)
+        if greedy_sampled is None:
+            return random_sampled
+        return torch.where(is_greedy, greedy_sampled, random_sampled)
+
+
+# --------------------------------------------------------------------------------------------------
+# Logits processors, public so they can be tested (and reused) one by one. They run on a float32 copy.
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Add each row's logit_bias to its logits, in place."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, bias in enumerate(metadata.logit_bias):
+        if bias:
+            rows.extend([i] * len(bias))
+            cols.extend(bias.keys())
+            vals.extend(bias.values())
+    if rows:
+        dev = logits.device
+        idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        # accumulate=True is a plain add (ids within a row are unique, being dict keys).
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Set the forbidden ids (eos, stop_token_ids) to -inf, in place, for rows still below min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (min_toks, forbidden) in metadata.min_tokens.items():
+        # Re-checked here so a metadata object built by hand is honoured the same way.
+        if len(metadata.output_token_ids[i]) < min_toks:
+            rows.extend([i] * len(forbidden))
+            cols.extend(forbidden)
+    if rows:
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens) penalties.
+
+    Returns a new tensor. If `metadata.prompt_token_ids` is None, only output tokens count as seen.
+    """
+    num_reqs, vocab = logits.shape
+    dev = logits.device
+
+    # Output-token counts per row, built from one flat host array and a single scatter-add (no per-row
+    # device work).
+    lengths = [len(t) for t in metadata.output_token_ids]
+    total = sum(lengths)
+    counts = torch.zeros((num_reqs, vocab), dtype=torch.float32, device=dev)
+    if total:
+        flat = np.fromiter(
+            (t for toks in metadata.output_token_ids for t in toks), dtype=np.int64, count=total
+        )
+        row_idx = np.repeat(np.arange(num_reqs, dtype=np.int64), lengths)
+        counts.index_put_(
+            (torch.from_numpy(row_idx).to(dev), torch.from_numpy(flat).to(dev)),
+            torch.ones(total, dtype=torch.float32, device=dev),
+            accumulate=True,
+        )
+    output_mask = counts > 0
+
+    # Repetition penalty looks at prompt AND output tokens; the prompt padding id (vocab) lands in the
+    # extra column, which is dropped.
+    seen = output_mask
+    if metadata.prompt_token_ids is not None and metadata.prompt_token_ids.numel():
+        prompt_mask = torch.zeros((num_reqs, vocab + 1), dtype=torch.bool, device=dev)
+        prompt_mask.scatter_(1, metadata.prompt_token_ids.to(dev), True)
+        seen = seen | prompt_mask[:, :vocab]
+    rep = metadata.repetition_penalties.to(dev).unsqueeze(1)
+    # HF/vLLM convention: shrink towards zero, i.e. divide positive logits and multiply negative ones.
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+
+    freq = metadata.frequency_penalties.to(dev).unsqueeze(1)
+    pres = metadata.presence_penalties.to(dev).unsqueeze(1)
+    return logits - freq * counts - pres * output_mask.to(torch.float32)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf, in place) everything outside each row's top-k set, then outside its top-p set.
+
+    Both filters keep a prefix of the total order "logit descending, then token id ascending", i.e. what a
+    stable descending sort gives. Ties are therefore resolved by token id, as argmax does (top_k=1 is
+    exactly greedy), and never by batch-dependent kernel choices, so a seeded row behaves the same in any
+    batch. A full vocab sort is only needed for top-p when some row in the batch has no top-k.
+    """
+    if logits.shape[0] == 0:
+        return logits
+    vocab = logits.shape[-1]
+    all_rows_top_k = False
+    k_max = 0
+    if top_k is not None:
+        k = top_k.to(logits.device)
+        active = k < vocab
+        # One host sync per step (topk needs a Python int), never one per row.
+        k_max, all_rows_top_k = torch.stack([k.masked_fill(~active, 0).max(), active.all()]).tolist()
+        all_rows_top_k = bool(all_rows_top_k)
+        if k_max > 0:
+            _mask_outside_top_k(logits, k, active, k_max)
+    if top_p is None:
+        return logits
+
+    p = top_p.to(logits.device).unsqueeze(1)
+    if all_rows_top_k:
+        # Every row has at most k_max finite logits: only those candidates need ordering.
+        cand_vals, cand_idx = logits.topk(k_max, dim=-1)
+        # Order candidates by id, then stably by value, to get the same total order as a full stable sort.
+        cand_idx, by_id = cand_idx.sort(dim=-1)
+        cand_vals = cand_vals.gather(1, by_id)
+        sorted_vals, order = cand_vals.sort(dim=-1, descending=True, stable=True)
+        sorted_idx = cand_idx.gather(1, order)
+        remove = _outside_top_p(sorted_vals, p)
+        # Everything outside the candidates is already -inf, so rebuilding the row from them is exact.
+        return logits.fill_(float("-inf")).scatter_(
+            1, sorted_idx, sorted_vals.masked_fill(remove, float("-inf"))
+        )
+
+    sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    remove = _outside_top_p(sorted_vals, p)
+    # Undo the sort: scatter the sorted-order mask back to vocab order.
+    remove = torch.empty_like(remove).scatter_(1, sorted_idx, remove)
+    return logits.masked_fill_(remove, float("-inf"))
+
+
+def _mask_outside_top_k(logits: torch.Tensor, k: torch.Tensor, active: torch.Tensor, k_max: int) -> None:
+    """In place: keep the k largest logits of each active row (ties broken by lower token id)."""
+    k = k.clamp(max=k_max)  # inactive rows (k = vocab) are clamped only to keep the gather in range
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    greater = logits > kth
+    tied = logits == kth
+    # Of the tokens tied with the k-th value, keep the lowest ids that still fit in k.
+    room = k.unsqueeze(1) - greater.sum(dim=-1, keepdim=True)
+    keep = greater | (tied & (tied.cumsum(dim=-1) <= room))
+    logits.masked_fill_(~keep & active.unsqueeze(1), float("-inf"))
+
+
+def _outside_top_p(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Given logits sorted descending [n, m] and top_p [n, 1], the sorted positions to drop."""
+    sorted_probs = torch.softmax(sorted_vals, dim=-1)
+    # Keep a token while the mass strictly before it is < top_p: the smallest prefix reaching top_p. The
+    # first token has 0 mass before it, so it is always kept. Rows with top_p == 1 are exempt because
+    # float rounding could otherwise drop tail tokens.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    return (mass_before >= p) & (p < 1.0)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row from (unnormalised) probs: argmax(probs / E), E ~ Exponential(1).
+
+    This equals multinomial sampling, but lets each seeded row draw its noise from its own generator with a
+    batch-independent number of draws (exactly vocab_size uniforms per step). E is drawn as -log(U):
+    on CPU uniform_ + log is several times faster than exponential_.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        # Default RNG for the unseeded rows; seeded rows are overwritten below.
+        noise.uniform_()
+    for row, gen in generators.items():
+        noise[row].uniform_(generator=gen)
+    noise.log_().neg_()
+    # Some backends can return U == 1 (E == 0); 0/0 would be NaN, which argmax treats as the maximum and
+    # could pick a masked token. Clamping keeps masked tokens at 0 and p / tiny stays finite for p <= 1.
+    # U == 0 gives E == inf, i.e. weight 0 for that token in that draw, which is harmless.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,176 @@
+"""ModelRunner: SchedulerOutput -> flat input tensors -> forward -> logits at sampling rows -> tokens.
+
+The batch is the flat list of scheduled tokens, with no padding to the longest request. Requests with one
+new token (decodes) come first so attention can treat them together; each request with several new tokens
+(a prompt chunk) follows as its own segment. Logits are computed only where a token is sampled: the last
+scheduled token of each request that reaches the end of its known tokens (a prompt chunk that stops short
+samples nothing), plus every prompt position of requests that asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model.layers.attention import AttentionMetadata, PrefillSegment
+from pagedllm.model.loader import load_model
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler, compute_token_logprobs
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.model = load_model(config.model_config, device)
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len,
+                                      self.block_size, device)
+
+    # ---- KV cache ----------------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        per_token = 0
+        for attn in self.model.attention_layers():
+            per_token += 2 * attn.num_kv_heads * attn.head_dim
+        return per_token * self.block_size * torch.finfo(self.config.model_config.dtype).bits // 8
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.config.model_config.dtype
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=self.device),
+                             torch.zeros(shape, dtype=dtype, device=self.device))
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        counts = sched.num_scheduled_tokens
+        # Decodes first, then multi-token segments, each group in scheduler order.
+        order = [r for r, n in counts.items() if n == 1] + [r for r, n in counts.items() if n > 1]
+        states = [batch.requests[r] for r in order]
+        n_tok = np.array([counts[r] for r in order], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        rows = np.array([s.row for s in states], dtype=np.int64)
+
+        # Flat token arrays, vectorised over requests.
+        total = int(n_tok.sum())
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(n_tok, out=cu[1:])
+        req_idx = np.repeat(np.arange(len(order)), n_tok)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], n_tok) + np.repeat(starts, n_tok)
+        tok_rows = rows[req_idx]
+        input_ids = batch.token_ids[tok_rows, positions]
+        slots = batch.block_table[tok_rows, positions // self.block_size] * self.block_size + (
+            positions % self.block_size
+        )
+        meta = self._attention_metadata(states, n_tok, starts, rows, cu, slots)
+
+        hidden = self.model(self._t(input_ids), self._t(positions), meta)
+
+        # Which requests sample: those whose scheduled tokens reach the end of their known tokens.
+        sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs: dict[str, object] = {}
+        if sample_rows:
+            idx = torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            sampling_states = [states[i] for i in sample_rows]
+            md = SamplingMetadata.from_requests(
+                [s.sampling_params for s in sampling_states],
+                [s.prompt_token_ids for s in sampling_states],
+                [s.output_token_ids for s in sampling_states],
+                [s.generator for s in sampling_states],
+                [s.eos_token_id for s in sampling_states],
+                self.vocab_size,
+                self.device,
+            )
+            out = self.sampler(logits, md)
+            token_ids = out.sampled_token_ids.tolist()
+            lp_lists = out.logprobs.tolists() if out.logprobs is not None else None
+            for j, i in enumerate(sample_rows):
+                state = states[i]
+                batch.append_token(state, token_ids[j])
+                sampled[i] = [token_ids[j]]
+                k = state.sampling_params.logprobs
+                if lp_lists is not None and k is not None:
+                    logprobs[state.req_id] = _slice_lists(lp_lists, j, k)
+        prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
+        return ModelRunnerOutput(order, sampled, logprobs, prompt_lp)
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _attention_metadata(
+        self,
+        states: list[CachedRequestState],
+        n_tok: np.ndarray,
+        starts: np.ndarray,
+        rows: np.ndarray,
+        cu: np.ndarray,
+        slots: np.ndarray,
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        num_decodes = int(np.count_nonzero(n_tok == 1))
+        meta = AttentionMetadata(num_tokens=int(cu[-1]), slot_mapping=self._t(slots), num_decodes=num_decodes)
+        if num_decodes:
+            seq_lens = starts[:num_decodes] + 1
+            max_blocks = int(-(-seq_lens.max() // bs))
+            table = self.input_batch.block_table[rows[:num_decodes], :max_blocks]
+            span = np.arange(max_blocks * bs)
+            mask = np.where(span[None, :] < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
+            meta.decode_block_table = self._t(np.ascontiguousarray(table))
+            meta.decode_mask = self._t(mask).view(num_decodes, 1, 1, -1)
+        for i in range(num_decodes, len(states)):
+            ctx, q = int(starts[i]), int(n_tok[i])
+            seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)
+            if ctx > 0:
+                nblocks = -(-(ctx + q) // bs)
+                seg.block_table = self._t(self.input_batch.block_table[rows[i], :nblocks].copy())
+                seg.mask = torch.ones(q, ctx + q, dtype=torch.bool, device=self.device).tril(diagonal=ctx)
+            meta.prefills.append(seg)
+        return meta
+
+    def _prompt_logprobs(
+        self,
+        states: list[CachedRequestState],
+        starts: np.ndarray,
+        n_tok: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, object]:
+        """For each prompt position p computed this step (p < prompt_len - 1): logprob of token p + 1."""
+        result: dict[str, object] = {}
+        for i, s in enumerate(states):
+            k = s.sampling_params.prompt_logprobs
+            prompt_len = len(s.prompt_token_ids)
+            first, end = int(starts[i]), min(int(starts[i] + n_tok[i]), prompt_len - 1)
+            if k is None or first >= end:
+                continue
+            idx = torch.arange(int(cu[i]), int(cu[i]) + end - first, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
+            result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()
+        return result
+
+
+def _slice_lists(lists, row: int, k: int):
+    """One request's row of a batch LogprobsLists, keeping the chosen token and its top-k."""
+    from pagedllm.engine.protocol import LogprobsLists
+
+    return LogprobsLists(
+        token_ids=[lists.token_ids[row][: k + 1]],
+        logprobs=[lists.logprobs[row][: k + 1]],
+        ranks=[lists.ranks[row]],
+    )

@@ -1,0 +1,52 @@
+"""Worker: owns one device: its torch threads, the model runner, and the KV cache memory budget.
+
+The budget (`kv_cache_memory_bytes`) becomes a number of blocks of `block_size` tokens, which the engine
+core hands to the scheduler; the worker then allocates one key and one value tensor per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device_config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device_config.num_threads)
+        torch.manual_seed(config.model_config.seed)
+        self.model_runner = ModelRunner(config, self.device)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        num_blocks = cache.kv_cache_memory_bytes // per_block
+        max_len = self.config.model_config.max_model_len
+        if num_blocks * cache.block_size < max_len:
+            raise ValueError(
+                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} holds {num_blocks} blocks "
+                f"({num_blocks * cache.block_size} tokens), fewer than max_model_len={max_len}; "
+                f"raise the KV cache memory or lower max_model_len"
+            )
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", num_blocks,
+                    self.config.cache_config.block_size, num_blocks * per_block / 2**30,
+                    num_blocks * self.config.cache_config.block_size)
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
