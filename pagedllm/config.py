@@ -31,9 +31,22 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-               "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
-               "tib": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -73,10 +86,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str                  # HF folder or .gguf file
-    tokenizer: str              # folder holding the tokenizer (the GGUF's folder for a .gguf)
-    gguf_file: str | None       # file name inside `tokenizer` when loading from GGUF
-    hf_config: Any              # transformers PretrainedConfig
+    model: str  # HF folder or .gguf file
+    tokenizer: str  # folder holding the tokenizer (the GGUF's folder for a .gguf)
+    gguf_file: str | None  # file name inside `tokenizer` when loading from GGUF
+    hf_config: Any  # transformers PretrainedConfig
     architecture: str
     dtype: torch.dtype
     max_model_len: int
@@ -162,9 +175,13 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)"
+            )
         model_config = load_model_config(
             model,
             tokenizer=self.tokenizer,

@@ -74,14 +74,16 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         # Requests that left since the last SchedulerOutput: the worker forgets them.
         self._finished_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the last stats report
+        self.total_preemptions = 0
         self._last_num_scheduled = 0
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -155,7 +157,12 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nothing was preempted: memory is tight otherwise.
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit)
@@ -176,8 +183,16 @@ class Scheduler:
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(num_hit)
             else:
-                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                               req.eos_token_id, block_ids, num_hit))
+                new_reqs.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.sampling_params,
+                        req.eos_token_id,
+                        block_ids,
+                        num_hit,
+                    )
+                )
             num_scheduled[req.request_id] = n
             budget -= n
 
@@ -209,6 +224,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self._num_preemptions += 1
+        self.total_preemptions += 1
         self.waiting.add_front(req)
 
     # ---- after the model ran ---------------------------------------------------------------------
@@ -226,19 +242,23 @@ class Scheduler:
                 finished = self._check_stop(req)
             prompt_lp = result.prompt_logprobs.get(req_id)
             if new_ids or prompt_lp is not None:
-                outputs.append(EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_ids,
-                    new_logprobs=result.logprobs.get(req_id),  # type: ignore[arg-type]
-                    new_prompt_logprobs=prompt_lp,  # type: ignore[arg-type]
-                    finish_reason=req.get_finish_reason(),
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                ))
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_ids,
+                        new_logprobs=result.logprobs.get(req_id),  # type: ignore[arg-type]
+                        new_prompt_logprobs=prompt_lp,  # type: ignore[arg-type]
+                        finish_reason=req.get_finish_reason(),
+                        stop_reason=req.stop_reason,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
+                )
             if finished:
                 self.running.remove(req)
                 self._free_request(req)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+        )
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params

@@ -55,8 +55,13 @@ class EngineCore:
         """Verify the block pool; returns counts tests can assert on (blocks in use, free)."""
         kv = self.scheduler.kv_cache_manager
         kv.check_invariants()
-        return {"num_blocks": self.num_blocks, "in_use": kv.num_blocks_in_use(),
-                "free": kv.get_num_free_blocks(), "unfinished": self.scheduler.get_num_unfinished_requests()}
+        return {
+            "num_blocks": self.num_blocks,
+            "in_use": kv.num_blocks_in_use(),
+            "free": kv.get_num_free_blocks(),
+            "unfinished": self.scheduler.get_num_unfinished_requests(),
+            "num_preemptions": self.scheduler.total_preemptions,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -101,9 +101,7 @@ class InputProcessor:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt length {len(ids)} exceeds max_model_len {self.max_model_len}"
-            )
+            raise ValueError(f"prompt length {len(ids)} exceeds max_model_len {self.max_model_len}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")

@@ -82,8 +82,9 @@ class LLM:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [
-            self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template,
-                                                     continue_final_message)
+            self.input_processor.apply_chat_template(
+                conv, add_generation_prompt, chat_template, continue_final_message
+            )
             for conv in conversations
         ]
         params_list = self._as_params_list(sampling_params, len(prompts))
@@ -145,8 +146,9 @@ class LLM:
                         bar.update(1)
         except BaseException:
             # Leave the engine clean for the next call: nothing of this batch keeps running.
-            self.engine_core.abort_requests(self.output_processor.abort_requests(list(
-                self.output_processor.request_states)))
+            self.engine_core.abort_requests(
+                self.output_processor.abort_requests(list(self.output_processor.request_states))
+            )
             raise
         finally:
             bar.close()
@@ -155,8 +157,9 @@ class LLM:
     def _add(self, prompt_text: str | None, req) -> None:
         params = req.sampling_params
         if params.n == 1:
-            self.output_processor.add_request(req.request_id, prompt_text, req.prompt_token_ids, params,
-                                              req.arrival_time)
+            self.output_processor.add_request(
+                req.request_id, prompt_text, req.prompt_token_ids, params, req.arrival_time
+            )
             self.engine_core.add_request(req)
             return
         parent = ParentRequest(req.request_id, params)
@@ -170,8 +173,15 @@ class LLM:
                 arrival_time=req.arrival_time,
                 priority=req.priority,
             )
-            self.output_processor.add_request(child.request_id, prompt_text, req.prompt_token_ids,
-                                              child_params, req.arrival_time, parent, index)
+            self.output_processor.add_request(
+                child.request_id,
+                prompt_text,
+                req.prompt_token_ids,
+                child_params,
+                req.arrival_time,
+                parent,
+                index,
+            )
             self.engine_core.add_request(child)
 
     # ---- utilities ----------------------------------------------------------------------------------

@@ -24,8 +24,12 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
     reader = gguf.GGUFReader(path)
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             meta[key + ".len"] = len(fld.data)
             continue
         try:
@@ -109,8 +113,9 @@ def load_model_config(
         if not os.path.isfile(os.path.join(path, "config.json")):
             ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
             if len(ggufs) == 1:
-                return load_model_config(os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len,
-                                         served_model_name, seed)
+                return load_model_config(
+                    os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len, served_model_name, seed
+                )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         tok_dir = path
@@ -120,7 +125,9 @@ def load_model_config(
             f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors) "
             f"or a .gguf file (models are never downloaded)"
         )
-    arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    arch = resolve_architecture(
+        getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None)
+    )
     return ModelConfig(
         model=path,
         tokenizer=os.path.abspath(tokenizer) if tokenizer else tok_dir,

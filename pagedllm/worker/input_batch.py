@@ -28,6 +28,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt positions whose logprobs were already reported (a recompute after preemption repeats none).
+    num_prompt_logprobs_done: int = 0
     row: int = -1  # row in the batch arrays, -1 while not running
 
     @property

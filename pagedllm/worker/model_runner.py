@@ -30,8 +30,9 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.model = load_model(config.model_config, device)
         self.sampler = Sampler()
-        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len,
-                                      self.block_size, device)
+        self.input_batch = InputBatch(
+            config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device
+        )
 
     # ---- KV cache ----------------------------------------------------------------------------------
 
@@ -45,8 +46,10 @@ class ModelRunner:
         dtype = self.config.model_config.dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.kv_cache = (torch.zeros(shape, dtype=dtype, device=self.device),
-                             torch.zeros(shape, dtype=dtype, device=self.device))
+            attn.kv_cache = (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -155,10 +158,13 @@ class ModelRunner:
         for i, s in enumerate(states):
             k = s.sampling_params.prompt_logprobs
             prompt_len = len(s.prompt_token_ids)
-            first, end = int(starts[i]), min(int(starts[i] + n_tok[i]), prompt_len - 1)
+            first = max(int(starts[i]), s.num_prompt_logprobs_done)
+            end = min(int(starts[i] + n_tok[i]), prompt_len - 1)
             if k is None or first >= end:
                 continue
-            idx = torch.arange(int(cu[i]), int(cu[i]) + end - first, device=self.device)
+            offset = int(cu[i]) + first - int(starts[i])
+            idx = torch.arange(offset, offset + end - first, device=self.device)
+            s.num_prompt_logprobs_done = end
             logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
             targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
             result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()

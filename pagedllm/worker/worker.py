@@ -43,9 +43,13 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", num_blocks,
-                    self.config.cache_config.block_size, num_blocks * per_block / 2**30,
-                    num_blocks * self.config.cache_config.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
+            num_blocks,
+            self.config.cache_config.block_size,
+            num_blocks * per_block / 2**30,
+            num_blocks * self.config.cache_config.block_size,
+        )
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -18,8 +18,12 @@ from torch import nn
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.attention import Attention, AttentionMetadata
 from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.model.layers.linear import default_weight_loader
+from pagedllm.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.parallel_state import divide, get_tp_world_size
 from pagedllm.model.layers.rotary import RotaryEmbedding
@@ -44,8 +48,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         self.num_heads = divide(total_heads, tp)
         self.num_kv_heads = max(1, total_kv // tp)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias=bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=False, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, total_heads, total_kv, bias=bias, dtype=dtype
+        )
+        # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v biases do not.
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype)
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
@@ -73,8 +81,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype)
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=bias, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +122,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -145,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

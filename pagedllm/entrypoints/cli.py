@@ -1,0 +1,152 @@
+"""The `pagedllm` command: `generate`, `chat`, `bench` (and `serve` once the server lands).
+
+Engine flags are named as `vllm serve` names them. With no model the default model is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    if positional_model:
+        parser.add_argument(
+            "model_tag",
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)",
+        )
+    parser.add_argument("--model", default=None, help="HF model folder or .gguf file")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", default="auto", help="auto (float32), float32, bfloat16, float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 4GiB or 512MiB")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    model = getattr(ns, "model_tag", None) or ns.model
+    return dict(
+        model=model,
+        tokenizer=ns.tokenizer,
+        served_model_name=ns.served_model_name,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        block_size=ns.block_size,
+        kv_cache_memory_bytes=ns.kv_cache_memory,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        scheduling_policy=ns.scheduling_policy,
+        num_threads=ns.num_threads,
+        seed=ns.seed,
+    )
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
+    )
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    llm = LLM(**engine_kwargs(ns))
+    params = _sampling_params(ns)
+    if ns.chat:
+        outs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate(ns.prompt, params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    llm = LLM(**engine_kwargs(ns))
+    params = _sampling_params(ns)
+    history: list[dict[str, str]] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print("Type a message (Ctrl-D to quit).", file=sys.stderr)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+    return 0
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from pagedllm.benchmarks import throughput
+
+    return throughput.main(ns.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
+    chat.add_argument("--system", default=None)
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks: `pagedllm bench throughput --help`")
+    bench.add_argument("bench_kind", choices=["throughput"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
