@@ -14,14 +14,13 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedllm.config import ModelConfig
+from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """Scalar and string metadata of a GGUF file (token lists are skipped: they are large)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
         if key in (

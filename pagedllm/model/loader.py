@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.registry import get_model_class
 
 _GGUF_NAMES = {
@@ -59,7 +60,7 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head

@@ -38,7 +38,7 @@ def req(rid, n_prompt, max_tokens=4, first=10, priority=0, arrival=0.0, **kw):
 
 def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     ids, sampled = [], []
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         r = sched.requests[rid]
         ids.append(rid)
         # num_computed_tokens was already advanced by schedule(): sample when it reached the end.
