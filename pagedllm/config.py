@@ -73,6 +73,12 @@ def default_model_path() -> str:
     return path
 
 
+def cache_dir() -> str:
+    """Where pagedllm keeps derived files (e.g. tokenizers converted from GGUF): $PAGEDLLM_CACHE_DIR or
+    ~/.cache/pagedllm."""
+    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

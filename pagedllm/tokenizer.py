@@ -1,19 +1,56 @@
-"""Tokenizer loading: from an HF folder, or from a GGUF file's metadata (via transformers), never a hub."""
+"""Tokenizer loading: from an HF folder, or from a GGUF file's metadata (via transformers), never a hub.
+
+Converting a GGUF vocabulary into a fast tokenizer takes seconds, so the converted tokenizer is saved once
+under the cache directory (keyed on the file's path, size and mtime and the transformers version) and
+loaded from there afterwards.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+def _gguf_cache_path(gguf_path: str) -> str:
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(cache_dir(), "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
 def get_tokenizer(model_config: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if model_config.gguf_file:
-        kwargs["gguf_file"] = model_config.gguf_file
-    return AutoTokenizer.from_pretrained(model_config.tokenizer, **kwargs)
+    if not model_config.gguf_file:
+        return AutoTokenizer.from_pretrained(model_config.tokenizer, local_files_only=True)
+    gguf_path = os.path.join(model_config.tokenizer, model_config.gguf_file)
+    cached = _gguf_cache_path(gguf_path)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception as e:  # a damaged cache entry is rebuilt, never fatal
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_config.tokenizer, gguf_file=model_config.gguf_file, local_files_only=True
+    )
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    except OSError as e:  # a read-only home only costs the conversion next time
+        logger.warning("could not cache the converted tokenizer at %s: %s", cached, e)
+    return tokenizer
 
 
 def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
