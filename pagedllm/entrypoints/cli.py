@@ -110,7 +110,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 def cmd_bench(ns: argparse.Namespace) -> int:
     from pagedllm.benchmarks import throughput
 
-    return throughput.main(ns.bench_args)
+    return throughput.main(ns.bench_args, prog="pagedllm bench throughput")
 
 
 def build_parser() -> argparse.ArgumentParser:

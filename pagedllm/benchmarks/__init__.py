@@ -1,0 +1,1 @@
+"""Benchmarks shipped with pagedllm (`pagedllm bench ...`); results live in bench/RESULTS.md."""
