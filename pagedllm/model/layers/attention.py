@@ -7,8 +7,9 @@ new tokens (a prompt chunk, possibly after cached or earlier-computed context). 
 1. the new keys and values are written into the cache at their slots (`slot_mapping`), for every token,
    before any read, so a request may read blocks another request of the same batch is filling (that is
    how a prefix-cache hit on blocks scheduled in the same step works);
-2. all decodes attend together: their block tables gather the context into one padded tensor and an
-   additive mask hides the padding;
+2. decodes attend in a few groups of similar context length (the runner sorts them by length, so padding
+   stays small): each group's block tables gather its context into one padded tensor and a mask hides
+   the padding;
 3. each multi-token segment attends on its own: causal over its fresh keys when it has no context,
    otherwise over the context gathered from its blocks plus itself with a causal offset mask.
 
@@ -36,12 +37,22 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Consecutive single-token requests attended together."""
+
+    start: int  # first token (= request) of the group in the flat batch
+    end: int
+    block_table: torch.Tensor  # [n, max_blocks] int64
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend; None if no padding
+    max_len: int = 0  # context length of the longest request in the group
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     num_decodes: int = 0  # the first num_decodes tokens are single-token requests
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] additive float
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -68,31 +79,38 @@ class Attention(nn.Module):
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
         hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(q.shape[0], self.num_heads, d, dtype=q.dtype, device=q.device)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+        for group in meta.decode_groups:
+            out[group.start : group.end] = self._decode(q[group.start : group.end], k_cache, v_cache, group)
         for seg in meta.prefills:
             s, e = seg.query_start, seg.query_start + seg.query_len
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seg)
         return out.view(q.shape[0], self.num_heads * d)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
     ) -> torch.Tensor:
         n = q.shape[0]
-        table = meta.decode_block_table
         hkv, d = self.num_kv_heads, self.head_dim
-        # [n, max_blocks, block_size, Hkv, D] -> [n, Hkv, L, D]
-        keys = k_cache[table].view(n, -1, hkv, d).transpose(1, 2)
-        values = v_cache[table].view(n, -1, hkv, d).transpose(1, 2)
-        qg = q.view(n, hkv, self.group, d)  # grouped query heads share their KV head without a copy
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [n, Hkv, G, L]
-        scores = scores + meta.decode_mask
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(n, self.num_heads, d)
+        # Gather [n, max_blocks, block_size, Hkv, D] and view it as [n, Hkv, L, D] (no second copy).
+        keys = k_cache[group.block_table].view(n, -1, hkv, d)
+        values = v_cache[group.block_table].view(n, -1, hkv, d)
+        if group.mask is None:  # no padding in the gathered blocks: trim to the exact length
+            keys, values = keys[:, : group.max_len], values[:, : group.max_len]
+        o = F.scaled_dot_product_attention(
+            q.view(n, 1, self.num_heads, d).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=group.mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.view(n, self.num_heads, d)
 
     def _prefill(
         self,

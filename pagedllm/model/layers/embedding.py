@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.layers.linear import linear
 from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 
@@ -47,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -15,6 +15,31 @@ from torch import nn
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
 
+# Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
+# MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
+# (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows; see bench/RESULTS.md).
+SPLIT_GEMM_MAX_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, taking the split-weight path for small CPU batches. x: [M, in], weight: [out, in]."""
+    parts = torch.get_num_threads()
+    out_features, in_features = weight.shape
+    if (
+        x.device.type != "cpu"
+        or parts < 2
+        or x.dim() != 2
+        or x.shape[0] > SPLIT_GEMM_MAX_ROWS
+        or out_features % parts
+        or not weight.is_contiguous()
+    ):
+        return F.linear(x, weight, bias)
+    m = x.shape[0]
+    w = weight.view(parts, out_features // parts, in_features).transpose(1, 2)
+    y = torch.bmm(x.unsqueeze(0).expand(parts, m, in_features), w).transpose(0, 1).reshape(m, out_features)
+    return y + bias if bias is not None else y
+
+
 def _set_loader(param: nn.Parameter, loader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
@@ -39,7 +64,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -133,5 +158,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

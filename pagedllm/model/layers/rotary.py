@@ -62,16 +62,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies (same shapes and dtype)."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim/2]
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        qk = self.rotate(positions, torch.cat([q, k], dim=1))
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (any heads, e.g. queries and keys side by side) -> rotated copy."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim/2] each
         rot = x[..., : self.rotary_dim]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if rot.dtype != torch.float32:
+            rot = rot.float()
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.rotary_dim < self.head_dim:
             out = torch.cat([out, x[..., self.rotary_dim :]], dim=-1)
         return out

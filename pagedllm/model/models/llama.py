@@ -65,16 +65,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, self.head_dim)
+        v = qkv[:, hq + hkv :]
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+            qk = torch.cat([self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])], dim=1)
+        else:
+            qk = qkv[:, : hq + hkv]
+        # Queries and keys rotate in one call: they sit side by side in the fused projection.
+        qk = self.rotary_emb.rotate(positions, qk)
+        return self.o_proj(self.attn(qk[:, :hq], qk[:, hq:], v, meta))
 
 
 class LlamaMLP(nn.Module):
