@@ -79,6 +79,11 @@ def cache_dir() -> str:
     return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
 
 
+def logging_level() -> str:
+    """Level of pagedllm's own log lines: $PAGEDLLM_LOGGING_LEVEL, INFO by default (as vLLM)."""
+    return os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -7,6 +7,7 @@ branch to `step`. The process wrapper (EngineCoreProc) drives the same object fr
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -20,12 +21,22 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         self.config = config
+        mc = config.model_config
+        logger.info(
+            "Loading %s (%s, %s, max_model_len=%d)",
+            mc.model,
+            mc.architecture,
+            str(mc.dtype).removeprefix("torch."),
+            mc.max_model_len,
+        )
         self.executor = UniProcExecutor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
         self.max_model_len = config.model_config.max_model_len
+        logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         params = request.sampling_params

@@ -97,9 +97,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
-        # Gather [n, max_blocks, block_size, Hkv, D] and view it as [n, Hkv, L, D] (no second copy).
-        keys = k_cache[group.block_table].view(n, -1, hkv, d)
-        values = v_cache[group.block_table].view(n, -1, hkv, d)
+        # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced
+        # indexing on CPU) and view it as [n, Hkv, L, D] without a second copy.
+        flat = group.block_table.view(-1)
+        keys = k_cache.index_select(0, flat).view(n, -1, hkv, d)
+        values = v_cache.index_select(0, flat).view(n, -1, hkv, d)
         if group.mask is None:  # no padding in the gathered blocks: trim to the exact length
             keys, values = keys[:, : group.max_len], values[:, : group.max_len]
         o = F.scaled_dot_product_attention(
@@ -129,8 +131,8 @@ class Attention(nn.Module):
         else:
             total = seg.context_len + seg.query_len
             hkv, d = self.num_kv_heads, self.head_dim
-            kh = k_cache[seg.block_table].view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            vh = v_cache[seg.block_table].view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            kh = k_cache.index_select(0, seg.block_table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            vh = v_cache.index_select(0, seg.block_table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=seg.mask, scale=self.scale, enable_gqa=True
             )

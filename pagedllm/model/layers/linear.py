@@ -14,7 +14,6 @@ from torch import nn
 
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
-
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
 # MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
 # (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows; see bench/RESULTS.md).
