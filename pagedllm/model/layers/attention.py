@@ -131,8 +131,9 @@ class Attention(nn.Module):
         else:
             total = seg.context_len + seg.query_len
             hkv, d = self.num_kv_heads, self.head_dim
-            kh = k_cache.index_select(0, seg.block_table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            vh = v_cache.index_select(0, seg.block_table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            table = seg.block_table
+            kh = k_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            vh = v_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=seg.mask, scale=self.scale, enable_gqa=True
             )
