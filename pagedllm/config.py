@@ -79,6 +79,12 @@ def cache_dir() -> str:
     return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
 
 
+def engine_client_default() -> str:
+    """How `LLM` reaches its engine core: "mp" (own process, the default) or "inproc"
+    ($PAGEDLLM_ENGINE_CLIENT)."""
+    return os.environ.get("PAGEDLLM_ENGINE_CLIENT", "mp")
+
+
 def logging_level() -> str:
     """Level of pagedllm's own log lines: $PAGEDLLM_LOGGING_LEVEL, INFO by default (as vLLM)."""
     return os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()

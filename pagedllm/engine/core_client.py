@@ -1,20 +1,55 @@
-"""Clients of the engine core. `InprocClient` calls an EngineCore in this process (tests, debugging).
+"""Clients of the engine core.
 
-Every client offers the same calls: add_request, abort_requests, get_output (one step's outputs), and
-utility calls by name. The multiprocess clients speak msgpack over ZMQ to an EngineCoreProc.
+- `InprocClient`: calls an EngineCore in this process (tests, debugging).
+- `SyncMPClient`: blocking client of an EngineCoreProc (used by `LLM`).
+- `AsyncMPClient`: asyncio client of an EngineCoreProc (used by `AsyncLLM`).
+
+The multiprocess clients start the core as `python -m pagedllm.engine.core_proc` (no fork of this process,
+no re-import of the caller's `__main__`), bind a ROUTER for requests and a PULL for outputs on IPC sockets
+in a private temporary folder, and wait for the core's READY. A monitor thread watches the child: if it
+dies, every pending and future call raises `EngineDeadError` instead of hanging.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
 from typing import Any
 
-from pagedllm.config import EngineConfig
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    HandshakeMessage,
+    UtilityRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 900.0
+_DEAD = object()
 
 
 class InprocClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None) -> None:
         self.engine_core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -32,3 +67,256 @@ class InprocClient:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+class _CoreProcess:
+    """The child process and its sockets; shared by the sync and async clients."""
+
+    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
+        self.input_addr = f"ipc://{self.tmpdir}/input"
+        self.output_addr = f"ipc://{self.tmpdir}/output"
+        self.identity = b"engine-core-0"
+        self.ctx = ctx
+        self.input_socket = ctx.socket(zmq.ROUTER)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.bind(self.input_addr)
+        self.output_socket = ctx.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.LINGER, 0)
+        self.output_socket.bind(self.output_addr)
+        args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.engine.core_proc",
+                self.input_addr,
+                self.output_addr,
+                self.identity.decode(),
+            ],
+            stdin=subprocess.PIPE,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(args_json)
+        self.proc.stdin.close()
+        self.shutting_down = False
+
+    def wait_ready(self, sync_socket: zmq.Socket) -> HandshakeMessage:
+        """Block until the core reports READY; raise its error if it failed or died."""
+        poller = zmq.Poller()
+        poller.register(sync_socket, zmq.POLLIN)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if poller.poll(500):
+                _, payload = sync_socket.recv_multipart()
+                msg = msgspec.msgpack.decode(payload, type=HandshakeMessage)
+                if msg.status == "READY":
+                    return msg
+                error = msg.error or "unknown error"
+                self.terminate()
+                if error.startswith("ValueError: "):
+                    raise ValueError(error.removeprefix("ValueError: "))
+                raise RuntimeError(f"engine core failed to start: {error}")
+            if self.proc.poll() is not None:
+                raise EngineDeadError(
+                    f"engine core exited with status {self.proc.returncode} during start-up"
+                )
+        self.terminate()
+        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+
+    def terminate(self) -> None:
+        self.shutting_down = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _cleanup(core: _CoreProcess, ctx: zmq.Context) -> None:
+    core.terminate()
+    ctx.destroy(linger=0)
+
+
+class SyncMPClient:
+    """Blocking client: requests go out on the ROUTER, an output thread drains the PULL into a queue."""
+
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
+        self.ctx = zmq.Context()
+        self.core = _CoreProcess(engine_args, self.ctx)
+        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx)
+        self.ready = self.core.wait_ready(self.core.input_socket)
+        self.outputs: queue.Queue[Any] = queue.Queue()
+        self.utility_results: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self.dead = False
+        self._encoder = msgspec.msgpack.Encoder()
+        threading.Thread(target=self._output_loop, daemon=True, name="engine-output").start()
+        threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
+
+    def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        sock = self.core.output_socket
+        try:
+            while True:
+                outputs = decoder.decode(sock.recv(copy=False).buffer)
+                if outputs.utility_output is not None:
+                    fut = self.utility_results.pop(outputs.utility_output.call_id, None)
+                    if fut is not None:
+                        fut.set_result(outputs.utility_output)
+                else:
+                    self.outputs.put(outputs)
+        except zmq.ZMQError:
+            return  # context closed at shutdown
+
+    def _monitor(self) -> None:
+        self.core.proc.wait()
+        if self.core.shutting_down:
+            return
+        self.dead = True
+        logger.error("engine core process died (exit status %s)", self.core.proc.returncode)
+        self.outputs.put(_DEAD)
+        for fut in list(self.utility_results.values()):
+            fut.set_exception(EngineDeadError())
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if self.dead:
+            raise EngineDeadError()
+        with self._send_lock:
+            self.core.input_socket.send_multipart(
+                [self.core.identity, kind.value, self._encoder.encode(payload)]
+            )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self.outputs.get()
+        if item is _DEAD:
+            self.outputs.put(_DEAD)  # every later call fails the same way
+            raise EngineDeadError()
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        fut: Future = Future()
+        self.utility_results[call_id] = fut
+        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        result = fut.result()
+        if result.failure_message is not None:
+            raise RuntimeError(f"engine core utility {method!r} failed: {result.failure_message}")
+        return result.result
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class AsyncMPClient:
+    """asyncio client: sends are awaited, one task drains the PULL socket into an asyncio queue."""
+
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.core = _CoreProcess(engine_args, self.ctx)
+        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx)
+        # The handshake is read with a plain (blocking) socket on the same address family; the async
+        # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
+        self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
+        self.outputs: asyncio.Queue[Any] | None = None
+        self.utility_results: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead = False
+        threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self.outputs = asyncio.Queue()
+            self._task = self._loop.create_task(self._output_loop(), name="engine-output")
+            if self.dead:
+                self.outputs.put_nowait(_DEAD)
+
+    async def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        sock = self.core.output_socket
+        assert self.outputs is not None
+        try:
+            while True:
+                frame = await sock.recv(copy=False)
+                outputs = decoder.decode(frame.buffer)
+                if outputs.utility_output is not None:
+                    fut = self.utility_results.pop(outputs.utility_output.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(outputs.utility_output)
+                else:
+                    self.outputs.put_nowait(outputs)
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+
+    def _monitor(self) -> None:
+        self.core.proc.wait()
+        if self.core.shutting_down:
+            return
+        self.dead = True
+        logger.error("engine core process died (exit status %s)", self.core.proc.returncode)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_pending)
+
+    def _fail_pending(self) -> None:
+        if self.outputs is not None:
+            self.outputs.put_nowait(_DEAD)
+        for fut in list(self.utility_results.values()):
+            if not fut.done():
+                fut.set_exception(EngineDeadError())
+        self.utility_results.clear()
+
+    async def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if self.dead:
+            raise EngineDeadError()
+        self._ensure_started()
+        await self.core.input_socket.send_multipart(
+            [self.core.identity, kind.value, self._encoder.encode(payload)]
+        )
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not self.dead:
+            await self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_started()
+        assert self.outputs is not None
+        item = await self.outputs.get()
+        if item is _DEAD:
+            self.outputs.put_nowait(_DEAD)
+            raise EngineDeadError()
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_started()
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.utility_results[call_id] = fut
+        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        result = await fut
+        if result.failure_message is not None:
+            raise RuntimeError(f"engine core utility {method!r} failed: {result.failure_message}")
+        return result.result
+
+    def shutdown(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._finalizer()

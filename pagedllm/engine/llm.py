@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, EngineConfig, engine_client_default
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.outputs import RequestOutput
@@ -21,22 +21,21 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
 
-def make_client(config, kind: str):
+def make_client(config: EngineConfig, engine_args: EngineArgs, kind: str) -> Any:
+    """'mp' (default): the engine core in its own process; 'inproc': in this process (tests, debugging)."""
+    from pagedllm.engine.core_client import InprocClient, SyncMPClient
+
     if kind == "inproc":
-        from pagedllm.engine.core_client import InprocClient
-
-        return InprocClient(config)
+        return InprocClient(config, engine_args)
     if kind == "mp":
-        from pagedllm.engine.core_client import SyncMPClient  # type: ignore[attr-defined]
-
-        return SyncMPClient(config)
-    raise ValueError(f"engine client must be 'inproc' or 'mp', got {kind!r}")
+        return SyncMPClient(config, engine_args)
+    raise ValueError(f"engine_client must be 'mp' or 'inproc', got {kind!r}")
 
 
 class LLM:
     """An offline engine: `LLM().generate("Hello")` runs the default model."""
 
-    def __init__(self, model: str | None = None, *, engine_client: str = "inproc", **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, engine_client: str | None = None, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
@@ -46,7 +45,9 @@ class LLM:
         self.tokenizer = get_tokenizer(mc)
         self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = make_client(self.config, engine_client)
+        self.engine_core = make_client(
+            self.config, self.engine_args, engine_client or engine_client_default()
+        )
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

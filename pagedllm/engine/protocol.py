@@ -31,6 +31,7 @@ class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -42,6 +43,23 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Call a public method of the engine core by name; answered by a UtilityOutput with the same call_id."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class HandshakeMessage(msgspec.Struct, omit_defaults=True, gc=False):
+    """First message from a starting engine-core process: READY, or FAILED with the error."""
+
+    status: str
+    error: str | None = None
+    num_blocks: int = 0
+    pid: int = 0
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,0 +1,253 @@
+"""AsyncLLM: the online front door. `generate()` is an async iterator of RequestOutputs.
+
+One output-handler task pulls EngineCoreOutputs from the engine-core process, runs the OutputProcessor over
+them in chunks (yielding to the event loop between chunks so HTTP handlers stay responsive) and fills one
+`RequestOutputCollector` per request. A slow consumer does not block anyone: the collector merges deltas
+(or keeps the newest cumulative output) until it is read. Stop strings found here abort the request in
+the core. If the core dies, every waiting consumer gets `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import eos_token_id, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_CHUNK_SIZE = 128
+
+
+class RequestOutputCollector:
+    """Holds the outputs of one request until its consumer reads them; merges deltas meanwhile."""
+
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.kind = kind
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(item, BaseException) or isinstance(self.output, BaseException):
+            self.output = item
+        elif self.kind == RequestOutputKind.DELTA:
+            _merge_delta(self.output, item)
+        else:
+            self.output = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return None if self.output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        item, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        return item  # type: ignore[return-value]
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.metrics = new.metrics
+    into.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        self.config = engine_args.create_engine_config()
+        mc = self.config.model_config
+        self.model_config = mc
+        self.tokenizer = get_tokenizer(mc)
+        self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(self.config, engine_args)
+        self._handler: asyncio.Task | None = None
+        self.errored: BaseException | None = None
+        self.stat_loggers: list[Any] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        return cls(engine_args)
+
+    @property
+    def is_running(self) -> bool:
+        return self.errored is None and not self.engine_core.dead
+
+    @property
+    def dead(self) -> bool:
+        return self.engine_core.dead or isinstance(self.errored, EngineDeadError)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> RequestOutputCollector:
+        """Validate, register and send a request; returns the collector its outputs go to."""
+        if self.errored is not None:
+            raise (
+                self.errored
+                if isinstance(self.errored, EngineDeadError)
+                else EngineDeadError(str(self.errored))
+            )
+        text, req = self.input_processor.process(
+            request_id, prompt, params, time.time(), priority, add_special_tokens
+        )
+        self._ensure_handler()
+        collector = RequestOutputCollector(params.output_kind)
+        if params.n == 1:
+            self.output_processor.add_request(
+                req.request_id, text, req.prompt_token_ids, params, req.arrival_time, queue=collector
+            )
+            await self.engine_core.add_request_async(req)
+            return collector
+        parent = ParentRequest(request_id, params)
+        for index in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
+            child = EngineCoreRequest(
+                parent.child_id(index),
+                req.prompt_token_ids,
+                child_params,
+                req.eos_token_id,
+                req.arrival_time,
+                req.priority,
+            )
+            self.output_processor.add_request(
+                child.request_id,
+                text,
+                req.prompt_token_ids,
+                child_params,
+                req.arrival_time,
+                parent,
+                index,
+                queue=collector,
+            )
+            await self.engine_core.add_request_async(child)
+        return collector
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs as they come; leaving early (or being cancelled) aborts it."""
+        collector = await self.add_request(request_id, prompt, sampling_params, priority, add_special_tokens)
+        finished = False
+        try:
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (all n children); its KV blocks are freed in the core."""
+        ids = [
+            rid
+            for rid, st in self.output_processor.request_states.items()
+            if rid == request_id or st.external_id == request_id
+        ]
+        removed = self.output_processor.abort_requests(ids)
+        if removed and not self.engine_core.dead:
+            await self.engine_core.abort_requests_async(removed)
+
+    # ---- the output handler -------------------------------------------------------------------------
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(
+                self._output_handler(), name="output-handler"
+            )
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                items = outputs.outputs
+                for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = self.output_processor.process_outputs(
+                        items[start : start + OUTPUT_CHUNK_SIZE]
+                    )
+                    if processed.reqs_to_abort:
+                        await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                for logger_ in self.stat_loggers:
+                    logger_.record(outputs, self)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.errored = (
+                e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e}")
+            )
+            if not isinstance(e, EngineDeadError):
+                logger.exception("output handler failed")
+            for state in list(self.output_processor.request_states.values()):
+                if state.queue is not None:
+                    state.queue.put(self.errored)
+            self.output_processor.request_states.clear()
+
+    # ---- utilities ----------------------------------------------------------------------------------
+
+    async def check_invariants(self) -> dict[str, Any]:
+        return await self.engine_core.call_utility_async("check_invariants")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    def get_num_unfinished_requests(self) -> int:
+        return len({st.external_id for st in self.output_processor.request_states.values()})
+
+    def shutdown(self) -> None:
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self.engine_core.shutdown()
+
+
+__all__ = ["AsyncLLM", "RequestOutputCollector", "CompletionOutput"]

@@ -1,0 +1,194 @@
+"""EngineCoreProc: the engine core in its own process, behind ZMQ + msgpack.
+
+Sockets: the client binds a ROUTER (requests) and a PULL (outputs); this process connects a DEALER and a
+PUSH. Three threads here:
+  input thread:  DEALER -> decode msgpack -> input_queue
+  busy loop:     drain input_queue, then step the core while it has work, pushing outputs to output_queue;
+                 when there is no work it blocks on input_queue (no spinning: on a 2-core machine a
+                 spinning loop would steal a core from the model)
+  output thread: output_queue -> encode msgpack -> PUSH
+The first message on the DEALER is READY (or FAILED with the error) once the model is loaded. The process
+exits on SIGTERM/SIGINT, on a SHUTDOWN request, or when its parent disappears.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    HandshakeMessage,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineCoreProc:
+    def __init__(self, engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes) -> None:
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.ctx = zmq.Context()
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, identity)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(input_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.connect(output_addr)
+        self.engine_args_json = engine_args_json
+        self.encoder = msgspec.msgpack.Encoder()
+        self.engine_core = None
+
+    # ---- start-up ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from pagedllm.config import EngineArgs
+        from pagedllm.engine.core import EngineCore
+
+        try:
+            args = EngineArgs(**msgspec.json.decode(self.engine_args_json))
+            self.engine_core = EngineCore(args.create_engine_config())
+        except BaseException as e:  # report, then exit: the client raises with this message
+            msg = HandshakeMessage(status="FAILED", error=f"{type(e).__name__}: {e}")
+            self.dealer.send(self.encoder.encode(msg))
+            raise
+        ready = HandshakeMessage(status="READY", num_blocks=self.engine_core.num_blocks, pid=os.getpid())
+        self.dealer.send(self.encoder.encode(ready))
+        # Everything allocated so far lives until exit: keep the collector from scanning it every cycle.
+        gc.collect()
+        gc.freeze()
+
+    # ---- threads ---------------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)
+        try:
+            while True:
+                kind_frame, payload = self.dealer.recv_multipart(copy=False)
+                kind = EngineCoreRequestType(bytes(kind_frame.buffer))
+                if kind == EngineCoreRequestType.ADD:
+                    self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+                elif kind == EngineCoreRequestType.ABORT:
+                    self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
+                elif kind == EngineCoreRequestType.UTILITY:
+                    self.input_queue.put((kind, utility_decoder.decode(payload.buffer)))
+                else:
+                    self.input_queue.put((kind, None))
+        except zmq.ContextTerminated:
+            return
+
+    def _output_thread(self) -> None:
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP:
+                return
+            self.push.send(self.encoder.encode(item), copy=False)
+
+    def _parent_watch(self, parent: int) -> None:
+        # If the front end dies without a goodbye (SIGKILL), do not outlive it.
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            threading.Event().wait(1.0)
+
+    # ---- busy loop -------------------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        core = self.engine_core
+        assert core is not None
+        while True:
+            if not core.has_unfinished_requests():
+                self._handle(*self.input_queue.get())  # block: nothing to do until a request arrives
+            while not self.input_queue.empty():
+                self._handle(*self.input_queue.get_nowait())
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                if outputs.outputs:
+                    self.output_queue.put(outputs)
+
+    def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        core = self.engine_core
+        if kind == EngineCoreRequestType.ADD:
+            core.add_request(payload)
+        elif kind == EngineCoreRequestType.ABORT:
+            core.abort_requests(payload)
+        elif kind == EngineCoreRequestType.UTILITY:
+            self._utility(payload)
+        elif kind == EngineCoreRequestType.SHUTDOWN:
+            raise SystemExit(0)
+
+    def _utility(self, req: UtilityRequest) -> None:
+        out = UtilityOutput(call_id=req.call_id)
+        try:
+            if req.method.startswith("_"):
+                raise ValueError(f"utility method {req.method!r} is not callable")
+            out.result = getattr(self.engine_core, req.method)(*req.args)
+        except Exception as e:
+            out.failure_message = f"{type(e).__name__}: {e}"
+        self.output_queue.put(EngineCoreOutputs(utility_output=out))
+
+    def shutdown(self) -> None:
+        self.output_queue.put(_STOP)
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+
+
+def run_engine_core(engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes) -> None:
+    """Entry point of the engine-core process (`python -m pagedllm.engine.core_proc IN OUT IDENTITY`, with
+    the engine arguments as JSON on stdin: nothing of the parent's `__main__` is re-imported)."""
+    from pagedllm.logger import configure_logging
+
+    configure_logging()
+    parent = os.getppid()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    proc = EngineCoreProc(engine_args_json, input_addr, output_addr, identity)
+    threading.Thread(target=proc._parent_watch, args=(parent,), daemon=True, name="parent-watch").start()
+    status = 0
+    out_thread = threading.Thread(target=proc._output_thread, daemon=True, name="core-output")
+    try:
+        proc.start()
+        threading.Thread(target=proc._input_thread, daemon=True, name="core-input").start()
+        out_thread.start()
+        proc.run_busy_loop()
+    except SystemExit as e:
+        status = int(e.code or 0)
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        logger.error("engine core died")
+        status = 1
+    finally:
+        proc.shutdown()
+        # Let the output thread flush what is queued, then leave without waiting on blocked sockets.
+        if out_thread.is_alive():
+            out_thread.join(timeout=2.0)
+        sys.stderr.flush()
+        os._exit(status)
+
+
+if __name__ == "__main__":
+    _in, _out, _identity = sys.argv[1:4]
+    run_engine_core(sys.stdin.buffer.read(), _in, _out, _identity.encode())
