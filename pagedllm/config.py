@@ -192,13 +192,9 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
-            )
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)"
-            )
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
         model_config = load_model_config(
             model,
             tokenizer=self.tokenizer,

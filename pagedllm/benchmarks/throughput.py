@@ -112,9 +112,7 @@ class OursRunner:
         from pagedllm import SamplingParams
 
         self.llm.reset_prefix_cache()
-        params = [
-            SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in output_lens
-        ]
+        params = [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -378,9 +376,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
     cells.insert(1, ["-" * w for w in widths])
     print()
     for line in cells:
-        print(
-            "  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(line, widths)))
-        )
+        print("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(line, widths))))
 
 
 # ---- entry points ------------------------------------------------------------------------------------------
@@ -443,9 +439,7 @@ def _validate(args: argparse.Namespace) -> None:
 def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -489,9 +483,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
             "mode": args.mode,
             "model": args.model,
             "git_commit": _git_commit(),
-            "args": {
-                k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items() if not callable(v)
-            },
+            "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items() if not callable(v)},
             "machine": {
                 "platform": platform.platform(),
                 "cpu_count": os.cpu_count(),

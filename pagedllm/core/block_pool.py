@@ -28,9 +28,7 @@ import msgspec
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None
-) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None) -> bytes:
     """Chained content hash of one full block.
 
     Chaining the parent's hash makes the hash identify the whole prefix up to and including this block,
@@ -150,9 +148,7 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(
-                f"cannot allocate {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free"
-            )
+            raise ValueError(f"cannot allocate {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"

@@ -136,9 +136,7 @@ class KVCacheManager:
             num_cached = self.num_cached_blocks.get(request.request_id, 0)
             if num_full_blocks > num_cached:
                 self._ensure_block_hashes(request, num_full_blocks)
-                self.block_pool.cache_full_blocks(
-                    req_blocks, request.block_hashes, num_cached, num_full_blocks
-                )
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
                 self.num_cached_blocks[request.request_id] = num_full_blocks
         return new_blocks
 

@@ -74,9 +74,7 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -157,12 +155,7 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nothing was preempted: memory is tight otherwise.
-        while (
-            not preempted
-            and len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit)
@@ -256,9 +249,7 @@ class Scheduler:
             if finished:
                 self.running.remove(req)
                 self._free_request(req)
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
-        )
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params

@@ -126,14 +126,8 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         """Validate, register and send a request; returns the collector its outputs go to."""
         if self.errored is not None:
-            raise (
-                self.errored
-                if isinstance(self.errored, EngineDeadError)
-                else EngineDeadError(str(self.errored))
-            )
-        text, req = self.input_processor.process(
-            request_id, prompt, params, time.time(), priority, add_special_tokens
-        )
+            raise (self.errored if isinstance(self.errored, EngineDeadError) else EngineDeadError(str(self.errored)))
+        text, req = self.input_processor.process(request_id, prompt, params, time.time(), priority, add_special_tokens)
         self._ensure_handler()
         collector = RequestOutputCollector(params.output_kind)
         if params.n == 1:
@@ -201,9 +195,7 @@ class AsyncLLM:
 
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
-            self._handler = asyncio.get_running_loop().create_task(
-                self._output_handler(), name="output-handler"
-            )
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="output-handler")
 
     async def _output_handler(self) -> None:
         try:
@@ -213,9 +205,7 @@ class AsyncLLM:
                 for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
-                    processed = self.output_processor.process_outputs(
-                        items[start : start + OUTPUT_CHUNK_SIZE]
-                    )
+                    processed = self.output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 for logger_ in self.stat_loggers:
@@ -223,9 +213,7 @@ class AsyncLLM:
         except asyncio.CancelledError:
             raise
         except BaseException as e:
-            self.errored = (
-                e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e}")
-            )
+            self.errored = e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e}")
             if not isinstance(e, EngineDeadError):
                 logger.exception("output handler failed")
             for state in list(self.output_processor.request_states.values()):

@@ -118,9 +118,7 @@ class _CoreProcess:
                     raise ValueError(error.removeprefix("ValueError: "))
                 raise RuntimeError(f"engine core failed to start: {error}")
             if self.proc.poll() is not None:
-                raise EngineDeadError(
-                    f"engine core exited with status {self.proc.returncode} during start-up"
-                )
+                raise EngineDeadError(f"engine core exited with status {self.proc.returncode} during start-up")
         self.terminate()
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
@@ -136,9 +134,17 @@ class _CoreProcess:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _cleanup(core: _CoreProcess, ctx: zmq.Context) -> None:
+def _cleanup(core: _CoreProcess, ctx: zmq.Context, stop: threading.Event, reader: threading.Thread | None) -> None:
+    """Stop the child, then close each socket from a thread that no longer uses it (ZMQ sockets are not
+    thread-safe: closing one another thread is blocked on aborts the process)."""
     core.terminate()
-    ctx.destroy(linger=0)
+    stop.set()
+    if reader is not None and reader.ident is not None and reader is not threading.current_thread():
+        reader.join(timeout=2.0)
+    if reader is None or not reader.is_alive():
+        core.output_socket.close(linger=0)
+        core.input_socket.close(linger=0)
+        ctx.term()
 
 
 class SyncMPClient:
@@ -147,7 +153,9 @@ class SyncMPClient:
     def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
         self.ctx = zmq.Context()
         self.core = _CoreProcess(engine_args, self.ctx)
-        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx)
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._output_loop, daemon=True, name="engine-output")
+        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, self._stop, self._reader)
         self.ready = self.core.wait_ready(self.core.input_socket)
         self.outputs: queue.Queue[Any] = queue.Queue()
         self.utility_results: dict[int, Future] = {}
@@ -155,14 +163,17 @@ class SyncMPClient:
         self._send_lock = threading.Lock()
         self.dead = False
         self._encoder = msgspec.msgpack.Encoder()
-        threading.Thread(target=self._output_loop, daemon=True, name="engine-output").start()
+        self._reader.start()
         threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
 
     def _output_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         sock = self.core.output_socket
         try:
-            while True:
+            while not self._stop.is_set():
+                # A blocking poll with a timeout (not a spin) so that shutdown is noticed.
+                if not sock.poll(200):
+                    continue
                 outputs = decoder.decode(sock.recv(copy=False).buffer)
                 if outputs.utility_output is not None:
                     fut = self.utility_results.pop(outputs.utility_output.call_id, None)
@@ -187,9 +198,7 @@ class SyncMPClient:
         if self.dead:
             raise EngineDeadError()
         with self._send_lock:
-            self.core.input_socket.send_multipart(
-                [self.core.identity, kind.value, self._encoder.encode(payload)]
-            )
+            self.core.input_socket.send_multipart([self.core.identity, kind.value, self._encoder.encode(payload)])
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
@@ -225,7 +234,7 @@ class AsyncMPClient:
     def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
         self.ctx = zmq.asyncio.Context()
         self.core = _CoreProcess(engine_args, self.ctx)
-        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx)
+        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, threading.Event(), None)
         # The handshake is read with a plain (blocking) socket on the same address family; the async
         # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
         self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
@@ -285,9 +294,7 @@ class AsyncMPClient:
         if self.dead:
             raise EngineDeadError()
         self._ensure_started()
-        await self.core.input_socket.send_multipart(
-            [self.core.identity, kind.value, self._encoder.encode(payload)]
-        )
+        await self.core.input_socket.send_multipart([self.core.identity, kind.value, self._encoder.encode(payload)])
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send(EngineCoreRequestType.ADD, request)

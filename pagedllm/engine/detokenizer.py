@@ -166,9 +166,7 @@ class _OffsetDecoder:
         self._added_tokens: frozenset[str] = frozenset()
         if not spaces_between_special_tokens and not skip_special_tokens:
             self._added_tokens = frozenset(tokenizer.get_added_vocab())
-        tail = [
-            t for t in prompt_token_ids[-(_CONTEXT_TOKENS + _MAX_CHAR_TOKENS) :] if t not in self._skip_ids
-        ]
+        tail = [t for t in prompt_token_ids[-(_CONTEXT_TOKENS + _MAX_CHAR_TOKENS) :] if t not in self._skip_ids]
         tokens = list(tokenizer.convert_ids_to_tokens(tail))
         self._tokens: list[str] = tokens[_context_start(tokens, self._to_string) :]
         self._prefix_offset = 0
@@ -207,9 +205,7 @@ class _OffsetDecoder:
         return new_text
 
 
-def _make_decoder(
-    tokenizer: AnyTokenizer, prompt_token_ids: Sequence[int], params: SamplingParams
-) -> _Decoder:
+def _make_decoder(tokenizer: AnyTokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> _Decoder:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None and isinstance(tokenizer, Tokenizer):
         backend = tokenizer
@@ -217,9 +213,7 @@ def _make_decoder(
         return _StreamDecoder(
             backend, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
         )
-    return _OffsetDecoder(
-        tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
-    )
+    return _OffsetDecoder(tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
 
 
 class IncrementalDetokenizer:

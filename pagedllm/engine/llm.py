@@ -45,9 +45,7 @@ class LLM:
         self.tokenizer = get_tokenizer(mc)
         self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = make_client(
-            self.config, self.engine_args, engine_client or engine_client_default()
-        )
+        self.engine_core = make_client(self.config, self.engine_args, engine_client or engine_client_default())
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -83,9 +81,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [
-            self.input_processor.apply_chat_template(
-                conv, add_generation_prompt, chat_template, continue_final_message
-            )
+            self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
             for conv in conversations
         ]
         params_list = self._as_params_list(sampling_params, len(prompts))

@@ -30,9 +30,7 @@ class ParentRequest:
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
 
-    def update(
-        self, completion: CompletionOutput, kind: RequestOutputKind
-    ) -> tuple[list[CompletionOutput], bool]:
+    def update(self, completion: CompletionOutput, kind: RequestOutputKind) -> tuple[list[CompletionOutput], bool]:
         """Record one child's completion; returns (completions to report now, all children finished)."""
         self.outputs[completion.index] = completion
         if completion.finish_reason is not None:

@@ -107,6 +107,12 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(ns)
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     from pagedllm.benchmarks import throughput
 
@@ -130,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from pagedllm.entrypoints.openai.cli_args import add_server_args
+
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server", usage="pagedllm serve [MODEL] [options]"
+    )
+    add_engine_args(serve, positional_model=True)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: `pagedllm bench throughput --help`")
     bench.add_argument("bench_kind", choices=["throughput"])

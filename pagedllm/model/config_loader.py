@@ -43,8 +43,7 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> PretrainedConfig:
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported architectures: "
-            f"{', '.join(supported_architectures())}"
+            f"unsupported GGUF architecture {arch!r}; supported architectures: {', '.join(supported_architectures())}"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -124,9 +123,7 @@ def load_model_config(
             f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors) "
             f"or a .gguf file (models are never downloaded)"
         )
-    arch = resolve_architecture(
-        getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None)
-    )
+    arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     return ModelConfig(
         model=path,
         tokenizer=os.path.abspath(tokenizer) if tokenizer else tok_dir,

@@ -98,8 +98,6 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu") ->
     with torch.device(device):
         model = cls(model_config.hf_config, dtype=model_config.dtype)
     path = model_config.model
-    weights = (
-        iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
-    )
+    weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
     return model.eval()

@@ -35,8 +35,7 @@ def resolve_architecture(architectures: list[str] | None, model_type: str | None
         return MODEL_TYPES[model_type]
     named = architectures or [model_type]
     raise ValueError(
-        f"unsupported model architecture {named}; "
-        f"supported architectures: {', '.join(supported_architectures())}"
+        f"unsupported model architecture {named}; supported architectures: {', '.join(supported_architectures())}"
     )
 
 

@@ -61,13 +61,7 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Batch per-row parameters; all lists are indexed by row and must have the same length."""
         num_reqs = len(params)
-        if not (
-            len(prompt_token_ids)
-            == len(output_token_ids)
-            == len(generators)
-            == len(eos_token_ids)
-            == num_reqs
-        ):
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(eos_token_ids) == num_reqs):
             raise ValueError("from_requests: all per-row lists must have the same length")
 
         temperature: list[float] = []
@@ -130,9 +124,7 @@ class SamplingMetadata:
             logit_bias.append(bias or None)
 
             if p.logprobs is not None:
-                max_num_logprobs = (
-                    p.logprobs if max_num_logprobs is None else max(max_num_logprobs, p.logprobs)
-                )
+                max_num_logprobs = p.logprobs if max_num_logprobs is None else max(max_num_logprobs, p.logprobs)
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)

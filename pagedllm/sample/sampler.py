@@ -72,9 +72,7 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logpro
     return LogprobsTensors(token_ids=ids, logprobs=lps, ranks=ranks)
 
 
-def compute_token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
-) -> LogprobsTensors:
+def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
     """log_softmax of raw logits [n, vocab] in float32; gather token_ids [n], the top-num_logprobs and ranks.
 
     Used for the sampled tokens and by the model runner for prompt_logprobs.
@@ -89,14 +87,10 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = metadata.max_num_logprobs
         # Raw logprobs first: everything below changes the logits and vLLM reports the raw distribution.
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
-        )
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
 
         needs_processing = (
-            not metadata.no_penalties
-            or bool(metadata.min_tokens)
-            or any(b is not None for b in metadata.logit_bias)
+            not metadata.no_penalties or bool(metadata.min_tokens) or any(b is not None for b in metadata.logit_bias)
         )
         if metadata.all_greedy and not needs_processing:
             # Fast path: argmax is exact in the logits' own dtype, no float32 copy needed.
@@ -196,9 +190,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     total = sum(lengths)
     counts = torch.zeros((num_reqs, vocab), dtype=torch.float32, device=dev)
     if total:
-        flat = np.fromiter(
-            (t for toks in metadata.output_token_ids for t in toks), dtype=np.int64, count=total
-        )
+        flat = np.fromiter((t for toks in metadata.output_token_ids for t in toks), dtype=np.int64, count=total)
         row_idx = np.repeat(np.arange(num_reqs, dtype=np.int64), lengths)
         counts.index_put_(
             (torch.from_numpy(row_idx).to(dev), torch.from_numpy(flat).to(dev)),
@@ -224,9 +216,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits - freq * counts - pres * output_mask.to(torch.float32)
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf, in place) everything outside each row's top-k set, then outside its top-p set.
 
     Both filters keep a prefix of the total order "logit descending, then token id ascending", i.e. what a
@@ -261,9 +251,7 @@ def _apply_top_k_top_p(
         sorted_idx = cand_idx.gather(1, order)
         remove = _outside_top_p(sorted_vals, p)
         # Everything outside the candidates is already -inf, so rebuilding the row from them is exact.
-        return logits.fill_(float("-inf")).scatter_(
-            1, sorted_idx, sorted_vals.masked_fill(remove, float("-inf"))
-        )
+        return logits.fill_(float("-inf")).scatter_(1, sorted_idx, sorted_vals.masked_fill(remove, float("-inf")))
 
     sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
     remove = _outside_top_p(sorted_vals, p)

@@ -30,9 +30,7 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.model = load_model(config.model_config, device)
         self.sampler = Sampler()
-        self.input_batch = InputBatch(
-            config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device
-        )
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 
     # ---- KV cache ----------------------------------------------------------------------------------
 
@@ -61,9 +59,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         counts = sched.num_scheduled_tokens
         # Decodes first, shortest context first (so length groups are contiguous), then multi-token segments.
-        decodes = sorted(
-            (r for r, n in counts.items() if n == 1), key=lambda r: batch.requests[r].num_computed_tokens
-        )
+        decodes = sorted((r for r, n in counts.items() if n == 1), key=lambda r: batch.requests[r].num_computed_tokens)
         order = decodes + [r for r, n in counts.items() if n > 1]
         states = [batch.requests[r] for r in order]
         n_tok = np.array([counts[r] for r in order], dtype=np.int64)
@@ -141,9 +137,7 @@ class ModelRunner:
                 if lens[0] != max_len:
                     span = np.arange(max_blocks * bs)
                     mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
-                meta.decode_groups.append(
-                    DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len)
-                )
+                meta.decode_groups.append(DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len))
         for i in range(num_decodes, len(states)):
             ctx, q = int(starts[i]), int(n_tok[i])
             seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)

@@ -28,16 +28,18 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
         per_block = self.model_runner.kv_cache_bytes_per_block()
         num_blocks = cache.kv_cache_memory_bytes // per_block
+        source = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+            source = f"num_gpu_blocks_override={num_blocks}"
         max_len = self.config.model_config.max_model_len
+        # A request of max_model_len tokens must fit alone, or it could never be scheduled.
         if num_blocks * cache.block_size < max_len:
             raise ValueError(
-                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} holds {num_blocks} blocks "
-                f"({num_blocks * cache.block_size} tokens), fewer than max_model_len={max_len}; "
-                f"raise the KV cache memory or lower max_model_len"
+                f"{source} gives {num_blocks} KV blocks ({num_blocks * cache.block_size} tokens), fewer than "
+                f"max_model_len={max_len}; raise the KV cache memory or lower max_model_len"
             )
         return num_blocks
 

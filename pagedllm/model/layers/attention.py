@@ -72,9 +72,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
@@ -134,7 +132,5 @@ class Attention(nn.Module):
             table = seg.block_table
             kh = k_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             vh = v_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=seg.mask, scale=self.scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]

@@ -22,9 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

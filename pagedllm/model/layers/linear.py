@@ -46,9 +46,7 @@ def _set_loader(param: nn.Parameter, loader) -> None:
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """Copy a whole tensor (replicated parameters)."""
     if param.shape != loaded_weight.shape:
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
-        )
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
 
 
@@ -94,9 +92,7 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked along the output (e.g. gate_proj and up_proj)."""
 
-    def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32
-    ) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 

@@ -40,27 +40,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim)
-        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
         rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
         elif rope_type == "linear":
             inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
         elif rope_type != "default":
-            raise ValueError(
-                f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
-            )
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         # [max_position, rotary_dim]: cos | sin halves, kept in float32 for accuracy.
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies (same shapes and dtype)."""
         qk = self.rotate(positions, torch.cat([q, k], dim=1))
         return qk[:, : q.shape[1]], qk[:, q.shape[1] :]

@@ -48,9 +48,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         self.num_heads = divide(total_heads, tp)
         self.num_kv_heads = max(1, total_kv // tp)
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, total_heads, total_kv, bias=bias, dtype=dtype
-        )
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias=bias, dtype=dtype)
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v biases do not.
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype)
@@ -82,9 +80,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=bias, dtype=dtype
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
         self.act = SiluAndMul()
 
@@ -122,9 +118,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -158,9 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

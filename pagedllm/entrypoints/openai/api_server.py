@@ -1,0 +1,396 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, args)` (FastAPI) and `run_server(args)` (uvicorn).
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+GET /health, GET|POST /ping, GET /version, GET /load, GET /metrics, and with --enable-debug-routes
+GET /debug/kv_cache.
+
+Contract:
+* Every error is OpenAI's JSON shape (see errors.py): invalid input (including what pydantic rejects) 400,
+  missing/wrong API key 401, unknown model 404, over --max-queued-requests 429, engine dead 503; a 500
+  only for a bug. A rejected request never reaches the engine and never disturbs others.
+* With an API key (--api-key or $PAGEDLLM_API_KEY) every route but /health and /ping wants
+  `Authorization: Bearer KEY`.
+* /health answers 200 while the engine core lives and 503 once it died. In-flight requests then get an error
+  at once (503 JSON, or an SSE error event); a watchdog stops uvicorn ENGINE_DEATH_GRACE_S later and
+  `run_server` returns 1.
+* SIGINT/SIGTERM stop uvicorn gracefully (open requests get --timeout-graceful-shutdown seconds), then the
+  engine-core process is shut down; `run_server` returns 0. No child process outlives the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import pagedllm
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    error_bytes,
+    error_from_exception,
+    error_response,
+    format_validation_errors,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+# Requests that run a generation: they count towards /load and --max-queued-requests.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Routes a load balancer or orchestrator probes without credentials.
+AUTH_EXEMPT_PATHS = frozenset({"/health", "/ping"})
+WATCHDOG_INTERVAL_S = 0.25
+# After the engine died the server keeps answering (503) this long before it exits, so that health probes see
+# the 503 and in-flight requests receive their error responses; well within the 10 s a supervisor expects.
+ENGINE_DEATH_GRACE_S = 2.0
+
+
+def api_key_from_env() -> str | None:
+    """$PAGEDLLM_API_KEY, the default of --api-key. (config.py is where env vars belong; it lives here until
+    the server's settings move there.)"""
+    return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
+# ---- middlewares (plain ASGI: they must not buffer streams or hide client disconnects) -------------------
+
+
+async def _send_error(send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]]) -> None:
+    body = error_bytes(message, status)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + extra_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            await _send_error(
+                send, 401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                [(b"www-authenticate", b"Bearer")],
+            )  # fmt: skip
+            return
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class ServerLoad:
+    """Generation requests in flight (from the request's arrival until its response ended)."""
+
+    in_flight: int = 0
+    limit: int | None = None
+
+
+class ServerLoadMiddleware:
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.load.limit is not None and self.load.in_flight >= self.load.limit:
+            await _send_error(
+                send, 429, f"The server is busy: {self.load.in_flight} requests are in flight "
+                f"(--max-queued-requests {self.load.limit}). Retry later.", [(b"retry-after", b"1")],
+            )  # fmt: skip
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
+
+
+# ---- routes ----------------------------------------------------------------------------------------------
+
+
+router = APIRouter()
+debug_router = APIRouter()
+
+
+def _engine(request: Request) -> AsyncLLM:
+    return request.app.state.engine
+
+
+def _engine_alive(engine: AsyncLLM) -> bool:
+    return not engine.dead and engine.errored is None
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    if not _engine_alive(_engine(raw_request)):
+        return error_response(OpenAIError("The engine core process died.", 503))
+    return Response(status_code=200)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(raw_request: Request) -> Response:
+    return await health(raw_request)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": pagedllm.__version__})
+
+
+@router.get("/load")
+async def load(raw_request: Request) -> JSONResponse:
+    return JSONResponse({"server_load": raw_request.app.state.server_load.in_flight})
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def show_models(raw_request: Request) -> Response:
+    state = raw_request.app.state
+    mc = state.engine.model_config
+    cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len) for name in state.served_model_names]
+    return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    try:
+        return await raw_request.app.state.serving_completion.create_completion(request, raw_request)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the generation was aborted
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    try:
+        return await raw_request.app.state.serving_chat.create_chat_completion(request, raw_request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    result = raw_request.app.state.serving_tokenization.tokenize(request)
+    return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    result = raw_request.app.state.serving_tokenization.detokenize(request)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@debug_router.get("/debug/kv_cache")
+async def debug_kv_cache(raw_request: Request) -> JSONResponse:
+    """Block-pool counts from the engine core (`check_invariants`), the core's pid and the front end's view."""
+    engine = _engine(raw_request)
+    stats = dict(await engine.check_invariants())
+    ready = getattr(engine.engine_core, "ready", None)
+    stats["core_pid"] = getattr(ready, "pid", None)
+    stats["front_end_unfinished"] = engine.get_num_unfinished_requests()
+    stats["server_load"] = raw_request.app.state.server_load.in_flight
+    return JSONResponse(stats)
+
+
+# ---- the app ---------------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = format_validation_errors(exc.errors())
+        return error_response(OpenAIError(message, 400, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = error_response(OpenAIError(str(exc.detail), exc.status_code))
+        for k, v in (exc.headers or {}).items():
+            response.headers[k] = v
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        err = error_from_exception(exc)
+        if err.status == 500:
+            logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(err)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # The OpenAPI schema is the version-stable list of routes (FastAPI's route objects change shape).
+    logger.info("Available routes are:")
+    for path, ops in app.openapi().get("paths", {}).items():
+        logger.info("Route: %s, Methods: %s", path, ", ".join(m.upper() for m in ops))
+    watchdog = asyncio.create_task(_watchdog(app), name="engine-watchdog")
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+
+
+async def _watchdog(app: FastAPI) -> None:
+    """Announce readiness once uvicorn listens; if the engine core dies, make uvicorn exit with status 1."""
+    state = app.state
+    announced = False
+    while True:
+        server = getattr(state, "server", None)
+        if not announced and server is not None and server.started:
+            announced = True
+            logger.info("pagedllm server ready at %s", getattr(state, "base_url", "?"))
+        if not _engine_alive(state.engine):
+            logger.error("the engine core process died: the server exits in %.0f s", ENGINE_DEATH_GRACE_S)
+            state.exit_code = 1
+            await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+            if server is not None:
+                server.should_exit = True
+            return
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app serving `engine`. `args` holds the server flags of `cli_args.add_server_args`."""
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan)
+    names = [engine.model_config.served_model_name]
+    state = app.state
+    state.engine = engine
+    state.args = args
+    state.served_model_names = names
+    state.exit_code = 0
+    state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
+    state.serving_completion = OpenAIServingCompletion(engine, names)
+    state.serving_chat = OpenAIServingChat(engine, names)
+    state.serving_tokenization = OpenAIServingTokenization(engine, names)
+    app.include_router(router)
+    if getattr(args, "enable_debug_routes", False):
+        app.include_router(debug_router)
+    _install_error_handlers(app)
+    app.add_middleware(ServerLoadMiddleware, load=state.server_load)
+    api_key = getattr(args, "api_key", None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # added last: runs first
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # As uvicorn's, except that the signal is not raised again after the graceful shutdown: the process
+        # then exits with run_server's status (0 after SIGINT/SIGTERM, 1 after the engine died).
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the (slow) engine start: a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) -> int:
+    """Start the engine, serve until SIGINT/SIGTERM (0) or until the engine dies (1); returns the exit status."""
+    if engine_args is None:
+        from pagedllm.entrypoints.cli import engine_kwargs
+
+        engine_args = EngineArgs(**engine_kwargs(args))
+    if not getattr(args, "api_key", None):
+        args.api_key = api_key_from_env()
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    # Until uvicorn takes over the signals, SIGTERM interrupts the start like Ctrl-C: the engine-core child
+    # is terminated by its client's finalizer instead of being left behind.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    engine = None
+    try:
+        logger.info("starting the engine for the API server on %s:%d", host, port)
+        engine = AsyncLLM(engine_args)
+        signal.signal(signal.SIGTERM, previous)
+        app = build_app(engine, args)
+        app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        config = uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+            timeout_keep_alive=5,
+        )
+        server = _Server(config)
+        app.state.server = server
+        asyncio.run(server.serve(sockets=[sock]))
+        return int(app.state.exit_code)
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+
+
+__all__ = ["build_app", "run_server", "api_key_from_env"]

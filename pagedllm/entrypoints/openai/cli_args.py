@@ -1,0 +1,42 @@
+"""The HTTP-server flags of `pagedllm serve` (the engine flags come from `cli.add_engine_args`).
+
+Contract: importing this module is cheap (argparse only), so `pagedllm --help` does not load FastAPI.
+Flag names follow `vllm serve` where vLLM has the same flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /ping "
+        "(default: $PAGEDLLM_API_KEY, else no key)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 to a completion/chat request when this many are already in flight (default: no limit)",
+    )
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=5.0,
+        help="seconds open requests get to finish at shutdown before they are cancelled (default 5)",
+    )
+    g.add_argument(
+        "--enable-debug-routes",
+        action="store_true",
+        help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",
+    )

@@ -1,0 +1,268 @@
+"""Pydantic models of the OpenAI-compatible API: what requests may hold and what responses look like.
+
+Contract: request models validate only types and shapes (a wrong type becomes a 400 through the server's
+validation handler); value ranges are checked once, by `SamplingParams` and the `InputProcessor`, so the
+server and the offline `LLM` reject the same things with the same messages. Unknown request fields are
+accepted and ignored with a warning, as vLLM does. Field names follow OpenAI, plus vLLM's extra sampling
+parameters (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Response models
+mirror OpenAI's objects (ids `cmpl-...`/`chatcmpl-...`, `created` in seconds, `usage` token counts).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_LONG_MIN = -(2**63)
+_LONG_MAX = 2**63 - 1
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (and reported by the server as ignored) rather than rejected, as in vLLM:
+    # clients built for other servers send fields this one does not know.
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- errors, models, usage ------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+# ---- sampling fields shared by /v1/completions and /v1/chat/completions ----------------------------------
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Request fields that become `SamplingParams` (None means the OpenAI/vLLM default)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=_LONG_MIN, le=_LONG_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, token ids, or a list of token-id lists: each prompt is one choice set.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------------------
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: str
+    # A string or a list of content parts ({"type": "text", "text": ...}); parts are checked by the template.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    add_special_tokens: bool = False
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /tokenize, /detokenize ---------------------------------------------------------------------------------
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """Either {"prompt": str} (completion style) or {"messages": [...]} (chat style, the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,277 @@
+"""POST /v1/chat/completions: OpenAI's chat API on top of `AsyncLLM.generate` and the model's chat template.
+
+Contract:
+* `messages` (system/user/assistant/..., content a string or a list of text parts) go through the model's
+  chat template (`add_generation_prompt` default true, `continue_final_message`, `chat_template` as in
+  vLLM); the templated text is tokenized without adding special tokens again.
+* `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context length.
+* `logprobs: true` + `top_logprobs: N` return OpenAI's chat format: `content` = [{token, logprob, bytes,
+  top_logprobs: [{token, logprob, bytes}] * N}].
+* Not supported yet, answered with a 400 naming the field: non-empty `tools`, and a `response_format`
+  other than {"type": "text"}.
+* Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
+  one of a choice carries its `finish_reason`), then the usage chunk if asked, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.engine.input_processor import MAX_LOGPROBS
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    now_s,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    SSEResponse,
+    clamp_logprob,
+    merge_async_iterators,
+    run_until_disconnected,
+    sse,
+    sse_error,
+)
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+def messages_to_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Pydantic messages -> the dicts a chat template expects (missing content becomes "")."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        d.setdefault("content", "")
+        out.append(d)
+    return out
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        self.warn_ignored_fields(request)
+        text, ids, params = self._prepare(request)
+        self.check_engine()
+        request_id = f"chatcmpl-{random_uuid()}"
+        gen = self.engine.generate(
+            {"prompt": text, "prompt_token_ids": ids}, params, request_id, priority=request.priority
+        )
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, len(ids), gen))
+        try:
+            final = await run_until_disconnected(self._collect(gen), raw_request)
+        except (OpenAIError, ClientDisconnected):
+            raise
+        except Exception as e:
+            raise self.error_for(e, request) from e
+        body = self._response(request, request_id, len(ids), final)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    # ---- validation ------------------------------------------------------------------------------------------
+
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+        if request.tools:
+            raise OpenAIError("tools are not supported yet", 400, "tools")
+        fmt = request.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise OpenAIError(
+                f"response_format {fmt.get('type')!r} is not supported yet (only 'text')", 400, "response_format"
+            )
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options can only be given when stream is true", 400, "stream_options")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}", 400, "top_logprobs"
+            )
+        try:
+            text = self.engine.input_processor.apply_chat_template(
+                messages_to_dicts(request.messages),
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template,
+                continue_final_message=request.continue_final_message,
+            )
+            ids = self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
+            requested = request.max_completion_tokens
+            if requested is None:
+                requested = request.max_tokens
+            max_tokens = self.resolve_max_tokens(requested, len(ids), "messages")
+            logprobs = (request.top_logprobs or 0) if request.logprobs else None
+            params = self.sampling_params(request, max_tokens, logprobs)
+            self.validate_prompt(ids, params)
+        except OpenAIError:
+            raise
+        except Exception as e:
+            raise self.error_for(e, request) from e
+        return text, ids, params
+
+    # ---- results ----------------------------------------------------------------------------------------------
+
+    async def _collect(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        final = None
+        async for _, out in merge_async_iterators(gen):
+            final = out
+        assert final is not None
+        return final
+
+    def _response(
+        self, request: ChatCompletionRequest, request_id: str, prompt_tokens: int, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            logprobs = None
+            if request.logprobs:
+                logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatMessage(role="assistant", content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
+    def chat_logprobs(
+        self, token_ids: Sequence[int], steps: Sequence[dict[int, Logprob]], num_top: int
+    ) -> ChatCompletionLogProbs:
+        content = []
+        for tid, step in zip(token_ids, steps):
+            lp = step.get(tid)
+            token = self.token_str(tid, lp)
+            ranked = sorted(
+                (e for e in step.items() if e[1].rank is not None and e[1].rank <= num_top),
+                key=lambda kv: kv[1].rank,  # type: ignore[arg-type,return-value]
+            )[:num_top]
+            top = []
+            for t, entry in ranked:
+                s = self.token_str(t, entry)
+                top.append(ChatCompletionLogProb(token=s, logprob=clamp_logprob(entry.logprob), bytes=_utf8(s)))
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=clamp_logprob(lp.logprob) if lp is not None else MIN_LOGPROB,
+                    bytes=_utf8(token),
+                    top_logprobs=top,
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
+
+    # ---- streaming ----------------------------------------------------------------------------------------------
+
+    def _chunk(
+        self,
+        request_id: str,
+        created: int,
+        choice: ChatCompletionResponseStreamChoice | None,
+        usage: UsageInfo | None,
+        include_usage: bool,
+    ) -> str:
+        chunk = ChatCompletionStreamResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=[choice] if choice is not None else [],
+            usage=usage,
+        )
+        data = chunk.model_dump(mode="json", exclude=None if include_usage else {"usage"})
+        for ch in data["choices"]:
+            # A delta names only what it carries: the role once, then content.
+            ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+        return sse(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt_tokens: int,
+        gen: AsyncIterator[RequestOutput],
+    ) -> AsyncGenerator[str, None]:
+        created = now_s()
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        num_tokens: dict[int, int] = defaultdict(int)
+
+        def usage_for(index: int) -> UsageInfo | None:
+            if not continuous:
+                return None
+            return UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=num_tokens[index],
+                total_tokens=prompt_tokens + num_tokens[index],
+            )
+
+        merged = merge_async_iterators(gen)
+        try:
+            try:
+                for i in range(request.n):
+                    role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    yield self._chunk(request_id, created, role, usage_for(i), include_usage)
+                async for _, out in merged:
+                    for c in out.outputs:
+                        num_tokens[c.index] += len(c.token_ids)
+                        want_logprobs = request.logprobs and bool(c.token_ids)
+                        if not c.text and c.finish_reason is None and not want_logprobs:
+                            continue  # nothing to say yet (text held back for a possible stop string)
+                        logprobs = None
+                        if request.logprobs:
+                            logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.text),
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        yield self._chunk(request_id, created, choice, usage_for(c.index), include_usage)
+                if include_usage:
+                    completion_tokens = sum(num_tokens.values())
+                    usage = UsageInfo(
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens,
+                    )
+                    yield self._chunk(request_id, created, None, usage, True)
+            except Exception as e:
+                yield sse_error(self.error_for(e, request))
+            yield SSE_DONE
+        finally:
+            await merged.aclose()
+
+
+def _utf8(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))

@@ -1,0 +1,296 @@
+"""What the completion and chat handlers share: request -> SamplingParams, the context-length rule, model-name
+checks, merging several generations into one stream, SSE framing, and aborting on client disconnect.
+
+Contract:
+* Everything that can reject a request runs before the first byte of the response (and before anything is
+  sent to the engine): model name, SamplingParams, tokenization, context length, `InputProcessor.validate`.
+  So a bad request is a 400 JSON error even when it asked to stream, and never reaches the engine core.
+* The context rule is vLLM's: prompt + max_tokens must fit in max_model_len (400 otherwise, with vLLM's
+  message); a request without max_tokens gets max_model_len - prompt_len.
+* A client that goes away aborts its generations: streams through `SSEResponse` (which closes the body
+  generator whatever happened), non-streaming requests through `run_until_disconnected`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
+from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# logprobs can be -inf (a token masked by top-k/top-p or a -100 logit bias); JSON has no infinities.
+MIN_LOGPROB = -9999.0
+MAX_LOGIT_BIAS = 100.0
+
+
+def clamp_logprob(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return max(float(value), MIN_LOGPROB)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers: one engine, one served model."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.model_config.max_model_len)
+        self.served_model_names = served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    # ---- checks -------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def check_engine(self) -> None:
+        if self.engine.dead or self.engine.errored is not None:
+            raise OpenAIError("The engine is not available: the engine core process died.", 503)
+
+    def warn_ignored_fields(self, request: SamplingFields) -> None:
+        if request.model_extra:
+            logger.warning("ignoring unsupported request fields: %s", sorted(request.model_extra))
+
+    def context_error(self, prompt_len: int, max_tokens: int | None, what: str) -> OpenAIError | None:
+        """vLLM's context-length rule; `what` names the prompt ("messages" or "prompt")."""
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                return OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{prompt_len} tokens in the {what}, which leaves no room for the completion. Please reduce "
+                    f"the length of the {what}.",
+                    400,
+                    what,
+                )
+            return None
+        if prompt_len + max_tokens > self.max_model_len:
+            return OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.",
+                400,
+                "max_tokens" if prompt_len < self.max_model_len else what,
+            )
+        return None
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, what: str) -> int:
+        if requested is not None and requested < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {requested}", 400, "max_tokens")
+        err = self.context_error(prompt_len, requested, what)
+        if err is not None:
+            raise err
+        return requested if requested is not None else self.max_model_len - prompt_len
+
+    # ---- request -> SamplingParams ------------------------------------------------------------------------
+
+    def sampling_params(
+        self,
+        request: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """Raises ValueError naming the bad field (turned into a 400 by the caller)."""
+        bias = None
+        if request.logit_bias:
+            try:
+                bias = {
+                    int(k): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v))) for k, v in request.logit_bias.items()
+                }
+            except ValueError:
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers as strings), got {list(request.logit_bias)!r:.100}"
+                ) from None
+        top_k = request.top_k
+        if top_k == 0:
+            top_k = -1  # vLLM: 0 also means "no top-k"
+        return SamplingParams(
+            n=request.n,
+            presence_penalty=_or(request.presence_penalty, 0.0),
+            frequency_penalty=_or(request.frequency_penalty, 0.0),
+            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            temperature=_or(request.temperature, 1.0),
+            top_p=_or(request.top_p, 1.0),
+            top_k=_or(top_k, -1),
+            min_p=_or(request.min_p, 0.0),
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=bias,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own input checks, run before anything is sent (a multi-prompt request is all or none)."""
+        self.engine.input_processor.validate(prompt_ids, params)
+
+    def token_str(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def error_for(self, exc: BaseException, request: SamplingFields) -> OpenAIError:
+        err = error_from_exception(exc, type(request).model_fields)
+        if err.status >= 500 and err.status != 503:
+            logger.error("request failed", exc_info=exc)
+        return err
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+# ---- streams ------------------------------------------------------------------------------------------------
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
+    """Yield (index of the iterator, item) from several async iterators as items arrive.
+
+    Closing (or cancelling) the merged generator closes every unfinished source, so each source's own
+    clean-up runs (for `AsyncLLM.generate`: the request is aborted in the engine).
+    """
+    if len(iterators) == 1:
+        it = iterators[0]
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            await _aclose(it)
+        return
+    loop = asyncio.get_running_loop()
+    pending: dict[asyncio.Task, tuple[int, AsyncIterator[T]]] = {}
+
+    def start(i: int, it: AsyncIterator[T]) -> None:
+        task = loop.create_task(anext(it))  # type: ignore[arg-type]
+        task.add_done_callback(_retrieve)
+        pending[task] = (i, it)
+
+    try:
+        for i, it in enumerate(iterators):
+            start(i, it)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i, it = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                start(i, it)
+                yield i, item
+    finally:
+        for task, (_, it) in pending.items():
+            if task.done():
+                await _aclose(it)  # the source is suspended at a yield: close it
+            else:
+                task.cancel()  # the source is running: the cancellation reaches its own clean-up
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    # A source that failed after the merge was closed must not log "exception was never retrieved".
+    if not task.cancelled():
+        task.exception()
+
+
+async def _aclose(it: AsyncIterator[Any]) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_error(err: OpenAIError) -> str:
+    return sse(json.dumps(error_body(err.message, err.status, err.param, err.err_type)))
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response whose body generator is always closed when the response ends.
+
+    Starlette cancels the sending task when the client disconnects; the body generator may then be left
+    suspended at a `yield`. Closing it here runs its `finally` at once, which aborts the engine requests
+    (and frees their KV blocks) instead of waiting for the garbage collector.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _aclose(self.body_iterator)
+
+
+# ---- non-streaming requests vs. disconnects -------------------------------------------------------------------
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client has closed the connection (the request body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await `work`, but cancel it (aborting its generations) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        with contextlib.suppress(BaseException):
+            await task
