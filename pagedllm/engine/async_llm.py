@@ -19,8 +19,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
-from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
@@ -130,33 +129,7 @@ class AsyncLLM:
         text, req = self.input_processor.process(request_id, prompt, params, time.time(), priority, add_special_tokens)
         self._ensure_handler()
         collector = RequestOutputCollector(params.output_kind)
-        if params.n == 1:
-            self.output_processor.add_request(
-                req.request_id, text, req.prompt_token_ids, params, req.arrival_time, queue=collector
-            )
-            await self.engine_core.add_request_async(req)
-            return collector
-        parent = ParentRequest(request_id, params)
-        for index in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
-            child = EngineCoreRequest(
-                parent.child_id(index),
-                req.prompt_token_ids,
-                child_params,
-                req.eos_token_id,
-                req.arrival_time,
-                req.priority,
-            )
-            self.output_processor.add_request(
-                child.request_id,
-                text,
-                req.prompt_token_ids,
-                child_params,
-                req.arrival_time,
-                parent,
-                index,
-                queue=collector,
-            )
+        for child in self.output_processor.add_engine_request(text, req, queue=collector):
             await self.engine_core.add_request_async(child)
         return collector
 

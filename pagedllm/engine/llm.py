@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs, EngineConfig, engine_client_default
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
@@ -151,34 +152,8 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def _add(self, prompt_text: str | None, req) -> None:
-        params = req.sampling_params
-        if params.n == 1:
-            self.output_processor.add_request(
-                req.request_id, prompt_text, req.prompt_token_ids, params, req.arrival_time
-            )
-            self.engine_core.add_request(req)
-            return
-        parent = ParentRequest(req.request_id, params)
-        for index in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
-            child = type(req)(
-                request_id=parent.child_id(index),
-                prompt_token_ids=req.prompt_token_ids,
-                sampling_params=child_params,
-                eos_token_id=req.eos_token_id,
-                arrival_time=req.arrival_time,
-                priority=req.priority,
-            )
-            self.output_processor.add_request(
-                child.request_id,
-                prompt_text,
-                req.prompt_token_ids,
-                child_params,
-                req.arrival_time,
-                parent,
-                index,
-            )
+    def _add(self, prompt_text: str | None, req: EngineCoreRequest) -> None:
+        for child in self.output_processor.add_engine_request(prompt_text, req):
             self.engine_core.add_request(child)
 
     # ---- utilities ----------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.protocol import EngineCoreOutput, FinishReason, LogprobsLists
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,6 +43,20 @@ class ParentRequest:
         if kind == RequestOutputKind.FINAL_ONLY and not done:
             return [], False
         return [self.outputs[i] for i in sorted(self.outputs)], done
+
+
+def fan_out(req: EngineCoreRequest) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+    """Split a request with n > 1 into n single-sample children (ids "i_<id>", seed + i when seeded).
+    They share the prompt's KV blocks through the prefix cache."""
+    params = req.sampling_params
+    if params.n == 1:
+        return None, [req]
+    parent = ParentRequest(req.request_id, params)
+    children = []
+    for index in range(params.n):
+        child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
+        children.append(msgspec.structs.replace(req, request_id=parent.child_id(index), sampling_params=child_params))
+    return parent, children
 
 
 @dataclass
@@ -86,6 +102,24 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+
+    def add_engine_request(
+        self, prompt: str | None, req: EngineCoreRequest, queue: Any = None
+    ) -> list[EngineCoreRequest]:
+        """Register a request (fanned out when n > 1); returns the engine-core requests to send."""
+        parent, children = fan_out(req)
+        for index, child in enumerate(children):
+            self.add_request(
+                child.request_id,
+                prompt,
+                child.prompt_token_ids,
+                child.sampling_params,
+                child.arrival_time,
+                parent,
+                index,
+                queue,
+            )
+        return children
 
     def add_request(
         self,
