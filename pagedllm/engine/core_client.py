@@ -244,6 +244,7 @@ class AsyncMPClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending_sends: set[asyncio.Future] = set()
         self.dead = False
         threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
 
@@ -302,6 +303,18 @@ class AsyncMPClient:
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and not self.dead:
             await self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        """Send an abort from synchronous code (or a cancelled task): the send is attempted at once and,
+        if the socket is busy, completed by the event loop on its own, tied to no caller's task."""
+        if not request_ids or self.dead:
+            return
+        fut = self.core.input_socket.send_multipart(
+            [self.core.identity, EngineCoreRequestType.ABORT.value, self._encoder.encode(request_ids)]
+        )
+        if not fut.done():
+            self._pending_sends.add(fut)
+            fut.add_done_callback(self._pending_sends.discard)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_started()

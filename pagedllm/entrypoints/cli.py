@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `generate`, `chat`, `bench` (and `serve` once the server lands).
+"""The `pagedllm` command: `serve`, `generate`, `chat`, `bench`.
 
 Engine flags are named as `vllm serve` names them. With no model the default model is used.
 """

@@ -90,9 +90,7 @@ def test_greedy_matches_hf_token_for_token(llm, hf_reference):
 def test_stress_preemption_chunking_no_prefix_cache(hf_reference):
     """Prefix caching off, 32-token budget (chunked prefill), a KV cache too small for the batch."""
     ids, ref = hf_reference
-    engine = LLM(
-        enable_prefix_caching=False, max_num_batched_tokens=32, max_model_len=128, num_gpu_blocks_override=16
-    )
+    engine = LLM(enable_prefix_caching=False, max_num_batched_tokens=32, max_model_len=128, num_gpu_blocks_override=16)
     try:
         outs = engine.generate(
             [{"prompt_token_ids": p} for p in ids],
@@ -141,9 +139,7 @@ def test_sample_logprobs(llm):
     assert len(out.logprobs) == 4
     for tok, entry in zip(out.token_ids, out.logprobs):
         assert tok in entry and entry[tok].rank == 1 and len(entry) == 3
-    assert out.cumulative_logprob == pytest.approx(
-        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))
-    )
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
 def test_seeded_sampling_same_alone_and_in_batch(llm):
@@ -168,9 +164,9 @@ def test_n_returns_n_outputs_sharing_prompt_blocks(llm):
 
 
 def test_stop_strings_and_stop_token_ids(llm):
-    base = llm.generate(
-        "The capital of France is", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
-    )[0].outputs[0]
+    base = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert "Paris" in base.text
     cut = llm.generate(
         "The capital of France is",

@@ -39,9 +39,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-rope": ("LlamaForCausalLM", dict(seed=3, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
     "llama3-rope-legacy-keys": (
         "LlamaForCausalLM",
-        dict(
-            seed=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, legacy_rope_keys=True, num_hidden_layers=2
-        ),
+        dict(seed=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, legacy_rope_keys=True, num_hidden_layers=2),
     ),
     "mistral": ("MistralForCausalLM", dict(seed=5)),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", dict(seed=6)),

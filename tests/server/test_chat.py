@@ -186,6 +186,14 @@ def test_bad_chat_parameters_are_400(server, model_name, body, param):
     assert resp["error"]["param"] == param
 
 
+def test_request_chat_template_needs_the_server_flag(server, model_name):
+    body = {"model": model_name, "messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}
+    status, resp = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and resp["error"]["param"] == "chat_template"
+    status, resp = server.request("POST", "/tokenize", {"messages": MESSAGES, "chat_template": "x"})
+    assert status == 400 and resp["error"]["param"] == "chat_template"
+
+
 def test_non_text_content_part_is_400(server, model_name):
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     status, resp = server.request("POST", "/v1/chat/completions", {"model": model_name, "messages": messages})

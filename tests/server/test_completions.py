@@ -222,6 +222,9 @@ def test_context_length_error(client, model_name):
         ({"presence_penalty": 5}, "presence_penalty"),
         ({"stream": True, "temperature": -1}, "temperature"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"n": 129}, "n"),
+        ({"top_k": 10**30}, "top_k"),
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_bad_parameters_are_400(server, model_name, override, param):
@@ -238,6 +241,9 @@ def test_missing_prompt_and_bad_json_are_400(server):
     assert status == 400 and resp["error"]["param"] == "prompt"
     status, resp = server.request("POST", "/v1/completions", "{not json")
     assert status == 400 and "JSON" in resp["error"]["message"]
+    for body in ("[1, 2]", "null", '"a string"', ""):
+        status, resp = server.request("POST", "/v1/completions", body)
+        assert status == 400 and resp["error"]["type"] == "BadRequestError", (body, resp)
 
 
 def test_openai_client_raises_bad_request(client, model_name):

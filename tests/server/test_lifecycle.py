@@ -27,6 +27,7 @@ def servers():
         "test-model",
         "--timeout-graceful-shutdown",
         "1",
+        "--trust-request-chat-template",
         api_key="env-key",
         env={"PAGEDLLM_API_KEY": "env-key"},
         start=False,
@@ -93,6 +94,20 @@ def test_served_model_name_env_key_and_sigterm(servers):
     resp = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=3, temperature=0)
     assert resp.model == "test-model" and resp.choices[0].text
     assert srv.request("GET", "/v1/models", headers={})[0] == 401  # the key came from $PAGEDLLM_API_KEY
+    # --trust-request-chat-template: a request's own template is used; one that raises is the client's fault
+    messages = [{"role": "user", "content": "Say yes."}]
+    template = "{% for m in messages %}{{ m.content }}\n{% endfor %}Answer:"
+    _, tok = srv.request("POST", "/tokenize", {"messages": messages, "chat_template": template})
+    assert tok["count"] == srv.request("POST", "/tokenize", {"prompt": "Say yes.\nAnswer:"})[1]["count"]
+    chat = client.chat.completions.create(
+        model="test-model", messages=messages, max_tokens=2, extra_body={"chat_template": template}
+    )
+    assert chat.usage.prompt_tokens == tok["count"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="test-model", messages=messages, extra_body={"chat_template": "{{ raise_exception('no') }}"}
+        )
+    assert exc.value.body["param"] == "messages"
     core_pid = srv.kv()["core_pid"]
     assert core_pid and not _pid_gone(core_pid, timeout=0)
     # a stream still running when SIGTERM arrives must not keep the server alive

@@ -82,9 +82,7 @@ def wordpiece() -> PreTrainedTokenizerFast:
     vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hi": 3, "there": 4, "##s": 5}
     tk = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
     tk.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
 
 
 def encode(tok: Any, text: str) -> list[int]:
@@ -280,9 +278,7 @@ def test_stop_string_split_across_updates(smollm2: Any, include: bool) -> None:
     # Byte-level BPE without a prefix space: encoding the pieces separately decodes to their concatenation.
     first, second = encode(smollm2, "Hello ST"), encode(smollm2, "OP world")
     assert smollm2.decode(first + second) == "Hello STOP world"
-    detok = IncrementalDetokenizer(
-        smollm2, [], SamplingParams(stop=["STOP"], include_stop_str_in_output=include)
-    )
+    detok = IncrementalDetokenizer(smollm2, [], SamplingParams(stop=["STOP"], include_stop_str_in_output=include))
     assert detok.update(first, False) is None
     assert detok.output_text == "Hello ST"
     assert detok.update(second, False) == "STOP"

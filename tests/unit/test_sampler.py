@@ -292,9 +292,7 @@ def test_seeded_row_same_alone_and_in_batch() -> None:
 
 def test_seeded_rows_do_not_touch_default_rng() -> None:
     rng_state = torch.get_rng_state()
-    sample(
-        torch.zeros(3, 32), [SamplingParams(seed=s) for s in range(3)], generators=[gen(s) for s in range(3)]
-    )
+    sample(torch.zeros(3, 32), [SamplingParams(seed=s) for s in range(3)], generators=[gen(s) for s in range(3)])
     assert torch.equal(torch.get_rng_state(), rng_state)
 
 
@@ -450,9 +448,7 @@ def test_logprobs_tolists_msgpack_round_trip() -> None:
 
 
 def test_logprobs_tensors_dataclass_slots() -> None:
-    lt = LogprobsTensors(
-        torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1), torch.ones(1, dtype=torch.int64)
-    )
+    lt = LogprobsTensors(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1), torch.ones(1, dtype=torch.int64))
     with pytest.raises(AttributeError):
         lt.extra = 1  # type: ignore[attr-defined]
 

@@ -15,13 +15,9 @@ from pagedllm.sampling_params import SamplingParams
 EOS = 2
 
 
-def make_scheduler(
-    num_blocks=64, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True, max_len=256
-):
+def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True, max_len=256):
     return Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, policy=policy
-        ),
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
     )
@@ -29,9 +25,7 @@ def make_scheduler(
 
 def req(rid, n_prompt, max_tokens=4, first=10, priority=0, arrival=0.0, **kw):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
-    r = Request(
-        rid, list(range(first, first + n_prompt)), params, EOS, arrival_time=arrival, priority=priority
-    )
+    r = Request(rid, list(range(first, first + n_prompt)), params, EOS, arrival_time=arrival, priority=priority)
     r.max_tokens = max_tokens
     return r
 

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import socket
@@ -39,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, api_key_from_env
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -71,12 +70,6 @@ WATCHDOG_INTERVAL_S = 0.25
 # After the engine died the server keeps answering (503) this long before it exits, so that health probes see
 # the 503 and in-flight requests receive their error responses; well within the 10 s a supervisor expects.
 ENGINE_DEATH_GRACE_S = 2.0
-
-
-def api_key_from_env() -> str | None:
-    """$PAGEDLLM_API_KEY, the default of --api-key. (config.py is where env vars belong; it lives here until
-    the server's settings move there.)"""
-    return os.environ.get("PAGEDLLM_API_KEY") or None
 
 
 # ---- middlewares (plain ASGI: they must not buffer streams or hide client disconnects) -------------------
@@ -303,9 +296,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     state.served_model_names = names
     state.exit_code = 0
     state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
+    trust_template = bool(getattr(args, "trust_request_chat_template", False))
     state.serving_completion = OpenAIServingCompletion(engine, names)
-    state.serving_chat = OpenAIServingChat(engine, names)
-    state.serving_tokenization = OpenAIServingTokenization(engine, names)
+    state.serving_chat = OpenAIServingChat(engine, names, trust_template)
+    state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
     app.include_router(router)
     if getattr(args, "enable_debug_routes", False):
         app.include_router(debug_router)
@@ -357,19 +351,18 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
 
         engine_args = EngineArgs(**engine_kwargs(args))
     if not getattr(args, "api_key", None):
-        args.api_key = api_key_from_env()
+        args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    # Until uvicorn takes over the signals, SIGTERM interrupts the start like Ctrl-C: the engine-core child
-    # is terminated by its client's finalizer instead of being left behind.
+    # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
+    # so that the engine-core child is terminated by its client rather than left behind.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     engine = None
     try:
         logger.info("starting the engine for the API server on %s:%d", host, port)
         engine = AsyncLLM(engine_args)
-        signal.signal(signal.SIGTERM, previous)
         app = build_app(engine, args)
         app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         config = uvicorn.Config(
@@ -393,4 +386,4 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
         sock.close()
 
 
-__all__ = ["build_app", "run_server", "api_key_from_env"]
+__all__ = ["build_app", "run_server"]

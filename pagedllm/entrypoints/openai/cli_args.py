@@ -36,6 +36,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds open requests get to finish at shutdown before they are cancelled (default 5)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry their own `chat_template` (Jinja run on the server; off by default)",
+    )
+    g.add_argument(
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",

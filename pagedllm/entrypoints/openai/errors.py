@@ -16,6 +16,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 
 from pagedllm.engine.exceptions import EngineDeadError
 
@@ -74,9 +75,12 @@ def error_from_exception(exc: BaseException, fields: Iterable[str] = ()) -> Open
         return exc
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"The engine is not available: {exc}", 503)
-    if isinstance(exc, ValueError | TypeError | OverflowError):
-        # Input validation (SamplingParams, InputProcessor, the chat template) raises ValueError naming the
-        # offending value; TypeError/OverflowError come from values of a wrong kind reaching a library.
+    if isinstance(exc, TemplateError):
+        # The chat template itself refused the conversation (e.g. roles out of order).
+        return OpenAIError(f"the chat template rejected the messages: {exc}", 400, "messages")
+    if isinstance(exc, ValueError | OverflowError):
+        # Input validation (SamplingParams, InputProcessor) raises ValueError naming the offending value.
+        # (A TypeError is left to be a 500: past pydantic, it means a bug, not bad input.)
         message = str(exc) or type(exc).__name__
         return OpenAIError(message, 400, param_from_message(message, fields))
     return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_LONG_MIN = -(2**63)
-_LONG_MAX = 2**63 - 1
+# Integers that reach the engine are msgpack int64 on the way: bound them here so that an absurd value is a 400
+# from validation rather than an overflow later.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# OpenAI's limit on choices per prompt (each one is a request in the engine).
+MAX_N = 128
 
 
 def random_uuid() -> str:
@@ -81,28 +84,28 @@ class SamplingFields(OpenAIBaseModel):
     """Request fields that become `SamplingParams` (None means the OpenAI/vLLM default)."""
 
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Field(le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=_LONG_MIN, le=_LONG_MAX)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------------------
@@ -110,11 +113,11 @@ class SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists: each prompt is one choice set.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -164,10 +167,10 @@ class ChatMessageParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -261,7 +264,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -2,8 +2,9 @@
 
 Contract:
 * `messages` (system/user/assistant/..., content a string or a list of text parts) go through the model's
-  chat template (`add_generation_prompt` default true, `continue_final_message`, `chat_template` as in
-  vLLM); the templated text is tokenized without adding special tokens again.
+  chat template (`add_generation_prompt` default true, `continue_final_message` as in vLLM; a request's own
+  `chat_template` only with --trust-request-chat-template); the templated text is tokenized without adding
+  special tokens again. A template that rejects the conversation is a 400.
 * `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context length.
 * `logprobs: true` + `top_logprobs: N` return OpenAI's chat format: `content` = [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}] * N}].
@@ -99,6 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true", 400, "stream_options")
+        self.check_chat_template(request.chat_template)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingFields
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,11 +55,14 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """Base of the completion and chat handlers: one engine, one served model."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.model_config.max_model_len)
         self.served_model_names = served_model_names
+        self.trust_request_chat_template = trust_request_chat_template
 
     @property
     def model_name(self) -> str:
@@ -75,7 +78,16 @@ class OpenAIServing:
         if self.engine.dead or self.engine.errored is not None:
             raise OpenAIError("The engine is not available: the engine core process died.", 503)
 
-    def warn_ignored_fields(self, request: SamplingFields) -> None:
+    def check_chat_template(self, chat_template: str | None) -> None:
+        # A template is code (sandboxed Jinja, but it can still loop for long): only the operator may allow it.
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template in a request is not allowed; start the server with --trust-request-chat-template",
+                400,
+                "chat_template",
+            )
+
+    def warn_ignored_fields(self, request: OpenAIBaseModel) -> None:
         if request.model_extra:
             logger.warning("ignoring unsupported request fields: %s", sorted(request.model_extra))
 

@@ -25,6 +25,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give exactly one of `prompt` or `messages`", 400, "prompt")
+        self.check_chat_template(request.chat_template)
         processor = self.engine.input_processor
         try:
             if request.messages is not None:
@@ -39,8 +40,11 @@ class OpenAIServingTokenization(OpenAIServing):
                 text = request.prompt  # type: ignore[assignment]
                 add_special = request.add_special_tokens is not False
             ids = processor.tokenize(text, add_special_tokens=add_special)
-        except ValueError as e:
-            raise error_from_exception(e, TokenizeRequest.model_fields) from e
+        except Exception as e:
+            err = error_from_exception(e, TokenizeRequest.model_fields)
+            if err.status >= 500:
+                raise
+            raise err from e
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
@@ -52,6 +56,6 @@ class OpenAIServingTokenization(OpenAIServing):
             raise OpenAIError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", 400, "tokens")
         try:
             text = self.tokenizer.decode(request.tokens)
-        except (ValueError, TypeError, OverflowError) as e:
+        except (ValueError, OverflowError) as e:
             raise OpenAIError(f"cannot decode tokens: {e}", 400, "tokens") from e
         return DetokenizeResponse(prompt=text)
