@@ -154,7 +154,8 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping", operation_id="ping_get")
+@router.post("/ping", operation_id="ping_post")
 async def ping(raw_request: Request) -> Response:
     return await health(raw_request)
 
