@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.model.gguf_file import open_gguf
+from pagedllm.model.layers.linear import prepare_for_inference
 from pagedllm.model.registry import get_model_class
 
 _GGUF_NAMES = {
@@ -100,4 +101,5 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu") ->
     path = model_config.model
     weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
+    prepare_for_inference(model)
     return model.eval()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers.linear import linear
+from pagedllm.model.layers.linear import linear, pack_weight
 from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 
@@ -42,11 +42,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states onto the vocabulary; may share its weight with the input embedding."""
 
+    packed_weight: torch.Tensor | None = None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_weights(self) -> bool:
+        self.packed_weight = pack_weight(self.weight)
+        return self.packed_weight is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
