@@ -174,9 +174,10 @@ class ModelRunner:
         return result
 
 
-def _length_groups(sorted_lens: np.ndarray, max_waste: float = 0.25) -> list[tuple[int, int]]:
+def _length_groups(sorted_lens: np.ndarray, max_waste: float = 0.05) -> list[tuple[int, int]]:
     """Split ascending context lengths into runs whose padding to the run's longest stays under max_waste
-    of the padded size: fewer wasted key reads than one padded batch, far fewer calls than one per request."""
+    of the padded size: fewer wasted key reads than one padded batch, far fewer calls than one per request.
+    (Varied benchmark, 64 requests: 0.25 -> 112, 0.1 -> 122, 0.05 -> 125, 0 -> 102 output tok/s.)"""
     groups: list[tuple[int, int]] = []
     start, total = 0, 0
     for i, length in enumerate(sorted_lens.tolist()):
