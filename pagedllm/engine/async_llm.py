@@ -19,7 +19,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
@@ -188,14 +188,15 @@ class AsyncLLM:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 items = outputs.outputs
+                stats = IterationStats()
                 for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
                     processed = self.output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
+                    stats.merge(processed.stats)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
-                for logger_ in self.stat_loggers:
-                    logger_.record(outputs, self)
+                self._record_stats(outputs.scheduler_stats, stats)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -206,6 +207,13 @@ class AsyncLLM:
                 if state.queue is not None:
                     state.queue.put(self.errored)
             self.output_processor.request_states.clear()
+
+    def _record_stats(self, scheduler_stats: Any, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, stats)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("stat logger %r failed", stat_logger)
 
     # ---- utilities ----------------------------------------------------------------------------------
 

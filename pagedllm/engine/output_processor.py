@@ -93,9 +93,38 @@ class RequestState:
 
 
 @dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # arrival -> finish, seconds
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    prefill_time: float  # arrival -> first token (includes queueing: the front end cannot see scheduling)
+    decode_time: float  # first token -> finish
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What the front end observed while processing outputs (feeds metrics; see pagedllm/metrics.py)."""
+
+    num_prompt_tokens: int = 0  # prompts of requests that produced their first token
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def merge(self, other: IterationStats) -> None:
+        self.num_prompt_tokens += other.num_prompt_tokens
+        self.num_generation_tokens += other.num_generation_tokens
+        self.time_to_first_tokens.extend(other.time_to_first_tokens)
+        self.inter_token_latencies.extend(other.inter_token_latencies)
+        self.finished.extend(other.finished)
+
+
+@dataclass(slots=True)
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
+    stats: IterationStats = field(default_factory=IterationStats)
 
 
 class OutputProcessor:
@@ -166,13 +195,19 @@ class OutputProcessor:
         now = time.time()
         request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
+        stats = IterationStats()
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller while the step ran
             if out.new_token_ids:
+                stats.num_generation_tokens += len(out.new_token_ids)
                 if state.first_token_time is None:
                     state.first_token_time = now
+                    stats.num_prompt_tokens += len(state.prompt_token_ids)
+                    stats.time_to_first_tokens.append(now - state.arrival_time)
+                elif state.last_token_time is not None:
+                    stats.inter_token_latencies.append(now - state.last_token_time)
                 state.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -196,13 +231,24 @@ class OutputProcessor:
                 state.finish_reason = str(finish)
                 state.stop_reason = stop_reason
                 self.request_states.pop(out.request_id, None)
+                first = state.first_token_time if state.first_token_time is not None else now
+                stats.finished.append(
+                    FinishedRequestStats(
+                        finish_reason=state.finish_reason,
+                        e2e_latency=now - state.arrival_time,
+                        num_prompt_tokens=len(state.prompt_token_ids),
+                        num_generation_tokens=len(state.token_ids),
+                        prefill_time=first - state.arrival_time,
+                        decode_time=now - first,
+                    )
+                )
             ro = self._make_output(state, now)
             if ro is not None:
                 if state.queue is not None:
                     state.queue.put(ro)
                 else:
                     request_outputs.append(ro)
-        return OutputProcessorOutput(request_outputs, to_abort)
+        return OutputProcessorOutput(request_outputs, to_abort, stats)
 
     def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         result = []

@@ -364,6 +364,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
     try:
         logger.info("starting the engine for the API server on %s:%d", host, port)
         engine = AsyncLLM(engine_args)
+        from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
+
+        engine.stat_loggers += [
+            PrometheusStatLogger(engine.model_config.served_model_name, engine.model_config.max_model_len),
+            LoggingStatLogger(),
+        ]
         app = build_app(engine, args)
         app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         config = uvicorn.Config(
