@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -122,6 +123,17 @@ class _CoreProcess:
         self.terminate()
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
+    def watch(self, on_death: Callable[[], None]) -> None:
+        """Call `on_death` (from a watcher thread) if the child exits while we are not shutting it down."""
+
+        def wait() -> None:
+            self.proc.wait()
+            if not self.shutting_down:
+                logger.error("engine core process died (exit status %s)", self.proc.returncode)
+                on_death()
+
+        threading.Thread(target=wait, daemon=True, name="engine-monitor").start()
+
     def terminate(self) -> None:
         self.shutting_down = True
         if self.proc.poll() is None:
@@ -164,7 +176,7 @@ class SyncMPClient:
         self.dead = False
         self._encoder = msgspec.msgpack.Encoder()
         self._reader.start()
-        threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
+        self.core.watch(self._on_core_death)
 
     def _output_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -184,12 +196,8 @@ class SyncMPClient:
         except zmq.ZMQError:
             return  # context closed at shutdown
 
-    def _monitor(self) -> None:
-        self.core.proc.wait()
-        if self.core.shutting_down:
-            return
+    def _on_core_death(self) -> None:
         self.dead = True
-        logger.error("engine core process died (exit status %s)", self.core.proc.returncode)
         self.outputs.put(_DEAD)
         for fut in list(self.utility_results.values()):
             fut.set_exception(EngineDeadError())
@@ -246,7 +254,7 @@ class AsyncMPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending_sends: set[asyncio.Future] = set()
         self.dead = False
-        threading.Thread(target=self._monitor, daemon=True, name="engine-monitor").start()
+        self.core.watch(self._on_core_death)
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -273,12 +281,8 @@ class AsyncMPClient:
         except (zmq.ZMQError, asyncio.CancelledError):
             return
 
-    def _monitor(self) -> None:
-        self.core.proc.wait()
-        if self.core.shutting_down:
-            return
+    def _on_core_death(self) -> None:
         self.dead = True
-        logger.error("engine core process died (exit status %s)", self.core.proc.returncode)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._fail_pending)

@@ -68,7 +68,6 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    tokenizer: Any
     arrival_time: float
     parent: ParentRequest | None = None
     queue: Any = None  # async consumers put their per-request collector here
@@ -171,7 +170,6 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
-            tokenizer=self.tokenizer,
             arrival_time=arrival_time,
             parent=parent,
             queue=queue,

@@ -108,8 +108,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
-    # Requests the core finished on its own (e.g. aborted); the front end drops their state.
-    finished_requests: list[str] | None = None
     utility_output: UtilityOutput | None = None
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from pagedllm.model.loader import load_model
 from pagedllm.sample.metadata import SamplingMetadata
@@ -192,8 +193,6 @@ def _length_groups(sorted_lens: np.ndarray, max_waste: float = 0.05) -> list[tup
 
 def _slice_lists(lists, row: int, k: int):
     """One request's row of a batch LogprobsLists, keeping the chosen token and its top-k."""
-    from pagedllm.engine.protocol import LogprobsLists
-
     return LogprobsLists(
         token_ids=[lists.token_ids[row][: k + 1]],
         logprobs=[lists.logprobs[row][: k + 1]],
