@@ -1,14 +1,21 @@
 """Prometheus metrics and the periodic stats line, fed by the front end.
 
-The engine core reports `SchedulerStats` with its outputs; the front end adds what it sees per request
-(`IterationStats`: first tokens, inter-token gaps, finished requests) and owns the registry. Names follow
-vLLM's, under the `pagedllm:` prefix, each with a `model_name` label. A stat logger is anything with
-`record(scheduler_stats, iteration_stats)`; `AsyncLLM.stat_loggers` holds them.
+The engine core reports `SchedulerStats` with its outputs, and per-request events (queued, scheduled) with
+each request's outputs; the front end adds what it sees per request (`IterationStats`: first tokens,
+inter-token gaps, finished requests; see output_processor.py for the definitions and clocks of every
+interval) and owns the registry. Names follow vLLM's, under the `pagedllm:` prefix, each with a `model_name`
+label (prometheus_client exports counters with a `_total` suffix and histograms as `_bucket`, `_sum` and
+`_count`). A stat logger is anything with `record(scheduler_stats, iteration_stats)`; `AsyncLLM.stat_loggers`
+holds them.
+
+The stats line is logged every `stats_log_interval()` seconds while the engine is busy: 5 s, or the value of
+$PAGEDLLM_STATS_LOG_INTERVAL (read here, once, by the server at start-up).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -18,6 +25,27 @@ from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_ENV = "PAGEDLLM_STATS_LOG_INTERVAL"
+DEFAULT_STATS_LOG_INTERVAL_S = 5.0
+# Finish reasons whose request_success series exist from the start (at 0), so that rate() sees the first one.
+# Aborted requests are not counted: the caller forgot them, no finished output is ever processed.
+_SUCCESS_REASONS = ("stop", "length")
+
+
+def stats_log_interval() -> float:
+    """Seconds between stats lines: $PAGEDLLM_STATS_LOG_INTERVAL if set (a positive number), else 5."""
+    raw = os.environ.get(STATS_LOG_INTERVAL_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_STATS_LOG_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"${STATS_LOG_INTERVAL_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -78,6 +106,8 @@ def _token_buckets(max_len: int) -> list[int]:
 
 
 class PrometheusStatLogger:
+    """Owns the `pagedllm:` metrics in `registry` (one logger per registry: names cannot be registered twice)."""
+
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry = REGISTRY) -> None:
         labels = ["model_name"]
         self.model_name = model_name
@@ -105,17 +135,21 @@ class PrometheusStatLogger:
             labels + ["finished_reason"],
             registry=registry,
         )
+        for reason in _SUCCESS_REASONS:
+            self._success.labels(model_name, reason)
         tokens = _token_buckets(max_model_len)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a request", _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue = histogram(
-            "request_queue_time_seconds",
-            "Arrival to first scheduled (front-end view: included in the prefill time until the core reports it)",
-            _REQUEST_BUCKETS,
+            "request_queue_time_seconds", "Engine core received the request to first scheduled", _REQUEST_BUCKETS
         )
-        self.prefill = histogram("request_prefill_time_seconds", "Arrival to first token", _REQUEST_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "First token to finish", _REQUEST_BUCKETS)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token (engine-core clock)", _REQUEST_BUCKETS
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token (engine-core clock)", _REQUEST_BUCKETS
+        )
         self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished request", tokens)
         self.req_gen = histogram("request_generation_tokens", "Generated tokens per finished request", tokens)
         self.iteration_tokens = histogram(
@@ -143,8 +177,13 @@ class PrometheusStatLogger:
         for f in stats.finished:
             self._success.labels(self.model_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
-            self.prefill.observe(f.prefill_time)
-            self.decode.observe(f.decode_time)
+            # None only when the core sent no timestamps for the request (not the case for this engine core).
+            if f.queue_time is not None:
+                self.queue.observe(f.queue_time)
+            if f.prefill_time is not None:
+                self.prefill.observe(f.prefill_time)
+            if f.decode_time is not None:
+                self.decode.observe(f.decode_time)
             self.req_prompt.observe(f.num_prompt_tokens)
             self.req_gen.observe(f.num_generation_tokens)
 
@@ -152,7 +191,7 @@ class PrometheusStatLogger:
 class LoggingStatLogger:
     """Logs one line every `interval` seconds while the engine is busy (vLLM's "Avg prompt throughput" line)."""
 
-    def __init__(self, interval: float = 5.0) -> None:
+    def __init__(self, interval: float = DEFAULT_STATS_LOG_INTERVAL_S) -> None:
         self.interval = interval
         self._reset(time.monotonic())
         self.last: SchedulerStats | None = None

@@ -3,6 +3,8 @@
 A request is `num_computed_tokens` catching up with `num_tokens`. There is no prefill or decode phase: a
 chunked prompt, a prefix-cache hit and a recompute after preemption are only different token counts.
 Statuses are ordered so that `is_finished` is `status > PREEMPTED`.
+The scheduler records `EngineCoreEvent`s (queued, scheduled, preempted; core `time.monotonic()`) on the
+request; they leave with its next `EngineCoreOutput` (`take_events`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pagedllm.engine.protocol import EngineCoreRequest, FinishReason
+from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -74,6 +76,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Extra keys mixed into every block hash (e.g. a LoRA adapter id); None when there are none.
         self.cache_salt: str | None = None
+        # Events not yet sent to the front end (see take_events).
+        self.events: list[EngineCoreEvent] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
@@ -102,6 +106,17 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Stamp an event with the core's monotonic clock (or `timestamp`, from the same clock)."""
+        self.events.append(EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events recorded since the last call (None if there were none), for the next output."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def get_finish_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)

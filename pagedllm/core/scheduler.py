@@ -12,6 +12,10 @@ hit by others before they are computed.
 
 The scheduler never touches tensors; `update_from_output` turns the worker's sampled tokens into
 `EngineCoreOutputs` and retires finished requests.
+
+For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
+SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
+first), PREEMPTED when it is preempted. They travel with the request's next EngineCoreOutput.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 class WaitingQueue:
@@ -91,6 +95,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort); unknown or finished ids are ignored."""
@@ -128,6 +133,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        now = time.monotonic()  # the events of this schedule
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -139,7 +145,7 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self._pick_victim(i)
-                self._preempt(victim)
+                self._preempt(victim, now)
                 preempted.add(victim.request_id)
                 if victim is req:
                     break
@@ -163,6 +169,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            req.record_event(EngineCoreEventType.SCHEDULED, now)
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -210,8 +217,9 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
+        req.record_event(EngineCoreEventType.PREEMPTED, now)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -244,6 +252,7 @@ class Scheduler:
                         finish_reason=req.get_finish_reason(),
                         stop_reason=req.stop_reason,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                        events=req.take_events(),
                     )
                 )
             if finished:

@@ -188,11 +188,13 @@ class AsyncLLM:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 items = outputs.outputs
+                core_ts = outputs.timestamp or None  # the core's monotonic clock; 0.0 means not stamped
                 stats = IterationStats()
                 for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
-                    processed = self.output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
+                    chunk = items[start : start + OUTPUT_CHUNK_SIZE]
+                    processed = self.output_processor.process_outputs(chunk, core_ts)
                     stats.merge(processed.stats)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)

@@ -4,6 +4,15 @@ The one loop over a step's outputs: detokenize incrementally, find stop strings 
 then be aborted in the core: returned in `reqs_to_abort`), convert logprobs, stamp times, and build
 RequestOutputs as each request asked (cumulative, delta or final only). A request with n > 1 is fanned out
 into n child requests in the core; `ParentRequest` gathers their completions back into one output.
+
+Stats (`IterationStats`, for pagedllm/metrics.py), with vLLM's definitions. Two clocks, never mixed in one
+interval: TTFT, inter-token latency and E2E latency are front-end wall clock (`time.time()` when outputs are
+processed, minus the front-end `arrival_time`); queue, prefill and decode times are differences of the engine
+core's `time.monotonic()` stamps (its events and `EngineCoreOutputs.timestamp`):
+  queue time   = first SCHEDULED - QUEUED (the scheduler received it; tokenization and transport not included)
+  prefill time = first token's step - first SCHEDULED (a preempted and rescheduled request keeps its first)
+  decode time  = last token's step - first token's step
+so queue + prefill <= TTFT up to the transport of the first token.
 """
 
 from __future__ import annotations
@@ -15,7 +24,14 @@ from typing import Any
 import msgspec
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from pagedllm.engine.protocol import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,6 +98,11 @@ class RequestState:
     last_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Engine-core monotonic timestamps (comparable with each other only), None until seen.
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None  # the first SCHEDULED
+    core_first_token_ts: float | None = None
+    core_last_token_ts: float | None = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -90,15 +111,31 @@ class RequestState:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
+    def update_from_events(self, events: list[EngineCoreEvent]) -> None:
+        """Keep the first QUEUED and the first SCHEDULED (a preempted request is scheduled again later)."""
+        for event in events:
+            if event.type == EngineCoreEventType.QUEUED and self.queued_ts is None:
+                self.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED and self.scheduled_ts is None:
+                self.scheduled_ts = event.timestamp
+
+
+def _interval(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(end - start, 0.0)
+
 
 @dataclass(slots=True)
 class FinishedRequestStats:
+    """One finished request; times in seconds (see the module docstring for the clocks)."""
+
+    request_id: str  # the engine-core id (a child's for n > 1)
     finish_reason: str
-    e2e_latency: float  # arrival -> finish, seconds
+    e2e_latency: float  # front-end arrival -> finish
     num_prompt_tokens: int
     num_generation_tokens: int
-    prefill_time: float  # arrival -> first token (includes queueing: the front end cannot see scheduling)
-    decode_time: float  # first token -> finish
+    queue_time: float | None  # QUEUED -> first SCHEDULED; None when the core sent no events
+    prefill_time: float | None  # first SCHEDULED -> first token
+    decode_time: float | None  # first token -> last token
 
 
 @dataclass(slots=True)
@@ -110,6 +147,41 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def update_from_output(
+        self, state: RequestState, out: EngineCoreOutput, now: float, engine_core_timestamp: float | None
+    ) -> None:
+        """Stamp `state` with one output's events and token times (`now`: front-end wall clock)."""
+        if out.events:
+            state.update_from_events(out.events)
+        if not out.new_token_ids:
+            return
+        if engine_core_timestamp is not None:
+            if state.core_first_token_ts is None:
+                state.core_first_token_ts = engine_core_timestamp
+            state.core_last_token_ts = engine_core_timestamp
+        self.num_generation_tokens += len(out.new_token_ids)
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.num_prompt_tokens += len(state.prompt_token_ids)
+            self.time_to_first_tokens.append(now - state.arrival_time)
+        elif state.last_token_time is not None:
+            self.inter_token_latencies.append(now - state.last_token_time)
+        state.last_token_time = now
+
+    def update_from_finished(self, state: RequestState, now: float) -> None:
+        self.finished.append(
+            FinishedRequestStats(
+                request_id=state.request_id,
+                finish_reason=str(state.finish_reason),
+                e2e_latency=now - state.arrival_time,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=len(state.token_ids),
+                queue_time=_interval(state.queued_ts, state.scheduled_ts),
+                prefill_time=_interval(state.scheduled_ts, state.core_first_token_ts),
+                decode_time=_interval(state.core_first_token_ts, state.core_last_token_ts),
+            )
+        )
 
     def merge(self, other: IterationStats) -> None:
         self.num_prompt_tokens += other.num_prompt_tokens
@@ -189,7 +261,11 @@ class OutputProcessor:
                 removed.append(rid)
         return removed
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], engine_core_timestamp: float | None = None
+    ) -> OutputProcessorOutput:
+        """Process one step's outputs; `engine_core_timestamp` is that step's `EngineCoreOutputs.timestamp`
+        (core monotonic clock; without it prefill and decode times are not measured)."""
         now = time.time()
         request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -198,15 +274,7 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller while the step ran
-            if out.new_token_ids:
-                stats.num_generation_tokens += len(out.new_token_ids)
-                if state.first_token_time is None:
-                    state.first_token_time = now
-                    stats.num_prompt_tokens += len(state.prompt_token_ids)
-                    stats.time_to_first_tokens.append(now - state.arrival_time)
-                elif state.last_token_time is not None:
-                    stats.inter_token_latencies.append(now - state.last_token_time)
-                state.last_token_time = now
+            stats.update_from_output(state, out, now, engine_core_timestamp)
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
@@ -229,17 +297,7 @@ class OutputProcessor:
                 state.finish_reason = str(finish)
                 state.stop_reason = stop_reason
                 self.request_states.pop(out.request_id, None)
-                first = state.first_token_time if state.first_token_time is not None else now
-                stats.finished.append(
-                    FinishedRequestStats(
-                        finish_reason=state.finish_reason,
-                        e2e_latency=now - state.arrival_time,
-                        num_prompt_tokens=len(state.prompt_token_ids),
-                        num_generation_tokens=len(state.token_ids),
-                        prefill_time=first - state.arrival_time,
-                        decode_time=now - first,
-                    )
-                )
+                stats.update_from_finished(state, now)
             ro = self._make_output(state, now)
             if ro is not None:
                 if state.queue is not None:

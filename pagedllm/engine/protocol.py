@@ -2,6 +2,14 @@
 
 Nothing else crosses: no pickle, no tensors, no free-form dicts. The front end sends `EngineCoreRequest`s
 (wrapped by request type) and receives `EngineCoreOutputs`, one per engine step that produced something.
+
+Clocks: `EngineCoreRequest.arrival_time` is the front end's wall clock (`time.time()`). Every timestamp the core
+stamps (`EngineCoreEvent.timestamp`, `EngineCoreOutputs.timestamp`) is the core process's `time.monotonic()`,
+as in vLLM: the front end only subtracts core timestamps from each other (queue, prefill and decode times),
+never from its own clock, so the two processes need not share a clock and a wall-clock step cannot make an
+interval negative.
+
+Fields are only ever added at the end of a Struct and with a default, so that messages keep their shape.
 """
 
 from __future__ import annotations
@@ -74,6 +82,21 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     ranks: list[int]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request inside the core (wire values: never renumber)."""
+
+    QUEUED = 1  # the scheduler received the request
+    SCHEDULED = 2  # the scheduler admitted it from the waiting queue (first time, and again after a preemption)
+    PREEMPTED = 3  # its KV blocks were freed; it went back to the waiting queue to be recomputed
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped event of one request; `timestamp` is the core's `time.monotonic()`."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one step produced for one request."""
 
@@ -84,6 +107,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Events since the request's previous output, oldest first (None when there were none).
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:
@@ -107,7 +132,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # the core's time.monotonic() when the step's outputs were made; 0.0 for utility answers
     utility_output: UtilityOutput | None = None
 
 

@@ -1,14 +1,19 @@
-"""Metrics: the Prometheus counters move as requests complete, and the stats line reports throughput."""
+"""Metrics: the Prometheus counters move as requests complete, the stats line reports throughput, and the
+queue / prefill / decode times follow vLLM's definitions on the engine core's timestamps, also under preemption."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pagedllm import SamplingParams
+from pagedllm import RequestOutput, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
+from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutputs, SchedulerStats
 from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
 from tests.model_utils import make_tiny_model, random_prompts
 
@@ -82,3 +87,104 @@ def test_metrics_move_and_stats_line(tiny_model_dir):
         assert "tokens/s" in line
 
     asyncio.run(main())
+
+
+class _Recorder:
+    """A stat logger that keeps every finished request's stats, by engine-core request id."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, FinishedRequestStats] = {}
+
+    def record(self, sched: SchedulerStats | None, stats: IterationStats) -> None:
+        for f in stats.finished:
+            self.finished[f.request_id] = f
+
+
+def test_queue_prefill_decode_times_with_preemption(tiny_model_dir):
+    """13 blocks of 8 tokens for six concurrent requests of up to 92 tokens: some are preempted and scheduled
+    again. Every request's queue / prefill / decode time follows vLLM's definitions on the core's timestamps
+    (the first SCHEDULED counts, also for a preempted request) and fits inside its TTFT and E2E latency."""
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+    prefix, *rest = random_prompts([24, 7, 16, 20, 31, 40, 60], seed=30)
+    prompts = [prefix + rest[0], rest[2], prefix + rest[1], rest[3], prefix + rest[4], rest[5]]
+    max_tokens = 32
+    events: dict[str, list[EngineCoreEvent]] = defaultdict(list)
+    token_steps: dict[str, list[float]] = defaultdict(list)  # core timestamps of the steps with new tokens
+    results: dict[str, RequestOutput] = {}
+
+    async def main() -> None:
+        engine = AsyncLLM(
+            EngineArgs(
+                model=folder,
+                max_model_len=96,
+                block_size=8,
+                num_gpu_blocks_override=13,
+                max_num_batched_tokens=32,
+                num_threads=1,
+                served_model_name="tiny",
+            )
+        )
+        client = engine.engine_core
+        original = client.get_output_async
+
+        async def spy() -> EngineCoreOutputs:
+            outputs = await original()
+            for out in outputs.outputs:
+                events[out.request_id].extend(out.events or [])
+                if out.new_token_ids:
+                    token_steps[out.request_id].append(outputs.timestamp)
+            return outputs
+
+        client.get_output_async = spy
+        registry = CollectorRegistry()
+        recorder = _Recorder()
+        engine.stat_loggers += [PrometheusStatLogger("tiny", 96, registry), recorder]
+
+        async def run(i: int) -> None:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            async for out in engine.generate({"prompt_token_ids": prompts[i]}, params, f"r{i}"):
+                results[f"r{i}"] = out
+
+        try:
+            await asyncio.gather(*(run(i) for i in range(len(prompts))))
+        finally:
+            engine.shutdown()
+        return registry, recorder
+
+    registry, recorder = asyncio.run(main())
+    assert set(recorder.finished) == set(results) == {f"r{i}" for i in range(len(prompts))}
+    preempted = [rid for rid, evs in events.items() if any(e.type == EngineCoreEventType.PREEMPTED for e in evs)]
+    assert preempted, "the workload was meant to force a preemption"
+    eps = 1e-3  # two clocks (front-end wall, core monotonic) tick at the same rate; allow for rounding only
+    for rid, f in recorder.finished.items():
+        kinds = [e.type for e in events[rid]]
+        assert kinds[0] == EngineCoreEventType.QUEUED and kinds.count(EngineCoreEventType.QUEUED) == 1, kinds
+        scheduled = [e.timestamp for e in events[rid] if e.type == EngineCoreEventType.SCHEDULED]
+        # Admitted once, plus once per preemption.
+        assert len(scheduled) == 1 + kinds.count(EngineCoreEventType.PREEMPTED), kinds
+        assert scheduled == sorted(scheduled)
+        queued = events[rid][0].timestamp
+        assert f.queue_time == max(scheduled[0] - queued, 0.0)
+        assert f.prefill_time == token_steps[rid][0] - scheduled[0]
+        assert f.decode_time == token_steps[rid][-1] - token_steps[rid][0]
+        assert f.queue_time >= 0 and f.prefill_time > 0 and f.decode_time > 0, f
+        metrics = results[rid].metrics
+        ttft = metrics.first_token_time - metrics.arrival_time
+        assert f.queue_time + f.prefill_time <= ttft + eps, (f, ttft)
+        assert f.queue_time + f.prefill_time + f.decode_time <= f.e2e_latency + eps, f
+        assert f.num_generation_tokens == max_tokens
+    for rid in preempted:
+        f = recorder.finished[rid]
+        scheduled = [e.timestamp for e in events[rid] if e.type == EngineCoreEventType.SCHEDULED]
+        assert len(scheduled) >= 2 and scheduled[-1] > scheduled[0]
+        assert f.queue_time < scheduled[-1] - events[rid][0].timestamp  # the first SCHEDULED, not the last
+    n = len(prompts)
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert _value(registry, f"{name}_count") == n, name
+    assert math.isclose(
+        _value(registry, "request_queue_time_seconds_sum"), sum(f.queue_time for f in recorder.finished.values())
+    )
+    assert math.isclose(
+        _value(registry, "request_prefill_time_seconds_sum"), sum(f.prefill_time for f in recorder.finished.values())
+    )
+    assert _value(registry, "num_preemptions_total") >= len(preempted)
