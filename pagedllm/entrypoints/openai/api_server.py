@@ -172,6 +172,8 @@ async def load(raw_request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics() -> Response:
+    """Prometheus text format. Behind the API key like every route but /health and /ping (vLLM leaves it open):
+    a scraper sends the key (`authorization: {credentials: KEY}` in Prometheus' scrape config)."""
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
@@ -362,13 +364,14 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
     previous = signal.signal(signal.SIGTERM, _interrupt)
     engine = None
     try:
+        from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger, stats_log_interval
+
+        stats_interval = stats_log_interval()  # a bad $PAGEDLLM_STATS_LOG_INTERVAL fails before the model loads
         logger.info("starting the engine for the API server on %s:%d", host, port)
         engine = AsyncLLM(engine_args)
-        from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
-
         engine.stat_loggers += [
             PrometheusStatLogger(engine.model_config.served_model_name, engine.model_config.max_model_len),
-            LoggingStatLogger(),
+            LoggingStatLogger(stats_interval),
         ]
         app = build_app(engine, args)
         app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
