@@ -218,8 +218,8 @@ def _first_exchange(entry: Any) -> tuple[str, str] | None:
             return None
         if turn.get("from") in _HUMAN_ROLES:
             prompt, answer = turn.get("value"), reply.get("value")
-            if reply.get("from") in _GPT_ROLES and isinstance(prompt, str) and isinstance(answer, str) and prompt:
-                return prompt, answer
+            if reply.get("from") in _GPT_ROLES and isinstance(prompt, str) and isinstance(answer, str):
+                return (prompt, answer) if prompt and answer else None
             return None
     return None
 

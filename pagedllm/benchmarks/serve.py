@@ -252,6 +252,15 @@ async def send_request(
     return result
 
 
+def fill_output_tokens(results: Sequence[RequestResult], tokenizer: Any) -> None:
+    """Requests the server sent no usage for (output_tokens < 0) count their text's tokens; failed ones 0."""
+    for r in results:
+        if not r.success:
+            r.output_tokens = 0
+        elif r.output_tokens < 0:
+            r.output_tokens = len(encode(tokenizer, r.generated_text))
+
+
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 
@@ -566,10 +575,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     results, duration = asyncio.run(run_requests(args, model, requests, headers))
-    for r in results:
-        if r.success and r.output_tokens < 0:  # the server sent no usage: count the text's tokens
-            r.output_tokens = len(encode(tokenizer, r.generated_text))
-        r.output_tokens = max(r.output_tokens, 0)
+    fill_output_tokens(results, tokenizer)
     metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
     print_summary(metrics, args, args.metric_percentiles)
     print_errors(results)

@@ -9,6 +9,9 @@ torch threads, greedy decoding unless ``--temperature`` says otherwise. Two mode
   batches of ``--hf-batch-size`` in arrival order, left-padded, each batch generating its longest requested
   output (``min_new_tokens = max_new_tokens`` so eos cannot end it early). Only requested tokens count for
   either engine: output tok/s = sum of requested output lengths / wall time.
+  ``--dataset sharegpt|prefix-repetition`` replaces the random token ids by the text prompts of the shared
+  datasets (pagedllm/benchmarks/datasets.py), tokenized with the model's tokenizer, with their output lengths.
+  Timed runs show a progress bar on stderr (``--disable-tqdm`` turns it off).
 * ``decode``: one request (default 128 prompt tokens, 128 output tokens). Each engine is timed generating 1
   token (prefill, "ttft") and the full output; decode tok/s = (output_len - 1) / (t_full - t_1).
 
@@ -41,6 +44,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagedllm.benchmarks.datasets import add_dataset_args
 
 # Ids below this are special/control tokens in SmolLM2 (ids < ~20); stay well clear of them.
 MIN_PROMPT_TOKEN_ID = 100
@@ -108,12 +113,12 @@ class OursRunner:
         self.vocab_size = int(self.llm.config.model_config.vocab_size)
         self.stats: dict[str, Any] = {}
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], progress: bool = False) -> list[list[int]]:
         from pagedllm import SamplingParams
 
         self.llm.reset_prefix_cache()
         params = [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def close(self) -> None:
@@ -169,11 +174,14 @@ class HFRunner:
         self.stats["generated_tokens"] += len(prompts) * max_new
         return out[:, width:].tolist()
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], progress: bool = False) -> list[list[int]]:
+        from tqdm import tqdm
+
         self.stats = {"batch_size": self.batch_size, "padded_prompt_tokens": 0, "generated_tokens": 0}
         results: list[list[int]] = []
+        starts = range(0, len(prompts), self.batch_size)
         with torch.inference_mode():
-            for start in range(0, len(prompts), self.batch_size):
+            for start in tqdm(starts, desc="HF batches", file=sys.stderr, disable=not progress):
                 lens = output_lens[start : start + self.batch_size]
                 rows = self._generate_batch(prompts[start : start + self.batch_size], max(lens))
                 # Only the requested tokens of each row count; the rest is the cost of static batching.
@@ -226,24 +234,46 @@ def _check_lengths(name: str, outs: list[list[int]], wanted: list[int]) -> int:
 # ---- modes -------------------------------------------------------------------------------------------------
 
 
+def build_workload(args: argparse.Namespace, runner: Runner) -> tuple[Workload, dict[str, Any]]:
+    """The requests of --dataset (random token ids by default) and their description for the record."""
+    if args.dataset_name == "random":
+        in_range = (args.input_len, args.input_len) if args.input_len else args.input_len_range
+        out_range = (args.output_len, args.output_len) if args.output_len else args.output_len_range
+        w = make_workload(args.num_prompts, in_range, out_range, runner.vocab_size, args.seed)
+        print(
+            f"workload: {args.num_prompts} requests, input {in_range[0]}-{in_range[1]}, output "
+            f"{out_range[0]}-{out_range[1]}, seed {args.seed}: {w.prompt_tokens} prompt tokens, "
+            f"{w.output_tokens} output tokens",
+            flush=True,
+        )
+        workload = {"num_prompts": args.num_prompts, "input_range": in_range, "output_range": out_range}
+        return w, {"dataset": "random", **workload, "seed": args.seed}
+    from pagedllm.benchmarks.datasets import load_tokenizer, sample_requests
+
+    max_len = runner.llm.config.model_config.max_model_len if isinstance(runner, OursRunner) else None
+    reqs = sample_requests(args, load_tokenizer(args.model), args.num_prompts, args.seed, max_len)
+    w = Workload([r.prompt_token_ids for r in reqs], [r.expected_output_len for r in reqs])
+    print(
+        f"workload: {args.num_prompts} requests from {args.dataset_name}, seed {args.seed}: {w.prompt_tokens} "
+        f"prompt tokens, {w.output_tokens} output tokens",
+        flush=True,
+    )
+    prefix = "prefix_repetition_" if args.dataset_name == "prefix-repetition" else ("sharegpt_", "dataset_path")
+    params = {k: v for k, v in vars(args).items() if k.startswith(prefix)}
+    return w, {"dataset": args.dataset_name, "num_prompts": args.num_prompts, "seed": args.seed, **params}
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    in_range = (args.input_len, args.input_len) if args.input_len else args.input_len_range
-    out_range = (args.output_len, args.output_len) if args.output_len else args.output_len_range
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
     w: Workload | None = None
+    workload: dict[str, Any] = {}
     for runner, load_s in engines(args):
         if w is None:  # the vocabulary comes from the first engine; the workload is fixed from then on
-            w = make_workload(args.num_prompts, in_range, out_range, runner.vocab_size, args.seed)
-            print(
-                f"workload: {args.num_prompts} requests, input {in_range[0]}-{in_range[1]}, output "
-                f"{out_range[0]}-{out_range[1]}, seed {args.seed}: {w.prompt_tokens} prompt tokens, "
-                f"{w.output_tokens} output tokens",
-                flush=True,
-            )
+            w, workload = build_workload(args, runner)
         times = []
         for it in range(args.num_iters):
-            wall, outputs[runner.name] = _timed(runner.generate, w.prompts, w.output_lens)
+            wall, outputs[runner.name] = _timed(runner.generate, w.prompts, w.output_lens, not args.disable_tqdm)
             times.append(wall)
             print(f"  {runner.name}: iteration {it + 1}/{args.num_iters}: {wall:.2f} s", flush=True)
         wall = statistics.median(times)
@@ -263,12 +293,6 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 **runner.stats,
             }
         )
-    workload = {
-        "num_prompts": args.num_prompts,
-        "input_range": in_range,
-        "output_range": out_range,
-        "seed": args.seed,
-    }
     return _report_throughput(args, w, rows, outputs, workload)
 
 
@@ -424,6 +448,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="one small untimed generate per engine before timing (default on)",
     )
     add("--json-out", default=None, metavar="PATH", help="append a JSON record to PATH (JSON lines)")
+    add("--disable-tqdm", action="store_true", help="throughput mode: no progress bar during timed runs")
+    add_dataset_args(parser, random_flags=False)
     return parser
 
 
@@ -434,6 +460,10 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    if args.mode == "decode" and args.dataset_name != "random":
+        raise SystemExit(f"--dataset {args.dataset_name} applies to --mode throughput only (decode uses random ids)")
+    if args.dataset_name == "sharegpt" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
+        raise SystemExit(f"--dataset sharegpt needs --dataset-path to a ShareGPT JSON file, got {args.dataset_path!r}")
 
 
 def _git_commit() -> str | None:
@@ -504,7 +534,11 @@ def main(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run; `prog` names the command in help and in the output."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     args = add_arguments(parser).parse_args(argv)
-    return run(args, None if argv is None else shlex.join([*shlex.split(prog), *argv]))
+    try:
+        return run(args, None if argv is None else shlex.join([*shlex.split(prog), *argv]))
+    except ValueError as e:  # bad input found after parsing (a dataset file, a model path): name it, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -114,9 +114,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from pagedllm.benchmarks import throughput
+    import importlib
 
-    return throughput.main(ns.bench_args, prog="pagedllm bench throughput")
+    module = importlib.import_module(f"pagedllm.benchmarks.{ns.bench_kind}")
+    return module.main(ns.bench_args, prog=f"pagedllm bench {ns.bench_kind}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,8 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: `pagedllm bench throughput --help`")
-    bench.add_argument("bench_kind", choices=["throughput"])
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: `pagedllm bench {throughput,serve,latency} --help`",
+        usage="pagedllm bench {throughput,serve,latency} [options]",
+    )
+    bench.add_argument(
+        "bench_kind",
+        choices=["throughput", "serve", "latency"],
+        help="throughput: offline vs HF transformers; serve: against a running OpenAI-compatible server; "
+        "latency: one batch through LLM",
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     return parser
