@@ -5,6 +5,11 @@ them in chunks (yielding to the event loop between chunks so HTTP handlers stay 
 `RequestOutputCollector` per request. A slow consumer does not block anyone: the collector merges deltas
 (or keeps the newest cumulative output) until it is read. Stop strings found here abort the request in
 the core. If the core dies, every waiting consumer gets `EngineDeadError`.
+
+Stats: every step's SchedulerStats and the front end's IterationStats go to each of `stat_loggers`. When
+aborts leave no request in flight, the last step's stats still count the aborted requests (they ran in it),
+and no further step will correct them: the scheduler stats are then asked of the core once more (a utility
+call, answered after it processed the aborts), so that the gauges read 0 when the engine is idle.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
+
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
+from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
@@ -97,6 +105,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []
+        self._stats_tasks: set[asyncio.Task] = set()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -176,6 +185,7 @@ class AsyncLLM:
         removed = self.output_processor.abort_requests(ids)
         if removed:
             self.engine_core.abort_requests_nowait(removed)
+            self._refresh_stats_if_idle()
 
     # ---- the output handler -------------------------------------------------------------------------
 
@@ -190,6 +200,7 @@ class AsyncLLM:
                 items = outputs.outputs
                 core_ts = outputs.timestamp or None  # the core's monotonic clock; 0.0 means not stamped
                 stats = IterationStats()
+                aborted = False
                 for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
@@ -197,8 +208,11 @@ class AsyncLLM:
                     processed = self.output_processor.process_outputs(chunk, core_ts)
                     stats.merge(processed.stats)
                     if processed.reqs_to_abort:
+                        aborted = True
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, stats)
+                if aborted:
+                    self._refresh_stats_if_idle()
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -217,6 +231,27 @@ class AsyncLLM:
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat logger %r failed", stat_logger)
 
+    def _refresh_stats_if_idle(self) -> None:
+        """After aborts (sent before this call) left no request here, record fresh scheduler stats."""
+        if not self.stat_loggers or self.output_processor.has_unfinished_requests() or self.errored is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the event loop: no stat logger is fed from there either
+            return
+        # Its answer comes after the outputs of the core's last step with the aborted requests, which the output
+        # handler records first (it is woken first, and records a step's stats without awaiting in between).
+        task = loop.create_task(self._refresh_stats(), name="stats-refresh")
+        self._stats_tasks.add(task)
+        task.add_done_callback(self._stats_tasks.discard)
+
+    async def _refresh_stats(self) -> None:
+        try:
+            result = await self.engine_core.call_utility_async("get_scheduler_stats")
+        except Exception:  # a dead engine is reported by the output handler; stats are best effort
+            return
+        self._record_stats(msgspec.convert(result, SchedulerStats), IterationStats())
+
     # ---- utilities ----------------------------------------------------------------------------------
 
     async def check_invariants(self) -> dict[str, Any]:
@@ -231,6 +266,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._handler is not None and not self._handler.done():
             self._handler.cancel()
+        for task in list(self._stats_tasks):
+            task.cancel()
         self.engine_core.shutdown()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,13 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     # ---- utility calls (also reachable over the process boundary) ----------------------------------
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Scheduler stats outside a step (the front end asks when aborts left it idle: the stats of the last
+        step still counted the aborted requests). Counters since the last report, no scheduled tokens."""
+        stats = self.scheduler.make_stats()
+        stats.num_scheduled_tokens = 0
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
