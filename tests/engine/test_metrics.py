@@ -7,6 +7,7 @@ import asyncio
 import math
 from collections import defaultdict
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedllm import RequestOutput, SamplingParams
@@ -14,7 +15,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutputs, SchedulerStats
-from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
+from pagedllm.metrics import STATS_LOG_INTERVAL_ENV, LoggingStatLogger, PrometheusStatLogger, stats_log_interval
 from tests.model_utils import make_tiny_model, random_prompts
 
 NAMES = [
@@ -188,3 +189,53 @@ def test_queue_prefill_decode_times_with_preemption(tiny_model_dir):
         _value(registry, "request_prefill_time_seconds_sum"), sum(f.prefill_time for f in recorder.finished.values())
     )
     assert _value(registry, "num_preemptions_total") >= len(preempted)
+
+
+def test_gauges_back_to_zero_after_client_abort(tiny_model_dir):
+    """A consumer that leaves early aborts its request; the last step's stats still counted it running, so the
+    front end asks the core for fresh stats: running, waiting and KV usage read 0 once the engine is idle."""
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+
+    async def main() -> CollectorRegistry:
+        engine = AsyncLLM(
+            EngineArgs(
+                model=folder, max_model_len=256, kv_cache_memory_bytes="16MiB", num_threads=1, served_model_name="tiny"
+            )
+        )
+        registry = CollectorRegistry()
+        engine.stat_loggers.append(PrometheusStatLogger("tiny", 256, registry))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            stream = engine.generate({"prompt_token_ids": random_prompts([30], seed=4)[0]}, params, "leaver")
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.aclose()  # the generator's finally aborts the request
+            assert _value(registry, "num_requests_running") == 1  # the stats of a step it ran in
+            for _ in range(200):
+                if _value(registry, "num_requests_running") == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await engine.check_invariants())["unfinished"] == 0
+        finally:
+            engine.shutdown()
+        return registry
+
+    registry = asyncio.run(main())
+    assert _value(registry, "num_requests_running") == 0
+    assert _value(registry, "num_requests_waiting") == 0
+    assert _value(registry, "kv_cache_usage_perc") == 0
+    assert _value(registry, "request_success_total", finished_reason="length") == 0  # aborts are not successes
+
+
+def test_stats_log_interval_from_env(monkeypatch):
+    monkeypatch.delenv(STATS_LOG_INTERVAL_ENV, raising=False)
+    assert stats_log_interval() == 5.0
+    monkeypatch.setenv(STATS_LOG_INTERVAL_ENV, "0.25")
+    assert stats_log_interval() == 0.25
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(STATS_LOG_INTERVAL_ENV, bad)
+        with pytest.raises(ValueError, match=STATS_LOG_INTERVAL_ENV):
+            stats_log_interval()
