@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -165,3 +166,11 @@ def test_unreachable_server_is_a_clear_error(capsys):
     # port 9 (discard) on loopback: nothing listens there in the test environment
     assert serve.main(["--base-url", "http://127.0.0.1:9", "--disable-tqdm"]) == 2
     assert "cannot reach the server at http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--plot", "out.png"])
+    assert exc.value.code == 2
+    assert "--plot needs matplotlib: pip install 'pagedllm[bench]'" in capsys.readouterr().err
