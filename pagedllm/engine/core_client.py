@@ -108,6 +108,7 @@ class _CoreProcess:
         poller.register(sync_socket, zmq.POLLIN)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            exited = self.proc.poll() is not None  # checked before the poll: a report sent just before exit wins
             if poller.poll(500):
                 _, payload = sync_socket.recv_multipart()
                 msg = msgspec.msgpack.decode(payload, type=HandshakeMessage)
@@ -118,7 +119,7 @@ class _CoreProcess:
                 if error.startswith("ValueError: "):
                     raise ValueError(error.removeprefix("ValueError: "))
                 raise RuntimeError(f"engine core failed to start: {error}")
-            if self.proc.poll() is not None:
+            if exited:
                 raise EngineDeadError(f"engine core exited with status {self.proc.returncode} during start-up")
         self.terminate()
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")

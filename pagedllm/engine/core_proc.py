@@ -68,6 +68,11 @@ class EngineCoreProc:
         except BaseException as e:  # report, then exit: the client raises with this message
             msg = HandshakeMessage(status="FAILED", error=f"{type(e).__name__}: {e}")
             self.dealer.send(self.encoder.encode(msg))
+            # The process leaves with os._exit: deliver the report first (up to 2 s), or it dies in the queue.
+            self.dealer.setsockopt(zmq.LINGER, 2000)
+            self.dealer.close()
+            self.push.close(linger=0)
+            self.ctx.term()
             raise
         ready = HandshakeMessage(status="READY", num_blocks=self.engine_core.num_blocks, pid=os.getpid())
         self.dealer.send(self.encoder.encode(ready))
