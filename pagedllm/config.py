@@ -150,6 +150,7 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = "cpu"
     num_threads: int = 2
+    enforce_eager: bool = False  # True: no torch.compile'd kernels (decode attention runs gather + SDPA)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    enforce_eager: bool | None = None  # None: $PAGEDLLM_ENFORCE_EAGER ("1" = eager), else False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -242,5 +244,13 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device, num_threads=threads),
+            device_config=DeviceConfig(device=device, num_threads=threads, enforce_eager=self._enforce_eager()),
         )
+
+    def _enforce_eager(self) -> bool:
+        if self.enforce_eager is not None:
+            return bool(self.enforce_eager)
+        value = os.environ.get("PAGEDLLM_ENFORCE_EAGER", "0").strip().lower()
+        if value not in ("0", "1", "true", "false", ""):
+            raise ValueError(f"PAGEDLLM_ENFORCE_EAGER must be 0 or 1, got {value!r}")
+        return value in ("1", "true")

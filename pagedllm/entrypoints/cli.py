@@ -33,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="no torch.compile'd kernels (faster start, slower decode attention); also $PAGEDLLM_ENFORCE_EAGER=1",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +57,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=ns.scheduling_policy,
         num_threads=ns.num_threads,
         seed=ns.seed,
+        enforce_eager=ns.enforce_eager,
     )
 
 

@@ -9,6 +9,9 @@ samples nothing), plus every prompt position of requests that asked for prompt l
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
@@ -21,6 +24,8 @@ from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
@@ -31,6 +36,9 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.model = load_model(config.model_config, device)
         self.sampler = Sampler()
+        self.compiled_decode = not config.device_config.enforce_eager
+        for attn in self.model.attention_layers():
+            attn.compiled_decode = self.compiled_decode
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 
     # ---- KV cache ----------------------------------------------------------------------------------
@@ -49,6 +57,27 @@ class ModelRunner:
                 torch.zeros(shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device),
             )
+        if self.compiled_decode:
+            self._warm_up_decode()
+
+    @torch.inference_mode()
+    def _warm_up_decode(self) -> None:
+        """Compile the decode attention now (groups are padded to >= 2 x 2, so this one graph serves every
+        step), so no request pays for it."""
+        from pagedllm.model.layers.attention import compiled_paged_decode
+
+        start = time.perf_counter()
+        attn = next(iter(self.model.attention_layers()))
+        k_cache, v_cache = attn.kv_cache
+        fn = compiled_paged_decode()
+        q = torch.zeros(2, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=self.device)
+        # A width equal to no other size: the compiler assumes sizes that are equal at compile time stay equal.
+        taken = {2, *q.shape, *k_cache.shape}
+        width = next(w for w in range(3, 1 << 20) if w not in taken)
+        table = torch.zeros(2, width, dtype=torch.int64, device=self.device)
+        lens = torch.ones(2, dtype=torch.int64, device=self.device)
+        fn(q, k_cache, v_cache, table, lens, attn.scale)
+        logger.info("compiled the paged decode attention in %.1f s", time.perf_counter() - start)
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -134,11 +163,21 @@ class ModelRunner:
                 max_len = int(lens[-1])
                 max_blocks = -(-max_len // bs)
                 table = self.input_batch.block_table[rows[start:end], :max_blocks]
-                mask = None
-                if lens[0] != max_len:
-                    span = np.arange(max_blocks * bs)
-                    mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
-                meta.decode_groups.append(DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len))
+                if self.compiled_decode:
+                    # Pad to >= 2 rows and >= 2 blocks (see Attention._decode); padded rows attend to one slot.
+                    n, width = max(2, end - start), max(2, max_blocks)
+                    padded = np.zeros((n, width), dtype=np.int64)
+                    padded[: end - start, :max_blocks] = table
+                    seq = np.ones(n, dtype=np.int64)
+                    seq[: end - start] = lens
+                    group = DecodeGroup(start, end, self._t(padded), None, max_len, self._t(seq))
+                else:
+                    mask = None
+                    if lens[0] != max_len:
+                        span = np.arange(max_blocks * bs)
+                        mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
+                    group = DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len)
+                meta.decode_groups.append(group)
         for i in range(num_decodes, len(states)):
             ctx, q = int(starts[i]), int(n_tok[i])
             seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)

@@ -49,6 +49,25 @@ def test_bad_engine_args(model_dir, kwargs, match):
         EngineArgs(model=model_dir, **kwargs).create_engine_config()
 
 
+@pytest.mark.parametrize(
+    "arg, env, expected",
+    [(None, "1", True), (None, "0", False), (None, None, False), (True, "0", True), (False, "1", False)],
+)
+def test_enforce_eager_from_argument_or_environment(model_dir, monkeypatch, arg, env, expected):
+    if env is None:
+        monkeypatch.delenv("PAGEDLLM_ENFORCE_EAGER", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDLLM_ENFORCE_EAGER", env)
+    config = EngineArgs(model=model_dir, enforce_eager=arg).create_engine_config()
+    assert config.device_config.enforce_eager is expected
+
+
+def test_bad_enforce_eager_environment(model_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ENFORCE_EAGER", "sometimes")
+    with pytest.raises(ValueError, match="PAGEDLLM_ENFORCE_EAGER.*sometimes"):
+        EngineArgs(model=model_dir).create_engine_config()
+
+
 def test_unknown_engine_argument(model_dir):
     with pytest.raises(ValueError, match="gpu_memory_utilisation"):
         LLM(model_dir, gpu_memory_utilisation=0.5)
