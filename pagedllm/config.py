@@ -150,7 +150,7 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = "cpu"
     num_threads: int = 2
-    enforce_eager: bool = False  # True: no torch.compile'd kernels (decode attention runs gather + SDPA)
+    enforce_eager: bool = True  # False: decode attention through the torch.compile'd paged kernel
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,9 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
-    enforce_eager: bool | None = None  # None: $PAGEDLLM_ENFORCE_EAGER ("1" = eager), else False
+    # None: $PAGEDLLM_ENFORCE_EAGER ("0" turns the compiled decode attention on), else True. Eager is the
+    # default until the compiled kernel measurably wins end to end (bench/RESULTS.md: +5 % uniform, -5 % varied).
+    enforce_eager: bool | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -250,7 +252,7 @@ class EngineArgs:
     def _enforce_eager(self) -> bool:
         if self.enforce_eager is not None:
             return bool(self.enforce_eager)
-        value = os.environ.get("PAGEDLLM_ENFORCE_EAGER", "0").strip().lower()
+        value = os.environ.get("PAGEDLLM_ENFORCE_EAGER", "1").strip().lower()
         if value not in ("0", "1", "true", "false", ""):
             raise ValueError(f"PAGEDLLM_ENFORCE_EAGER must be 0 or 1, got {value!r}")
-        return value in ("1", "true")
+        return value in ("1", "true", "")

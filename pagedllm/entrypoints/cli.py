@@ -35,9 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--enforce-eager",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="no torch.compile'd kernels (faster start, slower decode attention); also $PAGEDLLM_ENFORCE_EAGER=1",
+        help="eager decode attention (the default); --no-enforce-eager uses the torch.compile'd paged kernel "
+        "(experimental, ~10 s more at start); also $PAGEDLLM_ENFORCE_EAGER=0/1",
     )
 
 

@@ -51,7 +51,7 @@ def test_bad_engine_args(model_dir, kwargs, match):
 
 @pytest.mark.parametrize(
     "arg, env, expected",
-    [(None, "1", True), (None, "0", False), (None, None, False), (True, "0", True), (False, "1", False)],
+    [(None, "1", True), (None, "0", False), (None, None, True), (True, "0", True), (False, "1", False)],
 )
 def test_enforce_eager_from_argument_or_environment(model_dir, monkeypatch, arg, env, expected):
     if env is None:
