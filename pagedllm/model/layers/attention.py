@@ -139,10 +139,10 @@ class Attention(nn.Module):
             # on size 1 and one compiled graph serves every step); a fresh q avoids specialising on its offset.
             n = q.shape[0]
             rows = group.block_table.shape[0]
-            if rows > n:
-                q = torch.cat([q, q.new_zeros(rows - n, *q.shape[1:])])
+            # One copy either way: the padded concatenation, or a clone of the slice.
+            q = torch.cat([q, q.new_zeros(rows - n, *q.shape[1:])]) if rows > n else q.clone()
             fn = compiled_paged_decode()
-            return fn(q.clone(), k_cache, v_cache, group.block_table, group.seq_lens, self.scale)[:n]
+            return fn(q, k_cache, v_cache, group.block_table, group.seq_lens, self.scale)[:n]
         n = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced
