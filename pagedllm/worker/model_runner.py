@@ -18,7 +18,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import LogprobsLists
-from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from pagedllm.model.loader import load_model
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
@@ -39,6 +39,7 @@ class ModelRunner:
         self.compiled_decode = not config.device_config.enforce_eager
         for attn in self.model.attention_layers():
             attn.compiled_decode = self.compiled_decode
+        self.workspace = GatherWorkspace()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 
     # ---- KV cache ----------------------------------------------------------------------------------
@@ -155,7 +156,9 @@ class ModelRunner:
     ) -> AttentionMetadata:
         bs = self.block_size
         num_decodes = int(np.count_nonzero(n_tok == 1))
-        meta = AttentionMetadata(num_tokens=int(cu[-1]), slot_mapping=self._t(slots), num_decodes=num_decodes)
+        meta = AttentionMetadata(
+            num_tokens=int(cu[-1]), slot_mapping=self._t(slots), num_decodes=num_decodes, workspace=self.workspace
+        )
         if num_decodes:
             seq_lens = starts[:num_decodes] + 1  # sorted ascending by the caller
             for start, end in _length_groups(seq_lens):

@@ -87,6 +87,30 @@ def compiled_paged_decode():
     return _compiled_decode
 
 
+class GatherWorkspace:
+    """Reused buffers that attention gathers cached blocks into, one for keys and one for values.
+
+    Every layer gathers its context out of the paged cache; into a fresh multi-megabyte tensor each time,
+    `index_select` ran 3-4x slower on the CPU than into a reused one (the fresh pages fault in), and at 64
+    decodes of 320 tokens the gathers were 58 % of a step. The gathered tensor only lives until that layer's
+    attention has read it, so one pair of buffers, grown on demand, serves every layer and group in turn.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
+        """cache [num_blocks, ...] rows `blocks` (flat int64) -> [len(blocks), ...] in buffer `slot` (0 or 1)."""
+        shape = (blocks.numel(), *cache.shape[1:])
+        numel = blocks.numel() * cache[0].numel()
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty(numel + numel // 4, dtype=cache.dtype, device=cache.device)
+            self._buffers[slot] = buf
+        out = buf[:numel].view(shape)
+        return torch.index_select(cache, 0, blocks, out=out)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     num_tokens: int
@@ -94,6 +118,12 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are single-token requests
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    workspace: GatherWorkspace | None = None  # reused gather buffers (the model runner keeps one)
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
+        if self.workspace is None:
+            return cache.index_select(0, blocks)
+        return self.workspace.gather(cache, blocks, slot)
 
 
 class Attention(nn.Module):
@@ -125,14 +155,14 @@ class Attention(nn.Module):
 
         out = torch.empty(q.shape[0], self.num_heads, d, dtype=q.dtype, device=q.device)
         for group in meta.decode_groups:
-            out[group.start : group.end] = self._decode(q[group.start : group.end], k_cache, v_cache, group)
+            out[group.start : group.end] = self._decode(q[group.start : group.end], k_cache, v_cache, group, meta)
         for seg in meta.prefills:
             s, e = seg.query_start, seg.query_start + seg.query_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seg)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seg, meta)
         return out.view(q.shape[0], self.num_heads * d)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, meta: AttentionMetadata
     ) -> torch.Tensor:
         if self.compiled_decode and group.seq_lens is not None:
             # The model runner pads groups to >= 2 requests and >= 2 blocks (so the compiler never specialises
@@ -148,8 +178,8 @@ class Attention(nn.Module):
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced
         # indexing on CPU) and view it as [n, Hkv, L, D] without a second copy.
         flat = group.block_table.view(-1)
-        keys = k_cache.index_select(0, flat).view(n, -1, hkv, d)
-        values = v_cache.index_select(0, flat).view(n, -1, hkv, d)
+        keys = meta.gather(k_cache, flat, 0).view(n, -1, hkv, d)
+        values = meta.gather(v_cache, flat, 1).view(n, -1, hkv, d)
         if group.mask is None:  # no padding in the gathered blocks: trim to the exact length
             keys, values = keys[:, : group.max_len], values[:, : group.max_len]
         o = F.scaled_dot_product_attention(
@@ -170,6 +200,7 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         seg: PrefillSegment,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if seg.context_len == 0:
@@ -180,7 +211,7 @@ class Attention(nn.Module):
             total = seg.context_len + seg.query_len
             hkv, d = self.num_kv_heads, self.head_dim
             table = seg.block_table
-            kh = k_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            vh = v_cache.index_select(0, table).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            kh = meta.gather(k_cache, table, 0).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            vh = meta.gather(v_cache, table, 1).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
