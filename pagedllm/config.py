@@ -146,11 +146,16 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
     num_threads: int = 2
-    enforce_eager: bool = True  # False: decode attention through the torch.compile'd paged kernel
+    # "native": decode attention through the C++ CPU kernel (model/layers/cpu_kernels.py); "torch": gather + SDPA;
+    # "auto": native where it applies (CPU, float32) and builds, else torch.
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,9 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
-    # None: $PAGEDLLM_ENFORCE_EAGER ("0" turns the compiled decode attention on), else True. Eager is the
-    # default until the compiled kernel measurably wins end to end (bench/RESULTS.md: +5 % uniform, -5 % varied).
+    # None: $PAGEDLLM_ATTENTION_BACKEND, else "auto" (see DeviceConfig.attention_backend).
+    attention_backend: str | None = None
+    # Accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager whatever this says.
     enforce_eager: bool | None = None
 
     @classmethod
@@ -246,13 +252,16 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device, num_threads=threads, enforce_eager=self._enforce_eager()),
+            device_config=DeviceConfig(device=device, num_threads=threads, attention_backend=self._attention_backend()),
         )
 
-    def _enforce_eager(self) -> bool:
-        if self.enforce_eager is not None:
-            return bool(self.enforce_eager)
-        value = os.environ.get("PAGEDLLM_ENFORCE_EAGER", "1").strip().lower()
-        if value not in ("0", "1", "true", "false", ""):
-            raise ValueError(f"PAGEDLLM_ENFORCE_EAGER must be 0 or 1, got {value!r}")
-        return value in ("1", "true", "")
+    def _attention_backend(self) -> str:
+        value = self.attention_backend
+        source = "attention_backend"
+        if value is None:
+            value = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto")
+            source = "PAGEDLLM_ATTENTION_BACKEND"
+        value = value.strip().lower()
+        if value not in ATTENTION_BACKENDS:
+            raise ValueError(f"{source} must be one of {', '.join(ATTENTION_BACKENDS)}, got {value!r}")
+        return value

@@ -34,11 +34,17 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--attention-backend",
+        choices=["auto", "native", "torch"],
+        default=None,
+        help="decode attention: native (C++ CPU kernel, built once per machine), torch (gather + SDPA), or auto "
+        "(native on the CPU in float32 where it builds; the default); also $PAGEDLLM_ATTENTION_BACKEND",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="eager decode attention (the default); --no-enforce-eager uses the torch.compile'd paged kernel "
-        "(experimental, ~10 s more at start); also $PAGEDLLM_ENFORCE_EAGER=0/1",
+        help="accepted for vLLM compatibility; pagedllm captures no graphs, so runs are always eager",
     )
 
 
@@ -59,6 +65,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         num_threads=ns.num_threads,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
+        attention_backend=ns.attention_backend,
     )
 
 

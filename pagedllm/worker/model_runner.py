@@ -10,7 +10,6 @@ samples nothing), plus every prompt position of requests that asked for prompt l
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
@@ -36,9 +35,9 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.model = load_model(config.model_config, device)
         self.sampler = Sampler()
-        self.compiled_decode = not config.device_config.enforce_eager
+        self.decode_op = self._decode_kernel()
         for attn in self.model.attention_layers():
-            attn.compiled_decode = self.compiled_decode
+            attn.decode_op = self.decode_op
         self.workspace = GatherWorkspace()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 
@@ -58,27 +57,24 @@ class ModelRunner:
                 torch.zeros(shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device),
             )
-        if self.compiled_decode:
-            self._warm_up_decode()
 
-    @torch.inference_mode()
-    def _warm_up_decode(self) -> None:
-        """Compile the decode attention now (groups are padded to >= 2 x 2, so this one graph serves every
-        step), so no request pays for it."""
-        from pagedllm.model.layers.attention import compiled_paged_decode
+    def _decode_kernel(self):
+        """The native paged decode kernel when the configured backend and this device and dtype allow it."""
+        backend = self.config.device_config.attention_backend
+        applies = self.device.type == "cpu" and self.config.model_config.dtype == torch.float32
+        if backend == "torch" or (backend == "auto" and not applies):
+            return None
+        if not applies:
+            raise ValueError(
+                f"attention_backend 'native' needs the CPU and float32, got {self.device.type} and "
+                f"{self.config.model_config.dtype}"
+            )
+        from pagedllm.model.layers.cpu_kernels import paged_decode_op
 
-        start = time.perf_counter()
-        attn = next(iter(self.model.attention_layers()))
-        k_cache, v_cache = attn.kv_cache
-        fn = compiled_paged_decode()
-        q = torch.zeros(2, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=self.device)
-        # A width equal to no other size: the compiler assumes sizes that are equal at compile time stay equal.
-        taken = {2, *q.shape, *k_cache.shape}
-        width = next(w for w in range(3, 1 << 20) if w not in taken)
-        table = torch.zeros(2, width, dtype=torch.int64, device=self.device)
-        lens = torch.ones(2, dtype=torch.int64, device=self.device)
-        fn(q, k_cache, v_cache, table, lens, attn.scale)
-        logger.info("compiled the paged decode attention in %.1f s", time.perf_counter() - start)
+        op = paged_decode_op()
+        if op is None and backend == "native":
+            raise ValueError("attention_backend 'native': the CPU kernel could not be built here (see the log)")
+        return op
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -161,26 +157,25 @@ class ModelRunner:
         )
         if num_decodes:
             seq_lens = starts[:num_decodes] + 1  # sorted ascending by the caller
-            for start, end in _length_groups(seq_lens):
-                lens = seq_lens[start:end]
-                max_len = int(lens[-1])
-                max_blocks = -(-max_len // bs)
-                table = self.input_batch.block_table[rows[start:end], :max_blocks]
-                if self.compiled_decode:
-                    # Pad to >= 2 rows and >= 2 blocks (see Attention._decode); padded rows attend to one slot.
-                    n, width = max(2, end - start), max(2, max_blocks)
-                    padded = np.zeros((n, width), dtype=np.int64)
-                    padded[: end - start, :max_blocks] = table
-                    seq = np.ones(n, dtype=np.int64)
-                    seq[: end - start] = lens
-                    group = DecodeGroup(start, end, self._t(padded), None, max_len, self._t(seq))
-                else:
+            if self.decode_op is not None:
+                # One call of the native kernel over every decode: no padding, no mask.
+                max_blocks = -(-int(seq_lens[-1]) // bs)
+                table = self.input_batch.block_table[rows[:num_decodes], :max_blocks]
+                meta.decode_groups.append(
+                    DecodeGroup(0, num_decodes, self._t(table), None, int(seq_lens[-1]), self._t(seq_lens))
+                )
+            else:
+                for start, end in _length_groups(seq_lens):
+                    lens = seq_lens[start:end]
+                    max_len = int(lens[-1])
+                    max_blocks = -(-max_len // bs)
+                    table = self.input_batch.block_table[rows[start:end], :max_blocks]
                     mask = None
                     if lens[0] != max_len:
                         span = np.arange(max_blocks * bs)
                         mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
                     group = DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len)
-                meta.decode_groups.append(group)
+                    meta.decode_groups.append(group)
         for i in range(num_decodes, len(states)):
             ctx, q = int(starts[i]), int(n_tok[i])
             seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)

@@ -51,21 +51,31 @@ def test_bad_engine_args(model_dir, kwargs, match):
 
 @pytest.mark.parametrize(
     "arg, env, expected",
-    [(None, "1", True), (None, "0", False), (None, None, True), (True, "0", True), (False, "1", False)],
+    [(None, None, "auto"), (None, "torch", "torch"), (None, " Native ", "native"), ("torch", "native", "torch")],
 )
-def test_enforce_eager_from_argument_or_environment(model_dir, monkeypatch, arg, env, expected):
+def test_attention_backend_from_argument_or_environment(model_dir, monkeypatch, arg, env, expected):
     if env is None:
-        monkeypatch.delenv("PAGEDLLM_ENFORCE_EAGER", raising=False)
+        monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
     else:
-        monkeypatch.setenv("PAGEDLLM_ENFORCE_EAGER", env)
-    config = EngineArgs(model=model_dir, enforce_eager=arg).create_engine_config()
-    assert config.device_config.enforce_eager is expected
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", env)
+    config = EngineArgs(model=model_dir, attention_backend=arg).create_engine_config()
+    assert config.device_config.attention_backend == expected
 
 
-def test_bad_enforce_eager_environment(model_dir, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_ENFORCE_EAGER", "sometimes")
-    with pytest.raises(ValueError, match="PAGEDLLM_ENFORCE_EAGER.*sometimes"):
-        EngineArgs(model=model_dir).create_engine_config()
+@pytest.mark.parametrize(
+    "arg, env, match", [("flash", None, "attention_backend.*flash"), (None, "sdpa", "PAGEDLLM_ATTENTION_BACKEND.*sdpa")]
+)
+def test_bad_attention_backend(model_dir, monkeypatch, arg, env, match):
+    if env is not None:
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", env)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=model_dir, attention_backend=arg).create_engine_config()
+
+
+def test_enforce_eager_is_accepted(model_dir):
+    """vLLM scripts pass enforce_eager; it is accepted (pagedllm never captures graphs) and changes nothing."""
+    config = EngineArgs(model=model_dir, enforce_eager=True).create_engine_config()
+    assert config == EngineArgs(model=model_dir, enforce_eager=False).create_engine_config()
 
 
 def test_unknown_engine_argument(model_dir):

@@ -100,12 +100,13 @@ def shared_prefix_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_greedy_batch_matches_hf(model_dir: str, eager: bool) -> None:
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
     """Eight prompts of 3..150 tokens in one call (positions up to 181, past the llama3 original 64), with the
-    decode attention eager (gather + SDPA in length groups) and compiled (fused paged kernel)."""
+    decode attention of each backend: the native CPU kernel (one call over all decodes) and torch (gather +
+    SDPA in length groups)."""
     prompts = random_prompts([3, 9, 16, 17, 40, 64, 100, 150], seed=10)
-    engine = dict(ENGINE, enforce_eager=eager)
+    engine = dict(ENGINE, attention_backend=backend)
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         outs = generate(llm, prompts, greedy())
         assert_idle(llm)

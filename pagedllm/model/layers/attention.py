@@ -13,11 +13,9 @@ new tokens (a prompt chunk, possibly after cached or earlier-computed context). 
 3. each multi-token segment attends on its own: causal over its fresh keys when it has no context,
    otherwise over the context gathered from its blocks plus itself with a causal offset mask.
 
-With `compiled_decode` on (opt-in: `enforce_eager=False`), step 2 is one torch.compile'd function
-(`paged_decode_attention`) written as plain reductions over the block table: the compiler fuses the gather into
-the dot products and the weighted sum, so keys and values are read in place from their blocks instead of being
-copied out and read again (alone, 2-5x faster than gather + SDPA for 8-64 decodes on the CPU; end to end only
-+5 % on the uniform benchmark and -5 % on the varied one, hence opt-in; on CUDA it compiles to Triton).
+With the native backend (the default on the CPU in float32, see cpu_kernels.py), step 2 is instead one call of
+a C++ kernel over every decode of the batch (one group, no padding): it reads keys and values in place from
+their blocks. Elsewhere (other devices and dtypes, or `attention_backend="torch"`) step 2 is the torch path.
 
 The metadata is built once per step by the model runner and passed down explicitly, never via a global.
 """
@@ -51,40 +49,7 @@ class DecodeGroup:
     block_table: torch.Tensor  # [n, max_blocks] int64
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend; None if no padding
     max_len: int = 0  # context length of the longest request in the group
-    seq_lens: torch.Tensor | None = None  # [n] int64 context length of each request (new token included)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per request against its paged context: q [n, Hq, D], caches [blocks, B, Hkv, D],
-    block_table [n, max_blocks], seq_lens [n] -> [n, Hq, D]. Written as elementwise products and sums (no
-    matmul) so that a compiler can fuse the block gather into them; eager it is merely correct."""
-    n, num_heads, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    span = block_table.shape[1] * block_size
-    keys = k_cache[block_table].view(n, span, hkv, 1, d)
-    values = v_cache[block_table].view(n, span, hkv, 1, d)
-    scores = (q.view(n, 1, hkv, num_heads // hkv, d) * keys).sum(-1) * scale  # [n, L, Hkv, G]
-    pad = torch.arange(span, device=q.device)[None, :] >= seq_lens[:, None]
-    probs = torch.softmax(scores.masked_fill(pad[:, :, None, None], float("-inf")), dim=1)
-    return (probs.unsqueeze(-1) * values).sum(1).reshape(n, num_heads, d)
-
-
-_compiled_decode = None
-
-
-def compiled_paged_decode():
-    """`paged_decode_attention` under torch.compile (dynamic shapes), built on first use."""
-    global _compiled_decode
-    if _compiled_decode is None:
-        _compiled_decode = torch.compile(paged_decode_attention, dynamic=True)
-    return _compiled_decode
+    seq_lens: torch.Tensor | None = None  # [n] int64 context length of each request (native kernel only)
 
 
 class GatherWorkspace:
@@ -141,7 +106,7 @@ class Attention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.compiled_decode = False  # set by the model runner (off under enforce_eager)
+        self.decode_op = None  # the native paged decode kernel, set by the model runner when it uses it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
@@ -164,15 +129,10 @@ class Attention(nn.Module):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.compiled_decode and group.seq_lens is not None:
-            # The model runner pads groups to >= 2 requests and >= 2 blocks (so the compiler never specialises
-            # on size 1 and one compiled graph serves every step); a fresh q avoids specialising on its offset.
-            n = q.shape[0]
-            rows = group.block_table.shape[0]
-            # One copy either way: the padded concatenation, or a clone of the slice.
-            q = torch.cat([q, q.new_zeros(rows - n, *q.shape[1:])]) if rows > n else q.clone()
-            fn = compiled_paged_decode()
-            return fn(q, k_cache, v_cache, group.block_table, group.seq_lens, self.scale)[:n]
+        if self.decode_op is not None and group.seq_lens is not None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            self.decode_op(out, q.contiguous(), k_cache, v_cache, group.block_table, group.seq_lens, self.scale)
+            return out
         n = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced
