@@ -54,60 +54,64 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
   const int64_t d = D > 0 ? D : d_rt;
   const int64_t g = hq / hkv;
   const int64_t row = hkv * d;  // floats between consecutive tokens of one block
-  at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(g * d), mx(g), inv(g);
+  // An item is one request's KV heads [h0, h0 + hs): all of them when there are enough requests to keep every
+  // thread busy (each cached token row is then read whole and in order), one each otherwise.
+  const int64_t hs = n >= 4 * at::get_num_threads() ? hkv : 1;
+  const int64_t per_req = hkv / hs, rows = hs * g;  // query heads per item
+  at::parallel_for(0, n * per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(rows * d), mx(rows), inv(rows);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / hkv, h = item % hkv, len = lp[i];
-      const float* qi = qp + (i * hq + h * g) * d;
+      const int64_t i = item / per_req, h0 = (item % per_req) * hs, len = lp[i];
+      const float* qi = qp + (i * hq + h0 * g) * d;  // the item's query heads are consecutive
       const int64_t* table = tp + i * width;
-      scores.resize(g * len);
+      scores.resize(rows * len);
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       for (int64_t l0 = 0; l0 < len; l0 += bs) {
-        const float* kb = kp + table[l0 / bs] * bs * row + h * d;
+        const float* kb = kp + table[l0 / bs] * bs * row + h0 * d;
         const int64_t m = std::min(bs, len - l0);
         for (int64_t t = 0; t < m; ++t) {
-          const float* kr = kb + t * row;
-          for (int64_t j = 0; j < g; ++j) {
-            const float* qj = qi + j * d;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* kr = kb + t * row + (r / g) * d;
+            const float* qr = qi + r * d;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t x = 0; x < d; ++x) s += qj[x] * kr[x];
+            for (int64_t x = 0; x < d; ++x) s += qr[x] * kr[x];
             s *= sc;
-            scores[j * len + l0 + t] = s;
-            mx[j] = std::max(mx[j], s);
+            scores[r * len + l0 + t] = s;
+            mx[r] = std::max(mx[r], s);
           }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        float* sj = scores.data() + j * len;
-        const float m = mx[j];
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * len;
+        const float m = mx[r];
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t l = 0; l < len; ++l) {
-          const float e = expf(sj[l] - m);
-          sj[l] = e;
+          const float e = expf(sr[l] - m);
+          sr[l] = e;
           sum += e;
         }
-        inv[j] = 1.f / sum;
+        inv[r] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l0 = 0; l0 < len; l0 += bs) {
-        const float* vb = vp + table[l0 / bs] * bs * row + h * d;
+        const float* vb = vp + table[l0 / bs] * bs * row + h0 * d;
         const int64_t m = std::min(bs, len - l0);
         for (int64_t t = 0; t < m; ++t) {
-          const float* vr = vb + t * row;
-          for (int64_t j = 0; j < g; ++j) {
-            const float p = scores[j * len + l0 + t];
-            float* aj = acc.data() + j * d;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* vr = vb + t * row + (r / g) * d;
+            const float p = scores[r * len + l0 + t];
+            float* ar = acc.data() + r * d;
 #pragma omp simd
-            for (int64_t x = 0; x < d; ++x) aj[x] += p * vr[x];
+            for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
           }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        float* oj = op + (i * hq + h * g + j) * d;
-        const float* aj = acc.data() + j * d;
-        for (int64_t x = 0; x < d; ++x) oj[x] = aj[x] * inv[j];
+      for (int64_t r = 0; r < rows; ++r) {
+        float* orow = op + (i * hq + h0 * g + r) * d;
+        const float* ar = acc.data() + r * d;
+        for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * inv[r];
       }
     }
   });
