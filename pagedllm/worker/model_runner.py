@@ -17,6 +17,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.model.layers import cpu_kernels
 from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from pagedllm.model.loader import load_model
 from pagedllm.sample.metadata import SamplingMetadata
@@ -36,6 +37,8 @@ class ModelRunner:
         self.model = load_model(config.model_config, device)
         self.sampler = Sampler()
         self.decode_op = self._decode_kernel()
+        # The native backend also routes RMSNorm, SiLU-and-mul and rotary through the C++ kernels.
+        cpu_kernels.set_active(cpu_kernels.load() if self.decode_op is not None else None)
         for attn in self.model.attention_layers():
             attn.decode_op = self.decode_op
         self.workspace = GatherWorkspace()
@@ -69,9 +72,7 @@ class ModelRunner:
                 f"attention_backend 'native' needs the CPU and float32, got {self.device.type} and "
                 f"{self.config.model_config.dtype}"
             )
-        from pagedllm.model.layers.cpu_kernels import paged_decode_op
-
-        op = paged_decode_op()
+        op = cpu_kernels.paged_decode_op()
         if op is None and backend == "native":
             raise ValueError("attention_backend 'native': the CPU kernel could not be built here (see the log)")
         return op

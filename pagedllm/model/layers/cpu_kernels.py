@@ -27,6 +27,9 @@ import os
 import platform
 import shutil
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +120,105 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
   });
 }
 
+static void check_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+// out[t, k] = silu(x[t, k]) * x[t, I + k] for x [T, 2I] (gate | up), out [T, I].
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  check_float(out, "out");
+  check_float(x, "x");
+  const int64_t rows = x.size(0), inner = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == rows && x.size(1) == 2 * inner, "x [T, 2I], out [T, I]");
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * inner, 8192, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t t = begin / inner, k0 = begin % inner, k1 = std::min(inner, k0 + (end - begin));
+      const float* g = xp + t * 2 * inner;
+      const float* u = g + inner;
+      float* o = op + t * inner;
+#pragma omp simd
+      for (int64_t k = k0; k < k1; ++k) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+      begin += k1 - k0;
+    }
+  });
+}
+
+static inline void rms_row(float* out, const float* x, const float* w, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < h; ++k) ss += x[k] * x[k];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < h; ++k) out[k] = w[k] * (x[k] * r);
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * weight, row by row (x, out [T, H]).
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  check_float(out, "out");
+  check_float(x, "x");
+  check_float(weight, "weight");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == h, "x, out [T, H], weight [H]");
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_row(op + t * h, xp + t * h, wp, h, static_cast<float>(eps));
+  });
+}
+
+// In place: residual += x; x = rms_norm(residual) * weight (x, residual [T, H]).
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_float(x, "x");
+  check_float(residual, "residual");
+  check_float(weight, "weight");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == h, "x, residual [T, H]");
+  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xp + t * h;
+      float* rr = rp + t * h;
+#pragma omp simd
+      for (int64_t k = 0; k < h; ++k) rr[k] += xr[k];
+      rms_row(xr, rr, wp, h, static_cast<float>(eps));
+    }
+  });
+}
+
+// In place on x [T, H, D] (contiguous): rotate the first `heads` heads of every token by its position, HF's
+// "rotate half" layout over the first `rot` dims; cache [max_position, rot] holds cos | sin.
+void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cache, int64_t heads) {
+  check_float(x, "x");
+  check_float(cache, "cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
+  TORCH_CHECK(x.dim() == 3 && positions.numel() == x.size(0) && heads <= x.size(1), "x [T, H, D], positions [T]");
+  const int64_t rows = x.size(0), h = x.size(1), d = x.size(2), rot = cache.size(1), half = rot / 2;
+  TORCH_CHECK(rot <= d && rot % 2 == 0, "rotary dims must be even and at most the head size");
+  const int64_t max_pos = cache.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " out of range");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  at::parallel_for(0, rows * heads, std::max<int64_t>(1, 4096 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, hh = item % heads;
+      float* v = xp + (t * h + hh) * d;
+      const float* c = cp + pp[t] * rot;
+      const float* sn = c + half;
+#pragma omp simd
+      for (int64_t k = 0; k < half; ++k) {
+        const float x1 = v[k], x2 = v[k + half];
+        v[k] = x1 * c[k] - x2 * sn[k];
+        v[k + half] = x2 * c[k] + x1 * sn[k];
+      }
+    }
+  });
+}
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [n, Hq, D] of one shape");
@@ -151,8 +253,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 """
 
+_FUNCTIONS = ["paged_decode_attention", "silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_inplace"]
 _UNSET = object()
-_op: object = _UNSET
+_module: Any = _UNSET
+# The kernels the model layers use: set by the model runner (`set_active`) when its backend is native.
+_active: Any = None
 
 
 def _cpu_tag() -> str:
@@ -165,15 +270,34 @@ def _cpu_tag() -> str:
     return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
 
 
+def load() -> Any:
+    """The extension module (built on the first call), or None where it cannot be built."""
+    global _module
+    if _module is _UNSET:
+        _module = _build()
+    return _module
+
+
 def paged_decode_op() -> Callable[..., None] | None:
     """The native paged decode attention (built on first call), or None where it cannot be built."""
-    global _op
-    if _op is _UNSET:
-        _op = _build()
-    return _op  # type: ignore[return-value]
+    module = load()
+    return None if module is None else module.paged_decode_attention
 
 
-def _build() -> Callable[..., None] | None:
+def set_active(module: Any) -> None:
+    """Route the model layers' RMSNorm, SiLU-and-mul and rotary through `module` (None: plain torch)."""
+    global _active
+    _active = module
+
+
+def active_for(x: torch.Tensor) -> Any:
+    """The active kernels if they apply to `x` (a float32 CPU tensor), else None."""
+    if _active is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return _active
+
+
+def _build() -> Any:
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1").strip() == "0":
         return None
     compiler = os.environ.get("CXX") or "c++"
@@ -190,7 +314,7 @@ def _build() -> Callable[..., None] | None:
         module = load_inline(
             name=f"pagedllm_cpu_kernels_{_cpu_tag()}",
             cpp_sources=[_SOURCE],
-            functions=["paged_decode_attention"],
+            functions=_FUNCTIONS,
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             verbose=False,
@@ -198,4 +322,4 @@ def _build() -> Callable[..., None] | None:
     except Exception as exc:  # a missing ninja or a failing compiler: fall back, say why
         logger.warning("could not build the CPU decode attention kernel (%s): using the torch path", exc)
         return None
-    return module.paged_decode_attention
+    return module

@@ -1,10 +1,16 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (one pass instead of two)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (one pass instead of two).
+
+With the native CPU kernels active (float32 on the CPU) both forms are one C++ pass, and the fused form works in
+place as vLLM's does: `x` becomes the normalised sum and `residual` the sum, so callers must own both tensors
+(here they are always fresh layer outputs)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.model.layers.cpu_kernels import active_for
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +31,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        ops = active_for(x)
+        if ops is not None and x.dim() == 2 and x.is_contiguous():
+            if residual is None:
+                out = torch.empty_like(x)
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            if residual.is_contiguous():
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model.layers.cpu_kernels import active_for
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     factor = float(params["factor"])
@@ -58,6 +60,15 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies (same shapes and dtype)."""
         qk = self.rotate(positions, torch.cat([q, k], dim=1))
         return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
+
+    def rotate_heads_(self, positions: torch.Tensor, x: torch.Tensor, heads: int) -> bool:
+        """Rotate the first `heads` heads of x [T, H, D] in place with the native kernel; False (x untouched)
+        where that kernel does not apply, and the caller uses `rotate`."""
+        ops = active_for(x)
+        if ops is None or not x.is_contiguous() or x.dim() != 3:
+            return False
+        ops.rotary_inplace(x, positions, self.cos_sin_cache, heads)
+        return True
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] (any heads, e.g. queries and keys side by side) -> rotated copy."""

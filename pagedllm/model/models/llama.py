@@ -68,10 +68,13 @@ class LlamaAttention(nn.Module):
         v = qkv[:, hq + hkv :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])], dim=1)
+            if not self.rotary_emb.rotate_heads_(positions, qk, hq + hkv):
+                qk = self.rotary_emb.rotate(positions, qk)
+        elif self.rotary_emb.rotate_heads_(positions, qkv, hq + hkv):
+            qk = qkv[:, : hq + hkv]  # rotated in place
         else:
-            qk = qkv[:, : hq + hkv]
-        # Queries and keys rotate in one call: they sit side by side in the fused projection.
-        qk = self.rotary_emb.rotate(positions, qk)
+            # Queries and keys rotate in one call: they sit side by side in the fused projection.
+            qk = self.rotary_emb.rotate(positions, qkv[:, : hq + hkv])
         return self.o_proj(self.attn(qk[:, :hq], qk[:, hq:], v, meta))
 
 
