@@ -34,11 +34,12 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
-        self.model = load_model(config.model_config, device)
-        self.sampler = Sampler()
         self.decode_op = self._decode_kernel()
-        # The native backend also routes RMSNorm, SiLU-and-mul and rotary through the C++ kernels.
+        # The native backend also routes RMSNorm, SiLU-and-mul, rotary and few-row linears (which read the dense
+        # weights, kept beside oneDNN's packed copies) through the C++ kernels.
         cpu_kernels.set_active(cpu_kernels.load() if self.decode_op is not None else None)
+        self.model = load_model(config.model_config, device, keep_dense=self.decode_op is not None)
+        self.sampler = Sampler()
         for attn in self.model.attention_layers():
             attn.decode_op = self.decode_op
         self.workspace = GatherWorkspace()

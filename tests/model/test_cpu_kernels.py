@@ -71,3 +71,13 @@ def test_bad_input_is_refused(ops) -> None:
     rope = RotaryEmbedding(16, 8, 10000.0)
     with pytest.raises(RuntimeError, match="position"):
         ops.rotary_inplace(torch.zeros(1, 2, 16), torch.tensor([8]), rope.cos_sin_cache, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear(ops, rows: int, bias: bool) -> None:
+    x, w = torch.randn(rows, 576), torch.randn(67, 576)
+    b = torch.randn(67) if bias else None
+    torch.testing.assert_close(ops.skinny_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError):
+        ops.skinny_linear(x, torch.randn(67, 575), None)

@@ -219,6 +219,49 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cach
   });
 }
 
+// y [M, O] = x [M, I] W[O, I]^T (+ bias) for a few rows M: each thread streams its share of W's rows once,
+// in order, and dots every row of x with them (x stays in L1). Memory-bound single-token decode reads the weights
+// ~1.4x faster this way than through oneDNN's GEMM on two cores.
+template <int M>
+static void skinny_rows(const float* __restrict x, const float* __restrict w, const float* bias, float* y,
+                        int64_t out_features, int64_t in_features, int64_t y_stride) {
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const float* __restrict wr = w + o * in_features;
+      for (int m = 0; m < M; ++m) {
+        const float* __restrict xm = x + m * in_features;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = 0; k < in_features; ++k) s += wr[k] * xm[k];
+        y[m * y_stride + o] = bias ? s + bias[o] : s;
+      }
+    }
+  });
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, I], weight [O, I]");
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = weight.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_float(*bias, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "bias [O]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({rows, out_features}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < rows; m0 += 2) {
+    if (rows - m0 >= 2)
+      skinny_rows<2>(xp + m0 * in_features, wp, bp, yp + m0 * out_features, out_features, in_features, out_features);
+    else
+      skinny_rows<1>(xp + m0 * in_features, wp, bp, yp + m0 * out_features, out_features, in_features, out_features);
+  }
+  return y;
+}
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [n, Hq, D] of one shape");
@@ -253,7 +296,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 """
 
-_FUNCTIONS = ["paged_decode_attention", "silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_inplace"]
+_FUNCTIONS = [
+    "paged_decode_attention",
+    "silu_and_mul",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_inplace",
+    "skinny_linear",
+]
 _UNSET = object()
 _module: Any = _UNSET
 # The kernels the model layers use: set by the model runner (`set_active`) when its backend is native.

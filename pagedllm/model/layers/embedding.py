@@ -47,7 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, keep_dense: bool = False) -> bool:  # the dense weight is the embedding's: kept
         self.packed_weight = pack_weight(self.weight)
         return self.packed_weight is not None
 

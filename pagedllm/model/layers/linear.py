@@ -12,12 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.layers.cpu_kernels import active_for
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
 # MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
 # (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows). Used when oneDNN is missing.
 SPLIT_GEMM_MAX_ROWS = 64
+# Up to this many rows, the native kernels (when active) run the product on the dense weight: it streams the
+# weight once at ~1.4x oneDNN's speed for 1-2 rows on two cores, and loses from ~4 rows (bench figures in
+# cpu_kernels.py's skinny_linear). Single-request decode is the case this serves.
+SKINNY_MAX_ROWS = 2
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -43,6 +48,10 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has."""
+    if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.numel():
+        ops = active_for(x)
+        if ops is not None and weight.is_contiguous():
+            return ops.skinny_linear(x.contiguous(), weight, bias)
     if packed is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     parts = torch.get_num_threads()
@@ -62,12 +71,13 @@ def linear(
     return y + bias if bias is not None else y
 
 
-def prepare_for_inference(model: nn.Module) -> int:
-    """Prepack the weights of every layer that supports it (call after loading); returns how many."""
+def prepare_for_inference(model: nn.Module, keep_dense: bool = False) -> int:
+    """Prepack the weights of every layer that supports it (call after loading); returns how many. With
+    `keep_dense` the plain weights stay too (the native kernels' few-row path reads them)."""
     count = 0
     for module in model.modules():
         prepare = getattr(module, "pack_weights", None)
-        if prepare is not None and prepare():
+        if prepare is not None and prepare(keep_dense):
             count += 1
     return count
 
@@ -94,13 +104,14 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, keep_dense: bool = False) -> bool:
         self.packed_weight = pack_weight(self.weight)
         if self.packed_weight is None:
             return False
-        # The packed copy serves every batch size; keeping the dense one too would double the weights'
-        # memory (and measurably slowed batch-1 decode).
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        # Without the native few-row kernel the packed copy serves every batch size, and keeping the dense
+        # one would only double the weights' memory.
+        if not keep_dense:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
