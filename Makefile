@@ -13,6 +13,10 @@ PORT ?= 8000
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	# The native CPU kernels are built with the system C++ compiler: install g++ where it is missing and we can.
+	@command -v c++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } \
+		|| echo "no C++ compiler: pagedllm will run its slower plain-torch path"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the local CPU wheel (any other version pulls gigabytes of CUDA packages).
 	$(PY) -m pip install --quiet torch==2.13.0
