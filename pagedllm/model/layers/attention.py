@@ -120,7 +120,12 @@ class Attention(nn.Module):
 
         out = torch.empty(q.shape[0], self.num_heads, d, dtype=q.dtype, device=q.device)
         for group in meta.decode_groups:
-            out[group.start : group.end] = self._decode(q[group.start : group.end], k_cache, v_cache, group, meta)
+            dst, qg = out[group.start : group.end], q[group.start : group.end]
+            if self.decode_op is not None and group.seq_lens is not None:
+                # The native kernel writes straight into its rows of `out` (contiguous: the first rows).
+                self.decode_op(dst, qg.contiguous(), k_cache, v_cache, group.block_table, group.seq_lens, self.scale)
+            else:
+                dst.copy_(self._decode(qg, k_cache, v_cache, group, meta))
         for seg in meta.prefills:
             s, e = seg.query_start, seg.query_start + seg.query_len
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seg, meta)
@@ -129,10 +134,6 @@ class Attention(nn.Module):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.decode_op is not None and group.seq_lens is not None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            self.decode_op(out, q.contiguous(), k_cache, v_cache, group.block_table, group.seq_lens, self.scale)
-            return out
         n = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced
