@@ -17,6 +17,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.model import hugepages
 from pagedllm.model.layers import cpu_kernels
 from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from pagedllm.model.loader import load_model
@@ -57,9 +58,10 @@ class ModelRunner:
         dtype = self.config.model_config.dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            # Huge pages on the CPU: decode reads every running request's blocks, scattered over the cache.
             attn.kv_cache = (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+                hugepages.zeros(shape, dtype=dtype, device=self.device),
+                hugepages.zeros(shape, dtype=dtype, device=self.device),
             )
 
     def _decode_kernel(self):

@@ -117,6 +117,32 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def test_single_request_fused_decode_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request alone: every decode step is a lone token, which the native backend runs through the fused
+    decoder-layer kernel (one call per layer) wherever it applies: all variants but Qwen3's q/k norm."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the native kernels with")
+    from pagedllm.model.models import llama
+
+    fused_calls = []
+    original = llama.LlamaDecoderLayer._fused_decode
+
+    def counting(self: Any, *args: Any) -> Any:
+        out = original(self, *args)
+        fused_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_fused_decode", counting)
+    prompts = random_prompts([37], seed=11)
+    engine = dict(ENGINE, attention_backend="native", engine_client="inproc")
+    with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
+        outs = generate(llm, prompts, greedy())
+        assert_idle(llm)
+    assert_matches_hf(model_dir, prompts, outs)
+    qk_norm = "qwen3" in Path(model_dir).name.lower()
+    assert fused_calls and all(fused_calls) != qk_norm and any(fused_calls) != qk_norm
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
 def test_chunked_prefill_shared_prefix_matches_hf(model_dir: str, prefix_caching: bool) -> None:
     """A 16-token budget splits every prompt; the second call re-sends prompts whose prefix is cached."""

@@ -46,6 +46,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
+#include <omp.h>
 
 #if defined(PAGEDLLM_LIBMVEC)
 // glibc's vector math library: lets the compiler vectorise the softmax's exp (as <math.h> itself does under
@@ -53,75 +54,92 @@ _SOURCE = r"""
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 #endif
 
-// One (request, KV head) item at a time, in parallel: the G query heads sharing the KV head score every cached
-// key, softmax, then sum the values. D is a template constant for the common head sizes (fully unrolled loops,
+// Scratch of one attention item (reused across items and calls of one thread).
+struct AttendScratch {
+  std::vector<float> scores, acc, mx, inv;
+};
+
+// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's paged context of `len`
+// tokens: query row r reads KV head kv0 + r / g. Keys and values are read in place from their blocks (`table` maps
+// block index -> cache block; a cached token is `row` floats, all KV heads). Two passes: scores and their max, then
+// exp and the weighted sum of values. D is a template constant for the common head sizes (fully unrolled loops,
 // accumulators in registers); D = 0 means "the runtime d".
+template <int D>
+static void attend_item(float* out, const float* q, const float* kp, const float* vp, const int64_t* table,
+                        int64_t len, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g, int64_t d_rt,
+                        float sc, AttendScratch& s) {
+  const int64_t d = D > 0 ? D : d_rt;
+  s.scores.resize(rows * len);
+  s.acc.assign(rows * d, 0.f);
+  s.mx.assign(rows, -std::numeric_limits<float>::infinity());
+  s.inv.resize(rows);
+  float* scores = s.scores.data();
+  for (int64_t l0 = 0; l0 < len; l0 += bs) {
+    const float* kb = kp + table[l0 / bs] * bs * row + kv0 * d;
+    const int64_t m = std::min(bs, len - l0);
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* kr = kb + t * row + (r / g) * d;
+        const float* qr = q + r * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t x = 0; x < d; ++x) acc += qr[x] * kr[x];
+        acc *= sc;
+        scores[r * len + l0 + t] = acc;
+        s.mx[r] = std::max(s.mx[r], acc);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    const float m = s.mx[r];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; ++l) {
+      const float e = expf(sr[l] - m);
+      sr[l] = e;
+      sum += e;
+    }
+    s.inv[r] = 1.f / sum;
+  }
+  for (int64_t l0 = 0; l0 < len; l0 += bs) {
+    const float* vb = vp + table[l0 / bs] * bs * row + kv0 * d;
+    const int64_t m = std::min(bs, len - l0);
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* vr = vb + t * row + (r / g) * d;
+        const float p = scores[r * len + l0 + t];
+        float* ar = s.acc.data() + r * d;
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* orow = out + r * d;
+    const float* ar = s.acc.data() + r * d;
+    for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * s.inv[r];
+  }
+}
+
+// Every request of the batch, in parallel over items. An item is one request's KV heads [h0, h0 + hs) and their
+// query heads: all KV heads when there are enough requests to keep every thread busy (each cached token row is
+// then read whole and in order), one each otherwise.
 template <int D>
 static void decode_loop(float* op, const float* qp, const float* kp, const float* vp, const int64_t* tp,
                         const int64_t* lp, int64_t n, int64_t hq, int64_t hkv, int64_t bs, int64_t width,
-                        int64_t d_rt, float sc) {
-  const int64_t d = D > 0 ? D : d_rt;
+                        int64_t d, float sc) {
   const int64_t g = hq / hkv;
   const int64_t row = hkv * d;  // floats between consecutive tokens of one block
-  // An item is one request's KV heads [h0, h0 + hs): all of them when there are enough requests to keep every
-  // thread busy (each cached token row is then read whole and in order), one each otherwise.
   const int64_t hs = n >= 4 * at::get_num_threads() ? hkv : 1;
-  const int64_t per_req = hkv / hs, rows = hs * g;  // query heads per item
+  const int64_t per_req = hkv / hs;
   at::parallel_for(0, n * per_req, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(rows * d), mx(rows), inv(rows);
+    AttendScratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / per_req, h0 = (item % per_req) * hs, len = lp[i];
-      const float* qi = qp + (i * hq + h0 * g) * d;  // the item's query heads are consecutive
-      const int64_t* table = tp + i * width;
-      scores.resize(rows * len);
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t l0 = 0; l0 < len; l0 += bs) {
-        const float* kb = kp + table[l0 / bs] * bs * row + h0 * d;
-        const int64_t m = std::min(bs, len - l0);
-        for (int64_t t = 0; t < m; ++t) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* kr = kb + t * row + (r / g) * d;
-            const float* qr = qi + r * d;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t x = 0; x < d; ++x) s += qr[x] * kr[x];
-            s *= sc;
-            scores[r * len + l0 + t] = s;
-            mx[r] = std::max(mx[r], s);
-          }
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * len;
-        const float m = mx[r];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < len; ++l) {
-          const float e = expf(sr[l] - m);
-          sr[l] = e;
-          sum += e;
-        }
-        inv[r] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l0 = 0; l0 < len; l0 += bs) {
-        const float* vb = vp + table[l0 / bs] * bs * row + h0 * d;
-        const int64_t m = std::min(bs, len - l0);
-        for (int64_t t = 0; t < m; ++t) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* vr = vb + t * row + (r / g) * d;
-            const float p = scores[r * len + l0 + t];
-            float* ar = acc.data() + r * d;
-#pragma omp simd
-            for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
-          }
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* orow = op + (i * hq + h0 * g + r) * d;
-        const float* ar = acc.data() + r * d;
-        for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * inv[r];
-      }
+      const int64_t i = item / per_req, h0 = (item % per_req) * hs;
+      const int64_t first = i * hq + h0 * g;  // the item's query heads are consecutive
+      attend_item<D>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
+                     scratch);
     }
   });
 }
@@ -300,6 +318,153 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     default: decode_loop<0>(op, qp, kp, vp, tp, lp, n, hq, hkv, bs, width, d, sc);
   }
 }
+
+// y[o] = w[o, :] . x (+ b[o]) for the output rows [o0, o1) of one input row.
+static inline void gemv_rows(const float* __restrict w, const float* __restrict x, const float* b, float* y,
+                             int64_t o0, int64_t o1, int64_t in) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* __restrict wr = w + o * in;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < in; ++k) acc += wr[k] * x[k];
+    y[o] = b ? acc + b[o] : acc;
+  }
+}
+
+// Thread t's share [first, last) of n items, in whole chunks of `align`.
+static inline void share(int64_t n, int t, int nt, int64_t align, int64_t& first, int64_t& last) {
+  const int64_t chunks = (n + align - 1) / align;
+  first = std::min(n, chunks * t / nt * align);
+  last = std::min(n, chunks * (t + 1) / nt * align);
+}
+
+static const float* opt_ptr(const std::optional<torch::Tensor>& t, int64_t numel, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_float(*t, name);
+  TORCH_CHECK(t->numel() == numel, name, " must have ", numel, " elements");
+  return t->data_ptr<float>();
+}
+
+// One Llama-family decoder layer for a single decode token, in one parallel region (barriers between its
+// dependent steps instead of a dispatch, a fork and a join per op):
+//   residual += x (or residual = x when `first`); h = rms_norm(residual) * norm1
+//   q, k, v = h Wqkv^T (+ b); rotary on q and k at `positions[0]`; k, v written to the cache at slot_mapping[0]
+//   a = attention(q, cached keys and values of block_table[0] over seq_lens[0] tokens) * scale
+//   residual += a Wo^T (+ b); h = rms_norm(residual) * norm2
+//   x = (silu(gate) * up)(h Wgu^T (+ b)) Wd^T (+ b)
+// x [1, H] and residual [1, H] are updated in place (x becomes the layer's output), as the unfused layers do.
+void decode_layer(torch::Tensor x, torch::Tensor residual, bool first, torch::Tensor norm1, torch::Tensor qkv_w,
+                  std::optional<torch::Tensor> qkv_b, torch::Tensor cos_sin, torch::Tensor positions,
+                  torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_table,
+                  torch::Tensor seq_lens, double scale, torch::Tensor o_w, std::optional<torch::Tensor> o_b,
+                  torch::Tensor norm2, torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b,
+                  torch::Tensor down_w, std::optional<torch::Tensor> down_b, double eps) {
+  for (auto* t : {&x, &residual, &norm1, &qkv_w, &cos_sin, &k_cache, &v_cache, &o_w, &norm2, &gate_up_w, &down_w})
+    check_float(*t, "decode_layer tensors");
+  for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() >= 1, "int64 index tensors");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && residual.sizes() == x.sizes(), "x and residual must be [1, H]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, B, Hkv, D]");
+  const int64_t hidden = x.size(1), blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2),
+                d = k_cache.size(3);
+  const int64_t qkv_out = qkv_w.size(0), hq = (qkv_out - 2 * hkv * d) / d, inter = down_w.size(1);
+  TORCH_CHECK(hq > 0 && hq % hkv == 0 && qkv_out == (hq + 2 * hkv) * d && qkv_w.size(1) == hidden,
+              "qkv weight must be [(Hq + 2 Hkv) D, H]");
+  TORCH_CHECK(o_w.size(0) == hidden && o_w.size(1) == hq * d, "o weight must be [H, Hq D]");
+  TORCH_CHECK(gate_up_w.size(0) == 2 * inter && gate_up_w.size(1) == hidden && down_w.size(0) == hidden,
+              "gate_up weight must be [2 I, H] and down weight [H, I]");
+  TORCH_CHECK(norm1.numel() == hidden && norm2.numel() == hidden, "norm weights must be [H]");
+  const int64_t rot = cos_sin.size(1), half = rot / 2, pos = positions.data_ptr<int64_t>()[0];
+  TORCH_CHECK(rot <= d && rot % 2 == 0 && pos >= 0 && pos < cos_sin.size(0), "rotary table or position");
+  const int64_t slot = slot_mapping.data_ptr<int64_t>()[0], len = seq_lens.data_ptr<int64_t>()[0];
+  const int64_t width = block_table.size(-1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  TORCH_CHECK(slot >= 0 && slot < blocks * bs, "slot ", slot, " out of range");
+  TORCH_CHECK(len >= 1 && len <= width * bs, "seq_len ", len, " outside 1..", width * bs);
+  for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < blocks, "block id out of range");
+  const float* qkv_bp = opt_ptr(qkv_b, qkv_out, "qkv bias");
+  const float* o_bp = opt_ptr(o_b, hidden, "o bias");
+  const float* gu_bp = opt_ptr(gate_up_b, 2 * inter, "gate_up bias");
+  const float* d_bp = opt_ptr(down_b, hidden, "down bias");
+
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float *n1 = norm1.data_ptr<float>(), *n2 = norm2.data_ptr<float>();
+  const float *wqkv = qkv_w.data_ptr<float>(), *wo = o_w.data_ptr<float>(), *wgu = gate_up_w.data_ptr<float>(),
+              *wd = down_w.data_ptr<float>();
+  const float* cs = cos_sin.data_ptr<float>() + pos * rot;
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t row = hkv * d, g = hq / hkv;
+  const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
+  static thread_local std::vector<float> buf;
+  buf.resize(2 * hidden + qkv_out + hq * d + 2 * inter + inter);
+  float* h = buf.data();
+  float* h2 = h + hidden;
+  float* qkv = h2 + hidden;
+  float* att = qkv + qkv_out;
+  float* gu = att + hq * d;
+  float* act = gu + 2 * inter;
+  const int nt = std::max(1, at::get_num_threads());
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    int64_t a, b;
+#pragma omp single
+    {
+      if (first) std::copy(xp, xp + hidden, rp);
+      else for (int64_t k = 0; k < hidden; ++k) rp[k] += xp[k];
+      rms_row(h, rp, n1, hidden, ep);
+    }  // implicit barrier
+    share(qkv_out, t, n, 16, a, b);
+    gemv_rows(wqkv, h, qkv_bp, qkv, a, b, hidden);
+#pragma omp barrier
+#pragma omp single
+    {
+      for (int64_t hh = 0; hh < hq + hkv; ++hh) {
+        float* v = qkv + hh * d;
+#pragma omp simd
+        for (int64_t k = 0; k < half; ++k) {
+          const float x1 = v[k], x2 = v[k + half];
+          v[k] = x1 * cs[k] - x2 * cs[half + k];
+          v[k + half] = x2 * cs[k] + x1 * cs[half + k];
+        }
+      }
+      std::copy(qkv + hq * d, qkv + (hq + hkv) * d, kc + slot * row);
+      std::copy(qkv + (hq + hkv) * d, qkv + (hq + 2 * hkv) * d, vc + slot * row);
+    }
+    {
+      static thread_local AttendScratch scratch;
+      share(hq, t, n, 1, a, b);
+      for (int64_t r = a; r < b; ++r) {  // query head r, alone: its KV head is r / g
+        float *o = att + r * d, *qr = qkv + r * d;
+        if (d == 64) attend_item<64>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
+        else if (d == 128) attend_item<128>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
+        else attend_item<0>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
+      }
+    }
+#pragma omp barrier
+    share(hidden, t, n, 16, a, b);
+    gemv_rows(wo, att, o_bp, xp, a, b, hq * d);
+#pragma omp barrier
+#pragma omp single
+    {
+      for (int64_t k = 0; k < hidden; ++k) rp[k] += xp[k];
+      rms_row(h2, rp, n2, hidden, ep);
+    }
+    share(2 * inter, t, n, 16, a, b);
+    gemv_rows(wgu, h2, gu_bp, gu, a, b, hidden);
+#pragma omp barrier
+    share(inter, t, n, 16, a, b);
+#pragma omp simd
+    for (int64_t k = a; k < b; ++k) act[k] = gu[k] / (1.f + expf(-gu[k])) * gu[inter + k];
+#pragma omp barrier
+    share(hidden, t, n, 16, a, b);
+    gemv_rows(wd, act, d_bp, xp, a, b, inter);
+  }
+}
 """
 
 _FUNCTIONS = [
@@ -309,6 +474,7 @@ _FUNCTIONS = [
     "fused_add_rms_norm",
     "rotary_inplace",
     "skinny_linear",
+    "decode_layer",
 ]
 _UNSET = object()
 _module: Any = _UNSET

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model import hugepages
 from pagedllm.model.layers.cpu_kernels import active_for
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
@@ -73,13 +74,33 @@ def linear(
 
 def prepare_for_inference(model: nn.Module, keep_dense: bool = False) -> int:
     """Prepack the weights of every layer that supports it (call after loading); returns how many. With
-    `keep_dense` the plain weights stay too (the native kernels' few-row path reads them)."""
+    `keep_dense` the plain weights stay too (the native kernels' few-row path reads them), moved into one
+    huge-page arena in the order a forward pass reads them (see hugepages.py)."""
     count = 0
     for module in model.modules():
         prepare = getattr(module, "pack_weights", None)
         if prepare is not None and prepare(keep_dense):
             count += 1
+    if keep_dense:
+        consolidate_dense_weights(model)
     return count
+
+
+def consolidate_dense_weights(model: nn.Module) -> None:
+    """Lay the 2-D weights the few-row kernels stream out back to back in one huge-page arena: the linear
+    layers in module order (the order of a forward pass), then the LM head's (read last)."""
+    linears: list[nn.Parameter] = []
+    tail: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not weight.numel() or id(weight) in seen:
+            continue
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return  # only the native CPU kernels read the dense weights this way
+        seen.add(id(weight))
+        (linears if isinstance(module, LinearBase) else tail).append(weight)
+    hugepages.consolidate(linears + tail)
 
 
 def _set_loader(param: nn.Parameter, loader) -> None:

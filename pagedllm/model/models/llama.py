@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.attention import Attention, AttentionMetadata
+from pagedllm.model.layers.cpu_kernels import active_for
 from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -98,10 +99,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._fused_weights: tuple[Any, ...] | None = None  # the fused decode kernel's arguments, on first use
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[0] == 1 and meta.num_decodes == 1:
+            fused = self._fused_decode(positions, x, residual, meta)
+            if fused is not None:
+                return fused
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -110,6 +116,59 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _fused_decode(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole layer as one native call for a lone decode token (single-request decode is bound by reading
+        the weights, and per-op dispatch was ~15 % of its step), or None where that kernel does not apply."""
+        ops = active_for(x)
+        attn = self.self_attn
+        group = meta.decode_groups[0] if len(meta.decode_groups) == 1 else None
+        if (
+            ops is None
+            or group is None
+            or group.seq_lens is None
+            or meta.prefills
+            or attn.attn.decode_op is None
+            or attn.q_norm is not None
+            or attn.attn.kv_cache is None
+            or attn.attn.kv_cache[0].dtype != torch.float32
+            or not x.is_contiguous()
+        ):
+            return None
+        weights = self._fused_weights
+        if weights is None:
+            mlp, qkv, o = self.mlp, attn.qkv_proj, attn.o_proj
+            linears = (qkv, o, mlp.gate_up_proj, mlp.down_proj)
+            if any(not lin.weight.numel() or lin.tp_size != 1 for lin in linears):
+                return None  # packed-only weights or tensor parallelism: the unfused path
+            if attn.rotary_emb.cos_sin_cache.dtype != torch.float32:
+                return None
+            weights = self._fused_weights = (
+                self.input_layernorm.weight,
+                qkv.weight,
+                qkv.bias,
+                attn.rotary_emb.cos_sin_cache,
+                o.weight,
+                o.bias,
+                self.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias,
+                mlp.down_proj.weight,
+                mlp.down_proj.bias,
+            )
+        n1, wqkv, bqkv, cos_sin, wo, bo, n2, wgu, bgu, wd, bd = weights
+        first = residual is None
+        if residual is None:
+            residual = torch.empty_like(x)
+        k_cache, v_cache = attn.attn.kv_cache
+        ops.decode_layer(
+            x, residual, first, n1, wqkv, bqkv, cos_sin, positions, k_cache, v_cache, meta.slot_mapping,
+            group.block_table, group.seq_lens, attn.attn.scale, wo, bo, n2, wgu, bgu, wd, bd,
+            self.input_layernorm.eps,
+        )  # fmt: skip
+        return x, residual
 
 
 class LlamaModel(nn.Module):
