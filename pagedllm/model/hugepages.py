@@ -10,8 +10,10 @@ rebinds each parameter's data to its view there (values unchanged).
 Why (figures from this 2-core Zen 4 machine, see bench/RESULTS.md): single-request decode reads every weight
 once per token, ~540 MB for SmolLM2-135M. With 4 KiB pages every 4 KiB of a streamed weight costs a TLB miss and
 restarts the hardware prefetcher. The same native GEMVs over the same weights ran at ~36 GB/s on 4 KiB pages and
-~43 GB/s from one huge-page arena laid out in execution order; a batch-1 forward went from ~25.8 to ~18.0 ms.
-The paged KV cache, read in 12 KiB blocks scattered over hundreds of MB, gains less (~5-10 %).
+~43 GB/s from one huge-page arena laid out in execution order (a batch-1 forward: ~25.8 -> ~18.0 ms in one
+back-to-back pair; repeats on this noisy VM showed 5-15 %). The paged KV cache, read in 12 KiB blocks scattered
+over hundreds of MB, gains less: ~5-10 % for the decode attention alone, 277 -> 289 tok/s on the uniform
+peer workload.
 """
 
 from __future__ import annotations
