@@ -60,6 +60,18 @@ _SOURCE = r"""
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 #endif
 
+// Calls f(row, l) for every token l < len of a paged context, in order: `row` points at the token's cached row
+// (all KV heads: `row` floats) plus `offset`; `table` maps block index -> cache block.
+template <typename F>
+static inline void for_each_token(const float* cache, const int64_t* table, int64_t len, int64_t bs, int64_t row,
+                                  int64_t offset, F&& f) {
+  for (int64_t l0 = 0; l0 < len; l0 += bs) {
+    const float* block = cache + table[l0 / bs] * bs * row + offset;
+    const int64_t m = std::min(bs, len - l0);
+    for (int64_t t = 0; t < m; ++t) f(block + t * row, l0 + t);
+  }
+}
+
 // Scratch of one attention item (reused across items and calls of one thread).
 struct AttendScratch {
   std::vector<float> scores, acc, mx, inv;
@@ -80,22 +92,18 @@ static void attend_item(float* out, const float* q, const float* kp, const float
   s.mx.assign(rows, -std::numeric_limits<float>::infinity());
   s.inv.resize(rows);
   float* scores = s.scores.data();
-  for (int64_t l0 = 0; l0 < len; l0 += bs) {
-    const float* kb = kp + table[l0 / bs] * bs * row + kv0 * d;
-    const int64_t m = std::min(bs, len - l0);
-    for (int64_t t = 0; t < m; ++t) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* kr = kb + t * row + (r / g) * d;
-        const float* qr = q + r * d;
-        float acc = 0.f;
+  for_each_token(kp, table, len, bs, row, kv0 * d, [&](const float* kt, int64_t l) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* kr = kt + (r / g) * d;
+      const float* qr = q + r * d;
+      float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < d; ++x) acc += qr[x] * kr[x];
-        acc *= sc;
-        scores[r * len + l0 + t] = acc;
-        s.mx[r] = std::max(s.mx[r], acc);
-      }
+      for (int64_t x = 0; x < d; ++x) acc += qr[x] * kr[x];
+      acc *= sc;
+      scores[r * len + l] = acc;
+      s.mx[r] = std::max(s.mx[r], acc);
     }
-  }
+  });
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores + r * len;
     const float m = s.mx[r];
@@ -108,19 +116,15 @@ static void attend_item(float* out, const float* q, const float* kp, const float
     }
     s.inv[r] = 1.f / sum;
   }
-  for (int64_t l0 = 0; l0 < len; l0 += bs) {
-    const float* vb = vp + table[l0 / bs] * bs * row + kv0 * d;
-    const int64_t m = std::min(bs, len - l0);
-    for (int64_t t = 0; t < m; ++t) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* vr = vb + t * row + (r / g) * d;
-        const float p = scores[r * len + l0 + t];
-        float* ar = s.acc.data() + r * d;
+  for_each_token(vp, table, len, bs, row, kv0 * d, [&](const float* vt, int64_t l) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* vr = vt + (r / g) * d;
+      const float p = scores[r * len + l];
+      float* ar = s.acc.data() + r * d;
 #pragma omp simd
-        for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
-      }
+      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
     }
-  }
+  });
   for (int64_t r = 0; r < rows; ++r) {
     float* orow = out + r * d;
     const float* ar = s.acc.data() + r * d;
@@ -155,6 +159,8 @@ static void check_float(const torch::Tensor& t, const char* name) {
               name, " must be a contiguous float32 CPU tensor");
 }
 
+static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
 // out[t, k] = silu(x[t, k]) * x[t, I + k] for x [T, 2I] (gate | up), out [T, I].
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   check_float(out, "out");
@@ -170,7 +176,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       const float* u = g + inner;
       float* o = op + t * inner;
 #pragma omp simd
-      for (int64_t k = k0; k < k1; ++k) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+      for (int64_t k = k0; k < k1; ++k) o[k] = silu_mul(g[k], u[k]);
       begin += k1 - k0;
     }
   });
@@ -183,6 +189,13 @@ static inline void rms_row(float* out, const float* x, const float* w, int64_t h
   const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
   for (int64_t k = 0; k < h; ++k) out[k] = w[k] * (x[k] * r);
+}
+
+// residual += x; out = rms_norm(residual) * w (out may be x).
+static inline void add_rms_row(float* out, float* residual, const float* x, const float* w, int64_t h, float eps) {
+#pragma omp simd
+  for (int64_t k = 0; k < h; ++k) residual[k] += x[k];
+  rms_row(out, residual, w, h, eps);
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * weight, row by row (x, out [T, H]).
@@ -211,12 +224,20 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* xr = xp + t * h;
-      float* rr = rp + t * h;
-#pragma omp simd
-      for (int64_t k = 0; k < h; ++k) rr[k] += xr[k];
-      rms_row(xr, rr, wp, h, static_cast<float>(eps));
+      add_rms_row(xr, rp + t * h, xr, wp, h, static_cast<float>(eps));
     }
   });
+}
+
+// One head v in place, HF's "rotate half" over its first 2 * half dims; c holds cos | sin (half each).
+static inline void rotate_head(float* v, const float* c, int64_t half) {
+  const float* sn = c + half;
+#pragma omp simd
+  for (int64_t k = 0; k < half; ++k) {
+    const float x1 = v[k], x2 = v[k + half];
+    v[k] = x1 * c[k] - x2 * sn[k];
+    v[k + half] = x2 * c[k] + x1 * sn[k];
+  }
 }
 
 // In place on x [T, H, D] (contiguous): rotate the first `heads` heads of every token by its position, HF's
@@ -236,17 +257,16 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cach
   at::parallel_for(0, rows * heads, std::max<int64_t>(1, 4096 / d), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / heads, hh = item % heads;
-      float* v = xp + (t * h + hh) * d;
-      const float* c = cp + pp[t] * rot;
-      const float* sn = c + half;
-#pragma omp simd
-      for (int64_t k = 0; k < half; ++k) {
-        const float x1 = v[k], x2 = v[k + half];
-        v[k] = x1 * c[k] - x2 * sn[k];
-        v[k + half] = x2 * c[k] + x1 * sn[k];
-      }
+      rotate_head(xp + (t * h + hh) * d, cp + pp[t] * rot, half);
     }
   });
+}
+
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
+  return acc;
 }
 
 // y [M, O] = x [M, I] W[O, I]^T (+ bias) for a few rows M: each thread streams its share of W's rows once,
@@ -259,10 +279,7 @@ static void skinny_rows(const float* __restrict x, const float* __restrict w, co
     for (int64_t o = begin; o < end; ++o) {
       const float* __restrict wr = w + o * in_features;
       for (int m = 0; m < M; ++m) {
-        const float* __restrict xm = x + m * in_features;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < in_features; ++k) s += wr[k] * xm[k];
+        const float s = dot(wr, x + m * in_features, in_features);
         y[m * y_stride + o] = bias ? s + bias[o] : s;
       }
     }
@@ -329,10 +346,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 static inline void gemv_rows(const float* __restrict w, const float* __restrict x, const float* b, float* y,
                              int64_t o0, int64_t o1, int64_t in) {
   for (int64_t o = o0; o < o1; ++o) {
-    const float* __restrict wr = w + o * in;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < in; ++k) acc += wr[k] * x[k];
+    const float acc = dot(w + o * in, x, in);
     y[o] = b ? acc + b[o] : acc;
   }
 }
@@ -420,24 +434,19 @@ void decode_layer(torch::Tensor x, torch::Tensor residual, bool first, torch::Te
     int64_t a, b;
 #pragma omp single
     {
-      if (first) std::copy(xp, xp + hidden, rp);
-      else for (int64_t k = 0; k < hidden; ++k) rp[k] += xp[k];
-      rms_row(h, rp, n1, hidden, ep);
+      if (first) {
+        std::copy(xp, xp + hidden, rp);
+        rms_row(h, rp, n1, hidden, ep);
+      } else {
+        add_rms_row(h, rp, xp, n1, hidden, ep);
+      }
     }  // implicit barrier
     share(qkv_out, t, n, 16, a, b);
     gemv_rows(wqkv, h, qkv_bp, qkv, a, b, hidden);
 #pragma omp barrier
 #pragma omp single
     {
-      for (int64_t hh = 0; hh < hq + hkv; ++hh) {
-        float* v = qkv + hh * d;
-#pragma omp simd
-        for (int64_t k = 0; k < half; ++k) {
-          const float x1 = v[k], x2 = v[k + half];
-          v[k] = x1 * cs[k] - x2 * cs[half + k];
-          v[k + half] = x2 * cs[k] + x1 * cs[half + k];
-        }
-      }
+      for (int64_t hh = 0; hh < hq + hkv; ++hh) rotate_head(qkv + hh * d, cs, half);
       std::copy(qkv + hq * d, qkv + (hq + hkv) * d, kc + slot * row);
       std::copy(qkv + (hq + hkv) * d, qkv + (hq + 2 * hkv) * d, vc + slot * row);
     }
@@ -457,15 +466,14 @@ void decode_layer(torch::Tensor x, torch::Tensor residual, bool first, torch::Te
 #pragma omp barrier
 #pragma omp single
     {
-      for (int64_t k = 0; k < hidden; ++k) rp[k] += xp[k];
-      rms_row(h2, rp, n2, hidden, ep);
+      add_rms_row(h2, rp, xp, n2, hidden, ep);
     }
     share(2 * inter, t, n, 16, a, b);
     gemv_rows(wgu, h2, gu_bp, gu, a, b, hidden);
 #pragma omp barrier
     share(inter, t, n, 16, a, b);
 #pragma omp simd
-    for (int64_t k = a; k < b; ++k) act[k] = gu[k] / (1.f + expf(-gu[k])) * gu[inter + k];
+    for (int64_t k = a; k < b; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
 #pragma omp barrier
     share(hidden, t, n, 16, a, b);
     gemv_rows(wd, act, d_bp, xp, a, b, inter);

@@ -124,19 +124,10 @@ class LlamaDecoderLayer(nn.Module):
         the weights, and per-op dispatch was ~15 % of its step), or None where that kernel does not apply."""
         ops = active_for(x)
         attn = self.self_attn
-        group = meta.decode_groups[0] if len(meta.decode_groups) == 1 else None
-        if (
-            ops is None
-            or group is None
-            or group.seq_lens is None
-            or meta.prefills
-            or attn.attn.decode_op is None
-            or attn.q_norm is not None
-            or attn.attn.kv_cache is None
-            or attn.attn.kv_cache[0].dtype != torch.float32
-            or not x.is_contiguous()
-        ):
+        # The native backend (decode_op set) gives every decode batch one group with seq_lens, in float32.
+        if ops is None or attn.attn.decode_op is None or attn.q_norm is not None or not x.is_contiguous():
             return None
+        (group,) = meta.decode_groups
         weights = self._fused_weights
         if weights is None:
             mlp, qkv, o = self.mlp, attn.qkv_proj, attn.o_proj
