@@ -84,7 +84,7 @@ def test_skinny_linear(ops, rows: int, bias: bool) -> None:
 
 
 def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_cache, slot, table, seq_len, eps):
-    """The unfused layer in plain torch: what `decode_layer` must compute (and write into the caches)."""
+    """One unfused layer in plain torch: what `decode_model` must compute (and write into the caches)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     hq = w["o"].shape[1] // d
     res = x.clone() if first else x + residual
@@ -102,64 +102,81 @@ def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_ca
     return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["down"], w["down_b"]), res
 
 
-@pytest.mark.parametrize(
-    "hidden, inter, hq, hkv, d, block, rot, bias, first",
-    [
-        (576, 1536, 9, 3, 64, 16, None, False, False),  # SmolLM2's shapes
-        (576, 1536, 9, 3, 64, 16, None, False, True),  # the first layer: residual = x
-        (64, 96, 4, 2, 16, 4, 8, True, False),  # biases (Qwen2), partial rotary, a generic head size
-        (256, 320, 2, 2, 128, 8, None, True, True),
-    ],
-)
-def test_decode_layer_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, first) -> None:
-    g = torch.Generator().manual_seed(hidden + d)
+def _layer_weights(g, hidden, inter, hq, hkv, d, bias):
     shapes = {"n1": (hidden,), "qkv": ((hq + 2 * hkv) * d, hidden), "o": (hidden, hq * d), "n2": (hidden,)}
     shapes.update(gu=(2 * inter, hidden), down=(hidden, inter))
     w = {k: torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1.0) for k, s in shapes.items()}
     for name, out in (("qkv_b", shapes["qkv"][0]), ("o_b", hidden), ("gu_b", 2 * inter), ("down_b", hidden)):
         w[name] = torch.randn(out, generator=g) if bias else None
+    return w
+
+
+def _flat(layers):
+    """decode_model's ten tensors per layer; an empty tensor for an absent bias."""
+    order = ("n1", "qkv", "qkv_b", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
+    return [torch.empty(0) if w[k] is None else w[k] for w in layers for k in order]
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, hq, hkv, d, block, rot, bias, seq_len",
+    [
+        (576, 1536, 9, 3, 64, 16, None, False, 79),  # SmolLM2's shapes
+        (576, 1536, 9, 3, 64, 16, None, False, 1),  # the first token: one thread's share of the context is empty
+        (576, 1536, 9, 3, 64, 16, None, False, 2),
+        (64, 96, 4, 2, 16, 4, 8, True, 19),  # biases (Qwen2), partial rotary, a generic head size
+        (256, 320, 2, 2, 128, 8, None, True, 37),
+    ],
+)
+def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, seq_len) -> None:
+    g = torch.Generator().manual_seed(hidden + d + seq_len)
+    num_layers, blocks, eps = 3, 30, 1e-5
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias) for _ in range(num_layers)]
+    final_norm = torch.randn(hidden, generator=g)
     rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=rot)
-    blocks, seq_len = 30, 5 * block - 1
-    k_cache, v_cache = torch.randn(blocks, block, hkv, d, generator=g), torch.randn(blocks, block, hkv, d, generator=g)
-    table = torch.randperm(blocks, generator=g)[:5]
+    caches = [torch.randn(2, blocks, block, hkv, d, generator=g) for _ in range(num_layers)]
+    table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
     slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block  # the new token's place
-    x, residual = torch.randn(1, hidden, generator=g), torch.randn(1, hidden, generator=g)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    out_ref, res_ref = _decode_layer_reference(
-        x, residual, first, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, 1e-5
-    )
-    ops.decode_layer(
-        x, residual, first, w["n1"], w["qkv"], w["qkv_b"], rope.cos_sin_cache, torch.tensor([seq_len - 1]),
-        k_cache, v_cache, torch.tensor([slot]), table[None], torch.tensor([seq_len]), d**-0.5, w["o"], w["o_b"],
-        w["n2"], w["gu"], w["gu_b"], w["down"], w["down_b"], 1e-5,
+    x = torch.randn(1, hidden, generator=g)
+    refs = [c.clone() for c in caches]
+    out_ref, res_ref = x, None
+    for w, (k_ref, v_ref) in zip(layers, refs):
+        out_ref, res_ref = _decode_layer_reference(
+            out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
+        )
+    out_ref = _rms(out_ref + res_ref, final_norm, eps)
+    ops.decode_model(
+        x, _flat(layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers,
+        torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]), d**-0.5, eps,
+        final_norm,
     )  # fmt: skip
-    torch.testing.assert_close(k_cache, k_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(v_cache, v_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(residual, res_ref, atol=1e-4, rtol=1e-4)
+    for cache, ref in zip(caches, refs):
+        torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x, out_ref, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_layer_refuses_bad_input(ops) -> None:
+def test_decode_model_refuses_bad_input(ops) -> None:
     hidden, inter, hq, hkv, d, block = 32, 48, 2, 1, 16, 4
+    w = _layer_weights(torch.Generator().manual_seed(0), hidden, inter, hq, hkv, d, False)
     args = dict(
-        x=torch.randn(1, hidden), residual=torch.randn(1, hidden), first=False, norm1=torch.ones(hidden),
-        qkv_w=torch.randn((hq + 2 * hkv) * d, hidden), qkv_b=None,
-        cos_sin=RotaryEmbedding(d, 64, 10000.0).cos_sin_cache, positions=torch.tensor([3]),
-        k_cache=torch.zeros(4, block, hkv, d), v_cache=torch.zeros(4, block, hkv, d), slot_mapping=torch.tensor([3]),
-        block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([4]), scale=0.25, o_w=torch.randn(hidden, hq * d),
-        o_b=None, norm2=torch.ones(hidden), gate_up_w=torch.randn(2 * inter, hidden), gate_up_b=None,
-        down_w=torch.randn(hidden, inter), down_b=None, eps=1e-6,
+        x=torch.randn(1, hidden), layer_w=_flat([w, w]), k_caches=[torch.zeros(4, block, hkv, d)] * 2,
+        v_caches=[torch.zeros(4, block, hkv, d)] * 2, cos_sin=[RotaryEmbedding(d, 64, 10000.0).cos_sin_cache] * 2,
+        positions=torch.tensor([3]), slot_mapping=torch.tensor([3]), block_table=torch.tensor([[0, 1]]),
+        seq_lens=torch.tensor([4]), scale=0.25, eps=1e-6, final_norm=torch.ones(hidden),
     )  # fmt: skip
-    ops.decode_layer(*args.values())  # the valid call works
+    ops.decode_model(*args.values())  # the valid call works
+    wrong_o = _flat([w, {**w, "o": torch.randn(hidden, hq * d + 1)}])
+    wrong_bias = _flat([w, {**w, "down_b": torch.randn(hidden + 1)}])
     for key, bad, match in [
         ("slot_mapping", torch.tensor([16]), "slot"),
         ("block_table", torch.tensor([[9, 1]]), "block id"),
         ("seq_lens", torch.tensor([9]), "seq_len"),
         ("positions", torch.tensor([64]), "position"),
         ("x", torch.randn(2, hidden), r"\[1, H\]"),
-        ("o_w", torch.randn(hidden, hq * d + 1), "o weight"),
-        ("down_b", torch.randn(hidden + 1), "down bias"),
-        ("k_cache", torch.zeros(4, block, hkv, d, dtype=torch.float64), "float32"),
+        ("layer_w", wrong_o, "o weight"),
+        ("layer_w", wrong_bias, "down bias"),
+        ("layer_w", _flat([w]), "per layer"),
+        ("k_caches", [torch.zeros(4, block, hkv, d, dtype=torch.float64)] * 2, "float32"),
+        ("final_norm", torch.ones(hidden + 1), "final_norm"),
     ]:
         with pytest.raises(RuntimeError, match=match):
-            ops.decode_layer(*{**args, key: bad}.values())
+            ops.decode_model(*{**args, key: bad}.values())

@@ -119,20 +119,20 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
 
 def test_single_request_fused_decode_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One request alone: every decode step is a lone token, which the native backend runs through the fused
-    decoder-layer kernel (one call per layer) wherever it applies: all variants but Qwen3's q/k norm."""
+    whole-model kernel (one call for all layers) wherever it applies: all variants but Qwen3's q/k norm."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler to build the native kernels with")
     from pagedllm.model.models import llama
 
     fused_calls = []
-    original = llama.LlamaDecoderLayer._fused_decode
+    original = llama.LlamaModel._fused_decode
 
     def counting(self: Any, *args: Any) -> Any:
         out = original(self, *args)
-        fused_calls.append(out is not None)
+        fused_calls.append(out)
         return out
 
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "_fused_decode", counting)
+    monkeypatch.setattr(llama.LlamaModel, "_fused_decode", counting)
     prompts = random_prompts([37], seed=11)
     engine = dict(ENGINE, attention_backend="native", engine_client="inproc")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:

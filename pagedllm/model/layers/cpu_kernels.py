@@ -11,10 +11,11 @@ dtypes run. All kernels take contiguous float32 CPU tensors and refuse anything 
   `fused_add_rms_norm(x, residual, weight, eps)` (in place: residual += x; x = norm(residual)),
   `rotary_inplace(x [T, H, D], positions [T], cos_sin_cache, heads)`: one pass each where torch takes several;
 * `skinny_linear(x [M, I], weight [O, I], bias)`: x W^T for one or two rows, streaming the dense weight once;
-* `decode_layer(x, residual, first, norm1, qkv_w, qkv_b, cos_sin, positions, k_cache, v_cache, slot_mapping,
-  block_table, seq_lens, scale, o_w, o_b, norm2, gate_up_w, gate_up_b, down_w, down_b, eps)`: a whole
-  Llama-family decoder layer for one decode token (x, residual [1, H] updated in place as the unfused layers do;
-  the token's key and value written to the cache), in one parallel region.
+* `decode_model(x [1, H], layer_w, k_caches, v_caches, cos_sin, positions, slot_mapping, block_table, seq_lens,
+  scale, eps, final_norm)`: a whole Llama-family decoder stack for one decode token in one parallel region (ten
+  weights per layer in layer_w, an empty tensor for an absent bias; one cache pair and rotary table per layer):
+  x enters as the token's embedding and leaves as the final normed hidden state, each layer's key and value
+  written to its cache.
 
 The model runner turns them on with the attention backend ("native", the default on the CPU in float32):
 `set_active(load())`, after which the layers pick them up through `active_for(x)`.
@@ -24,8 +25,9 @@ every running request's whole context; in torch that is a copy of the context ou
 whose CPU kernel is tuned for long query blocks: ~3.2 ms a layer at 64 requests x 192 tokens where the kernel
 takes ~1.6 ms. The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s, and the few-row linear
 reads weights at ~23-30 GB/s where oneDNN's GEMM reaches ~17 on one row (batch-1 decode step ~35 -> ~26 ms).
-The fused layer replaces ~12 dispatched ops (each a fork and join of the thread team) per layer and token by one
-call: a batch-1 forward ~12.5 -> ~11.5 ms.
+The fused stack replaces ~12 dispatched ops (each a fork and join of the thread team) per layer and token by one
+call with five barriers a layer, and its attention splits the context between the threads: a batch-1 forward
+reads the weights within ~6 % of the LM head's bandwidth.
 The first build takes ~30 s and is cached under ~/.cache/torch_extensions, one build per CPU model and flags
 (it uses -march=native).
 """
@@ -60,15 +62,16 @@ _SOURCE = r"""
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 #endif
 
-// Calls f(row, l) for every token l < len of a paged context, in order: `row` points at the token's cached row
+// Calls f(row, l) for every token l0 <= l < l1 of a paged context, in order: `row` points at the token's cached row
 // (all KV heads: `row` floats) plus `offset`; `table` maps block index -> cache block.
 template <typename F>
-static inline void for_each_token(const float* cache, const int64_t* table, int64_t len, int64_t bs, int64_t row,
-                                  int64_t offset, F&& f) {
-  for (int64_t l0 = 0; l0 < len; l0 += bs) {
+static inline void for_each_token(const float* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
+                                  int64_t row, int64_t offset, F&& f) {
+  while (l0 < l1) {
     const float* block = cache + table[l0 / bs] * bs * row + offset;
-    const int64_t m = std::min(bs, len - l0);
-    for (int64_t t = 0; t < m; ++t) f(block + t * row, l0 + t);
+    const int64_t t0 = l0 % bs, m = std::min(bs, t0 + l1 - l0);
+    for (int64_t t = t0; t < m; ++t) f(block + t * row, l0 - t0 + t);
+    l0 += m - t0;
   }
 }
 
@@ -92,7 +95,7 @@ static void attend_item(float* out, const float* q, const float* kp, const float
   s.mx.assign(rows, -std::numeric_limits<float>::infinity());
   s.inv.resize(rows);
   float* scores = s.scores.data();
-  for_each_token(kp, table, len, bs, row, kv0 * d, [&](const float* kt, int64_t l) {
+  for_each_token(kp, table, 0, len, bs, row, kv0 * d, [&](const float* kt, int64_t l) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* kr = kt + (r / g) * d;
       const float* qr = q + r * d;
@@ -116,7 +119,7 @@ static void attend_item(float* out, const float* q, const float* kp, const float
     }
     s.inv[r] = 1.f / sum;
   }
-  for_each_token(vp, table, len, bs, row, kv0 * d, [&](const float* vt, int64_t l) {
+  for_each_token(vp, table, 0, len, bs, row, kv0 * d, [&](const float* vt, int64_t l) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* vr = vt + (r / g) * d;
       const float p = scores[r * len + l];
@@ -358,125 +361,219 @@ static inline void share(int64_t n, int t, int nt, int64_t align, int64_t& first
   last = std::min(n, chunks * (t + 1) / nt * align);
 }
 
-static const float* opt_ptr(const std::optional<torch::Tensor>& t, int64_t numel, const char* name) {
-  if (!t.has_value()) return nullptr;
-  check_float(*t, name);
-  TORCH_CHECK(t->numel() == numel, name, " must have ", numel, " elements");
-  return t->data_ptr<float>();
+// Single-query attention of all hq query heads q [hq, d] over the tokens [l0, l1) of one paged context (query head r
+// reads KV head r / g; a cached token is `row` floats, all KV heads, so each is read once for every head): the
+// unnormalised partial result of flash-decoding, per head its score max m[r], its sum of exp lsum[r] and
+// acc[r] = sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
+template <int D>
+static void attend_span(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                        const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                        int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
+  const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
+  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
+  std::fill(lsum, lsum + hq, 0.f);
+  std::fill(acc, acc + hq * d, 0.f);
+  if (span <= 0) return;
+  scores.resize(hq * span);
+  float* s = scores.data();
+  for_each_token(kc, table, l0, l1, bs, row, 0, [&](const float* kt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float v = dot(q + r * d, kt + (r / g) * d, d) * sc;
+      s[r * span + l - l0] = v;
+      m[r] = std::max(m[r], v);
+    }
+  });
+  for (int64_t r = 0; r < hq; ++r) {
+    float* sr = s + r * span;
+    const float mr = m[r];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < span; ++l) {
+      const float e = expf(sr[l] - mr);
+      sr[l] = e;
+      sum += e;
+    }
+    lsum[r] = sum;
+  }
+  for_each_token(vc, table, l0, l1, bs, row, 0, [&](const float* vt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float p = s[r * span + l - l0];
+      const float* vr = vt + (r / g) * d;
+      float* ar = acc + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+    }
+  });
 }
 
-// One Llama-family decoder layer for a single decode token, in one parallel region (barriers between its
-// dependent steps instead of a dispatch, a fork and a join per op):
-//   residual += x (or residual = x when `first`); h = rms_norm(residual) * norm1
-//   q, k, v = h Wqkv^T (+ b); rotary on q and k at `positions[0]`; k, v written to the cache at slot_mapping[0]
-//   a = attention(q, cached keys and values of block_table[0] over seq_lens[0] tokens) * scale
+static void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                            const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                            int64_t g, int64_t d, float sc, std::vector<float>& scores) {
+  if (d == 64) attend_span<64>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else if (d == 128) attend_span<128>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else attend_span<0>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+}
+
+// The weights of one decoder layer, checked once per call.
+struct LayerWeights {
+  const float *n1, *qkv, *qkv_b, *o, *o_b, *n2, *gu, *gu_b, *down, *down_b, *cos_sin;
+  float *kc, *vc;
+};
+
+// A bias: an empty tensor means none.
+static const float* bias_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
+  if (t.numel() == 0) return nullptr;
+  check_float(t, name);
+  TORCH_CHECK(t.numel() == numel, name, " must have ", numel, " elements");
+  return t.data_ptr<float>();
+}
+
+// A whole Llama-family model's decoder stack for one decode token, in one parallel region. Per layer l (weights
+// layer_w[10 l .. 10 l + 9] = norm1, qkv_w, qkv_b, o_w, o_b, norm2, gate_up_w, gate_up_b, down_w, down_b; an empty
+// bias means none):
+//   residual += x (residual = x at the first layer); h = rms_norm(residual) * norm1
+//   q, k, v = h Wqkv^T (+ b); rotary on q and k at positions[0] (cos_sin[l]); k, v written to cache l at
+//   slot_mapping[0]
+//   a = attention(q, the cached keys and values of block_table[0] over seq_lens[0] tokens) * scale
 //   residual += a Wo^T (+ b); h = rms_norm(residual) * norm2
 //   x = (silu(gate) * up)(h Wgu^T (+ b)) Wd^T (+ b)
-// x [1, H] and residual [1, H] are updated in place (x becomes the layer's output), as the unfused layers do.
-void decode_layer(torch::Tensor x, torch::Tensor residual, bool first, torch::Tensor norm1, torch::Tensor qkv_w,
-                  std::optional<torch::Tensor> qkv_b, torch::Tensor cos_sin, torch::Tensor positions,
-                  torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_table,
-                  torch::Tensor seq_lens, double scale, torch::Tensor o_w, std::optional<torch::Tensor> o_b,
-                  torch::Tensor norm2, torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b,
-                  torch::Tensor down_w, std::optional<torch::Tensor> down_b, double eps) {
-  for (auto* t : {&x, &residual, &norm1, &qkv_w, &cos_sin, &k_cache, &v_cache, &o_w, &norm2, &gate_up_w, &down_w})
-    check_float(*t, "decode_layer tensors");
+// and then x = rms_norm(residual + x) * final_norm: x [1, H] enters as the token's embedding and leaves as the
+// final hidden state, exactly what the unfused layers compute.
+//
+// Work split between the threads, five barriers a layer: each thread keeps its own copy of the residual stream and
+// normalises it itself (a few hundred floats, cheaper than a barrier); the qkv rows split on head boundaries, so
+// each thread rotates and caches the heads it computed; attention splits the context between the threads
+// (flash-decoding: every thread reads each of its cached tokens once for all heads, and the partial results merge
+// per head); gate and up split on the same rows, so SiLU-and-mul needs no barrier of its own.
+void decode_model(torch::Tensor x, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
+                  std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, torch::Tensor positions,
+                  torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                  double eps, torch::Tensor final_norm) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers >= 1 && layer_w.size() == 10 * k_caches.size() && v_caches.size() == k_caches.size() &&
+              cos_sin.size() == k_caches.size(), "10 weights, two caches and a rotary table per layer");
+  check_float(x, "x");
+  check_float(final_norm, "final_norm");
   for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() >= 1, "int64 index tensors");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && residual.sizes() == x.sizes(), "x and residual must be [1, H]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, B, Hkv, D]");
-  const int64_t hidden = x.size(1), blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2),
-                d = k_cache.size(3);
-  const int64_t qkv_out = qkv_w.size(0), hq = (qkv_out - 2 * hkv * d) / d, inter = down_w.size(1);
-  TORCH_CHECK(hq > 0 && hq % hkv == 0 && qkv_out == (hq + 2 * hkv) * d && qkv_w.size(1) == hidden,
-              "qkv weight must be [(Hq + 2 Hkv) D, H]");
-  TORCH_CHECK(o_w.size(0) == hidden && o_w.size(1) == hq * d, "o weight must be [H, Hq D]");
-  TORCH_CHECK(gate_up_w.size(0) == 2 * inter && gate_up_w.size(1) == hidden && down_w.size(0) == hidden,
-              "gate_up weight must be [2 I, H] and down weight [H, I]");
-  TORCH_CHECK(norm1.numel() == hidden && norm2.numel() == hidden, "norm weights must be [H]");
-  const int64_t rot = cos_sin.size(1), half = rot / 2, pos = positions.data_ptr<int64_t>()[0];
-  TORCH_CHECK(rot <= d && rot % 2 == 0 && pos >= 0 && pos < cos_sin.size(0), "rotary table or position");
-  const int64_t slot = slot_mapping.data_ptr<int64_t>()[0], len = seq_lens.data_ptr<int64_t>()[0];
-  const int64_t width = block_table.size(-1);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, H]");
+  const torch::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4, "caches must be [blocks, B, Hkv, D]");
+  const int64_t hidden = x.size(1), blocks = k0.size(0), bs = k0.size(1), hkv = k0.size(2), d = k0.size(3);
+  const torch::Tensor &qkv0 = layer_w[1], &down0 = layer_w[8];
+  const int64_t qkv_out = qkv0.size(0), hq = (qkv_out - 2 * hkv * d) / d, inter = down0.size(-1);
+  TORCH_CHECK(hq > 0 && hq % hkv == 0 && qkv_out == (hq + 2 * hkv) * d, "qkv weight must be [(Hq + 2 Hkv) D, H]");
+  TORCH_CHECK(final_norm.numel() == hidden, "final_norm must be [H]");
+  const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slot_mapping.data_ptr<int64_t>()[0];
+  const int64_t len = seq_lens.data_ptr<int64_t>()[0], width = block_table.size(-1);
   const int64_t* table = block_table.data_ptr<int64_t>();
   TORCH_CHECK(slot >= 0 && slot < blocks * bs, "slot ", slot, " out of range");
   TORCH_CHECK(len >= 1 && len <= width * bs, "seq_len ", len, " outside 1..", width * bs);
   for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < blocks, "block id out of range");
-  const float* qkv_bp = opt_ptr(qkv_b, qkv_out, "qkv bias");
-  const float* o_bp = opt_ptr(o_b, hidden, "o bias");
-  const float* gu_bp = opt_ptr(gate_up_b, 2 * inter, "gate_up bias");
-  const float* d_bp = opt_ptr(down_b, hidden, "down bias");
-
+  const int64_t rot = cos_sin[0].size(-1), half = rot / 2;
+  TORCH_CHECK(rot <= d && rot % 2 == 0, "rotary dims must be even and at most the head size");
+  std::vector<LayerWeights> lw(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = layer_w.data() + 10 * l;
+    for (int i : {0, 1, 3, 5, 6, 8}) check_float(w[i], "layer weights");
+    check_float(k_caches[l], "k_cache");
+    check_float(v_caches[l], "v_cache");
+    check_float(cos_sin[l], "cos_sin");
+    TORCH_CHECK(k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(), "caches of one shape");
+    TORCH_CHECK(w[0].numel() == hidden && w[5].numel() == hidden, "norm weights must be [H]");
+    TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == qkv_out && w[1].size(1) == hidden, "qkv weight must be [Q, H]");
+    TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == hidden && w[3].size(1) == hq * d, "o weight must be [H, Hq D]");
+    TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == 2 * inter && w[6].size(1) == hidden &&
+                w[8].dim() == 2 && w[8].size(0) == hidden && w[8].size(1) == inter,
+                "gate_up weight must be [2 I, H] and down weight [H, I]");
+    TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == rot && pos >= 0 && pos < cos_sin[l].size(0),
+                "rotary table or position");
+    lw[l] = {w[0].data_ptr<float>(), w[1].data_ptr<float>(), bias_ptr(w[2], qkv_out, "qkv bias"),
+             w[3].data_ptr<float>(), bias_ptr(w[4], hidden, "o bias"), w[5].data_ptr<float>(),
+             w[6].data_ptr<float>(), bias_ptr(w[7], 2 * inter, "gate_up bias"), w[8].data_ptr<float>(),
+             bias_ptr(w[9], hidden, "down bias"), cos_sin[l].data_ptr<float>() + pos * rot,
+             k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>()};
+  }
   float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float *n1 = norm1.data_ptr<float>(), *n2 = norm2.data_ptr<float>();
-  const float *wqkv = qkv_w.data_ptr<float>(), *wo = o_w.data_ptr<float>(), *wgu = gate_up_w.data_ptr<float>(),
-              *wd = down_w.data_ptr<float>();
-  const float* cs = cos_sin.data_ptr<float>() + pos * rot;
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const float* fn = final_norm.data_ptr<float>();
   const int64_t row = hkv * d, g = hq / hkv;
   const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
-  static thread_local std::vector<float> buf;
-  buf.resize(2 * hidden + qkv_out + hq * d + 2 * inter + inter);
-  float* h = buf.data();
-  float* h2 = h + hidden;
-  float* qkv = h2 + hidden;
-  float* att = qkv + qkv_out;
-  float* gu = att + hq * d;
-  float* act = gu + 2 * inter;
   const int nt = std::max(1, at::get_num_threads());
+  // Shared between the threads: q|k|v, the attention output, SiLU-and-mul's output, and every thread's partial
+  // attention (max, sum, accumulator per head).
+  std::vector<float> shared(qkv_out + hq * d + inter + nt * hq * (d + 2));
+  float* qkv = shared.data();
+  float* att = qkv + qkv_out;
+  float* act = att + hq * d;
+  float* part = act + inter;
+  std::vector<float> gate_up(2 * inter);
+  float* gu = gate_up.data();
 
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    int64_t a, b;
-#pragma omp single
-    {
-      if (first) {
-        std::copy(xp, xp + hidden, rp);
-        rms_row(h, rp, n1, hidden, ep);
+    std::vector<float> mine(2 * hidden);
+    float* res = mine.data();  // this thread's copy of the residual stream
+    float* h = res + hidden;
+    std::vector<float> scores;
+    int64_t a, b, ha, hb, ia, ib, ra, rb;
+    share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
+    share(inter, t, n, 16, ia, ib);
+    share(hidden, t, n, 16, ra, rb);
+    share(len, t, n, 1, a, b);  // this thread's span of the context
+    float* pm = part + t * hq * (d + 2);
+    for (int64_t l = 0; l < layers; ++l) {
+      const LayerWeights& w = lw[l];
+      if (l == 0) {
+        std::copy(xp, xp + hidden, res);
+        rms_row(h, res, w.n1, hidden, ep);
       } else {
-        add_rms_row(h, rp, xp, n1, hidden, ep);
+        add_rms_row(h, res, xp, w.n1, hidden, ep);
       }
-    }  // implicit barrier
-    share(qkv_out, t, n, 16, a, b);
-    gemv_rows(wqkv, h, qkv_bp, qkv, a, b, hidden);
-#pragma omp barrier
-#pragma omp single
-    {
-      for (int64_t hh = 0; hh < hq + hkv; ++hh) rotate_head(qkv + hh * d, cs, half);
-      std::copy(qkv + hq * d, qkv + (hq + hkv) * d, kc + slot * row);
-      std::copy(qkv + (hq + hkv) * d, qkv + (hq + 2 * hkv) * d, vc + slot * row);
-    }
-    {
-      static thread_local AttendScratch scratch;
-      share(hq, t, n, 1, a, b);
-      for (int64_t r = a; r < b; ++r) {  // query head r, alone: its KV head is r / g
-        float *o = att + r * d, *qr = qkv + r * d;
-        if (d == 64) attend_item<64>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
-        else if (d == 128) attend_item<128>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
-        else attend_item<0>(o, qr, kc, vc, table, len, bs, row, r / g, 1, 1, d, sc, scratch);
+      gemv_rows(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
+      for (int64_t hh = ha; hh < hb; ++hh) {
+        float* v = qkv + hh * d;
+        if (hh < hq + hkv) rotate_head(v, w.cos_sin, half);
+        if (hh >= hq + hkv) std::copy(v, v + d, w.vc + slot * row + (hh - hq - hkv) * d);
+        else if (hh >= hq) std::copy(v, v + d, w.kc + slot * row + (hh - hq) * d);
       }
-    }
 #pragma omp barrier
-    share(hidden, t, n, 16, a, b);
-    gemv_rows(wo, att, o_bp, xp, a, b, hq * d);
+      attend_span_any(pm, pm + hq, pm + 2 * hq, qkv, w.kc, w.vc, table, a, b, bs, row, hq, g, d, sc, scores);
 #pragma omp barrier
-#pragma omp single
-    {
-      add_rms_row(h2, rp, xp, n2, hidden, ep);
-    }
-    share(2 * inter, t, n, 16, a, b);
-    gemv_rows(wgu, h2, gu_bp, gu, a, b, hidden);
-#pragma omp barrier
-    share(inter, t, n, 16, a, b);
+      int64_t qa, qb;
+      share(hq, t, n, 1, qa, qb);
+      for (int64_t r = qa; r < qb; ++r) {  // merge the threads' partial results of query head r
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int u = 0; u < n; ++u) mx = std::max(mx, part[u * hq * (d + 2) + r]);
+        float total = 0.f;
+        float* o = att + r * d;
+        std::fill(o, o + d, 0.f);
+        for (int u = 0; u < n; ++u) {
+          const float* pu = part + u * hq * (d + 2);
+          const float f = pu[hq + r] > 0.f ? expf(pu[r] - mx) : 0.f;
+          total += f * pu[hq + r];
+          const float* au = pu + 2 * hq + r * d;
 #pragma omp simd
-    for (int64_t k = a; k < b; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
+          for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+      }
 #pragma omp barrier
-    share(hidden, t, n, 16, a, b);
-    gemv_rows(wd, act, d_bp, xp, a, b, inter);
+      gemv_rows(w.o, att, w.o_b, xp, ra, rb, hq * d);
+#pragma omp barrier
+      add_rms_row(h, res, xp, w.n2, hidden, ep);
+      gemv_rows(w.gu, h, w.gu_b, gu, ia, ib, hidden);
+      gemv_rows(w.gu + inter * hidden, h, w.gu_b ? w.gu_b + inter : nullptr, gu + inter, ia, ib, hidden);
+#pragma omp simd
+      for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
+#pragma omp barrier
+      gemv_rows(w.down, act, w.down_b, xp, ra, rb, inter);
+#pragma omp barrier
+    }
+    if (t == 0) add_rms_row(xp, res, xp, fn, hidden, ep);
   }
 }
 """
@@ -488,7 +585,7 @@ _FUNCTIONS = [
     "fused_add_rms_norm",
     "rotary_inplace",
     "skinny_linear",
-    "decode_layer",
+    "decode_model",
 ]
 _UNSET = object()
 _module: Any = _UNSET

@@ -99,15 +99,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self._fused_weights: tuple[Any, ...] | None = None  # the fused decode kernel's arguments, on first use
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape[0] == 1 and meta.num_decodes == 1:
-            fused = self._fused_decode(positions, x, residual, meta)
-            if fused is not None:
-                return fused
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -116,50 +111,6 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _fused_decode(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole layer as one native call for a lone decode token (single-request decode is bound by reading
-        the weights, and per-op dispatch was ~15 % of its step), or None where that kernel does not apply."""
-        ops = active_for(x)
-        attn = self.self_attn
-        # The native backend (decode_op set) gives every decode batch one group with seq_lens, in float32.
-        if ops is None or attn.attn.decode_op is None or attn.q_norm is not None or not x.is_contiguous():
-            return None
-        (group,) = meta.decode_groups
-        weights = self._fused_weights
-        if weights is None:
-            mlp, qkv, o = self.mlp, attn.qkv_proj, attn.o_proj
-            linears = (qkv, o, mlp.gate_up_proj, mlp.down_proj)
-            if any(not lin.weight.numel() or lin.tp_size != 1 for lin in linears):
-                return None  # packed-only weights or tensor parallelism: the unfused path
-            if attn.rotary_emb.cos_sin_cache.dtype != torch.float32:
-                return None
-            weights = self._fused_weights = (
-                self.input_layernorm.weight,
-                qkv.weight,
-                qkv.bias,
-                attn.rotary_emb.cos_sin_cache,
-                o.weight,
-                o.bias,
-                self.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
-                mlp.gate_up_proj.bias,
-                mlp.down_proj.weight,
-                mlp.down_proj.bias,
-            )
-        n1, wqkv, bqkv, cos_sin, wo, bo, n2, wgu, bgu, wd, bd = weights
-        first = residual is None
-        if residual is None:
-            residual = torch.empty_like(x)
-        k_cache, v_cache = attn.attn.kv_cache
-        ops.decode_layer(
-            x, residual, first, n1, wqkv, bqkv, cos_sin, positions, k_cache, v_cache, meta.slot_mapping,
-            group.block_table, group.seq_lens, attn.attn.scale, wo, bo, n2, wgu, bgu, wd, bd,
-            self.input_layernorm.eps,
-        )  # fmt: skip
-        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -170,14 +121,59 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, dtype, bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._fused_weights: list[torch.Tensor] | None = None  # the fused decode kernel's weights, on first use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if x.shape[0] == 1 and meta.num_decodes == 1 and self._fused_decode(positions, x, meta):
+            return x
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_decode(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """The whole decoder stack as one native call for a lone decode token, in place on x (single-request
+        decode is bound by reading the weights, and per-layer dispatch, thread-team forks and barriers were ~15 %
+        of its step); False where that kernel does not apply."""
+        ops = active_for(x)
+        first = self.layers[0].self_attn
+        # The native backend (decode_op set) gives every decode batch one group with seq_lens, in float32.
+        if ops is None or first.attn.decode_op is None or first.q_norm is not None or not x.is_contiguous():
+            return False
+        weights = self._fused_weights
+        if weights is None:
+            weights = self._fused_weights = self._fused_decode_weights()
+        if not weights:
+            return False
+        (group,) = meta.decode_groups
+        attns = [layer.self_attn for layer in self.layers]
+        ops.decode_model(
+            x, weights, [a.attn.kv_cache[0] for a in attns], [a.attn.kv_cache[1] for a in attns],
+            [a.rotary_emb.cos_sin_cache for a in attns], positions, meta.slot_mapping, group.block_table,
+            group.seq_lens, first.attn.scale, self.norm.eps, self.norm.weight,
+        )  # fmt: skip
+        return True
+
+    def _fused_decode_weights(self) -> list[torch.Tensor]:
+        """`decode_model`'s ten tensors per layer (an empty tensor for an absent bias), or [] where some layer
+        cannot run fused: packed-only weights, tensor parallelism, a non-float32 rotary table."""
+        none = torch.empty(0)
+        weights: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(not lin.weight.numel() or lin.tp_size != 1 for lin in linears):
+                return []
+            if attn.rotary_emb.cos_sin_cache.dtype != torch.float32 or layer.input_layernorm.eps != self.norm.eps:
+                return []
+            for norm, lin in ((layer.input_layernorm, attn.qkv_proj), (None, attn.o_proj),
+                              (layer.post_attention_layernorm, mlp.gate_up_proj), (None, mlp.down_proj)):  # fmt: skip
+                if norm is not None:
+                    weights.append(norm.weight)
+                weights += [lin.weight, none if lin.bias is None else lin.bias]
+        return weights
 
 
 class LlamaForCausalLM(nn.Module):
