@@ -122,6 +122,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self._fused_weights: list[torch.Tensor] | None = None  # the fused decode kernel's weights, on first use
+        self._fused_attention: tuple[Any, ...] | None = None  # (layer 0's kv_cache, k caches, v caches, rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -147,11 +148,19 @@ class LlamaModel(nn.Module):
             weights = self._fused_weights = self._fused_decode_weights()
         if not weights:
             return False
+        attns = self._fused_attention
+        if attns is None or attns[0] is not first.attn.kv_cache:  # the caches, gathered once per allocation
+            layers = [layer.self_attn for layer in self.layers]
+            attns = self._fused_attention = (
+                first.attn.kv_cache,
+                [a.attn.kv_cache[0] for a in layers],
+                [a.attn.kv_cache[1] for a in layers],
+                [a.rotary_emb.cos_sin_cache for a in layers],
+            )
         (group,) = meta.decode_groups
-        attns = [layer.self_attn for layer in self.layers]
+        _, k_caches, v_caches, cos_sin = attns
         ops.decode_model(
-            x, weights, [a.attn.kv_cache[0] for a in attns], [a.attn.kv_cache[1] for a in attns],
-            [a.rotary_emb.cos_sin_cache for a in attns], positions, meta.slot_mapping, group.block_table,
+            x, weights, k_caches, v_caches, cos_sin, positions, meta.slot_mapping, group.block_table,
             group.seq_lens, first.attn.scale, self.norm.eps, self.norm.weight,
         )  # fmt: skip
         return True
