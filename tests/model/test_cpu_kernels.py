@@ -144,11 +144,11 @@ def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot
             out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
         )
     out_ref = _rms(out_ref + res_ref, final_norm, eps)
-    ops.decode_model(
-        x, _flat(layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers,
-        torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]), d**-0.5, eps,
-        final_norm,
+    stack = ops.DecodeModel(
+        _flat(layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
+        eps, final_norm,
     )  # fmt: skip
+    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
     for cache, ref in zip(caches, refs):
         torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x, out_ref, atol=1e-4, rtol=1e-4)
@@ -157,26 +157,37 @@ def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot
 def test_decode_model_refuses_bad_input(ops) -> None:
     hidden, inter, hq, hkv, d, block = 32, 48, 2, 1, 16, 4
     w = _layer_weights(torch.Generator().manual_seed(0), hidden, inter, hq, hkv, d, False)
-    args = dict(
-        x=torch.randn(1, hidden), layer_w=_flat([w, w]), k_caches=[torch.zeros(4, block, hkv, d)] * 2,
+    build = dict(
+        layer_w=_flat([w, w]), k_caches=[torch.zeros(4, block, hkv, d)] * 2,
         v_caches=[torch.zeros(4, block, hkv, d)] * 2, cos_sin=[RotaryEmbedding(d, 64, 10000.0).cos_sin_cache] * 2,
-        positions=torch.tensor([3]), slot_mapping=torch.tensor([3]), block_table=torch.tensor([[0, 1]]),
-        seq_lens=torch.tensor([4]), scale=0.25, eps=1e-6, final_norm=torch.ones(hidden),
+        scale=0.25, eps=1e-6, final_norm=torch.ones(hidden),
     )  # fmt: skip
-    ops.decode_model(*args.values())  # the valid call works
+    step = dict(
+        x=torch.randn(1, hidden), positions=torch.tensor([3]), slot_mapping=torch.tensor([3]),
+        block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([4]),
+    )  # fmt: skip
+    stack = ops.DecodeModel(**build)
+    stack(**step)  # the valid call works
     wrong_o = _flat([w, {**w, "o": torch.randn(hidden, hq * d + 1)}])
     wrong_bias = _flat([w, {**w, "down_b": torch.randn(hidden + 1)}])
+    for key, bad, match in [
+        ("layer_w", wrong_o, "o weight"),
+        ("layer_w", wrong_bias, "down bias"),
+        ("layer_w", _flat([w]), "per layer"),
+        ("k_caches", [torch.zeros(4, block, hkv, d, dtype=torch.float64)] * 2, "float32"),
+        ("v_caches", [torch.zeros(4, block, hkv, d), torch.zeros(5, block, hkv, d)], "one shape"),
+        ("final_norm", torch.ones(hidden + 1), "final_norm"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.DecodeModel(**{**build, key: bad})
     for key, bad, match in [
         ("slot_mapping", torch.tensor([16]), "slot"),
         ("block_table", torch.tensor([[9, 1]]), "block id"),
         ("seq_lens", torch.tensor([9]), "seq_len"),
         ("positions", torch.tensor([64]), "position"),
         ("x", torch.randn(2, hidden), r"\[1, H\]"),
-        ("layer_w", wrong_o, "o weight"),
-        ("layer_w", wrong_bias, "down bias"),
-        ("layer_w", _flat([w]), "per layer"),
-        ("k_caches", [torch.zeros(4, block, hkv, d, dtype=torch.float64)] * 2, "float32"),
-        ("final_norm", torch.ones(hidden + 1), "final_norm"),
+        ("x", torch.randn(1, hidden + 1), r"\[1, H\]"),
+        ("positions", torch.tensor([3], dtype=torch.int32), "int64"),
     ]:
         with pytest.raises(RuntimeError, match=match):
-            ops.decode_model(*{**args, key: bad}.values())
+            stack(**{**step, key: bad})

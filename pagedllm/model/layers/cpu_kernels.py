@@ -414,7 +414,7 @@ static void attend_span_any(float* m, float* lsum, float* acc, const float* q, c
   else attend_span<0>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
 }
 
-// The weights of one decoder layer, checked once per call.
+// The weights of one decoder layer.
 struct LayerWeights {
   const float *n1, *qkv, *qkv_b, *o, *o_b, *n2, *gu, *gu_b, *down, *down_b, *cos_sin;
   float *kc, *vc;
@@ -440,65 +440,105 @@ static const float* bias_ptr(const torch::Tensor& t, int64_t numel, const char* 
 // and then x = rms_norm(residual + x) * final_norm: x [1, H] enters as the token's embedding and leaves as the
 // final hidden state, exactly what the unfused layers compute.
 //
+// Built once per set of weights and caches, which it holds and checks then: a step passes only the token's few
+// index tensors (converting and checking some 400 tensors on every step cost ~0.2 ms, cache-cold after the
+// weights have streamed through).
+//
 // Work split between the threads, five barriers a layer: each thread keeps its own copy of the residual stream and
 // normalises it itself (a few hundred floats, cheaper than a barrier); the qkv rows split on head boundaries, so
 // each thread rotates and caches the heads it computed; attention splits the context between the threads
 // (flash-decoding: every thread reads each of its cached tokens once for all heads, and the partial results merge
 // per head); gate and up split on the same rows, so SiLU-and-mul needs no barrier of its own.
-void decode_model(torch::Tensor x, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
-                  std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, torch::Tensor positions,
-                  torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                  double eps, torch::Tensor final_norm) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers >= 1 && layer_w.size() == 10 * k_caches.size() && v_caches.size() == k_caches.size() &&
-              cos_sin.size() == k_caches.size(), "10 weights, two caches and a rotary table per layer");
-  check_float(x, "x");
-  check_float(final_norm, "final_norm");
-  for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() >= 1, "int64 index tensors");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, H]");
-  const torch::Tensor& k0 = k_caches[0];
-  TORCH_CHECK(k0.dim() == 4, "caches must be [blocks, B, Hkv, D]");
-  const int64_t hidden = x.size(1), blocks = k0.size(0), bs = k0.size(1), hkv = k0.size(2), d = k0.size(3);
-  const torch::Tensor &qkv0 = layer_w[1], &down0 = layer_w[8];
-  const int64_t qkv_out = qkv0.size(0), hq = (qkv_out - 2 * hkv * d) / d, inter = down0.size(-1);
-  TORCH_CHECK(hq > 0 && hq % hkv == 0 && qkv_out == (hq + 2 * hkv) * d, "qkv weight must be [(Hq + 2 Hkv) D, H]");
-  TORCH_CHECK(final_norm.numel() == hidden, "final_norm must be [H]");
-  const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slot_mapping.data_ptr<int64_t>()[0];
-  const int64_t len = seq_lens.data_ptr<int64_t>()[0], width = block_table.size(-1);
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  TORCH_CHECK(slot >= 0 && slot < blocks * bs, "slot ", slot, " out of range");
-  TORCH_CHECK(len >= 1 && len <= width * bs, "seq_len ", len, " outside 1..", width * bs);
-  for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < blocks, "block id out of range");
-  const int64_t rot = cos_sin[0].size(-1), half = rot / 2;
-  TORCH_CHECK(rot <= d && rot % 2 == 0, "rotary dims must be even and at most the head size");
-  std::vector<LayerWeights> lw(layers);
-  for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = layer_w.data() + 10 * l;
-    for (int i : {0, 1, 3, 5, 6, 8}) check_float(w[i], "layer weights");
-    check_float(k_caches[l], "k_cache");
-    check_float(v_caches[l], "v_cache");
-    check_float(cos_sin[l], "cos_sin");
-    TORCH_CHECK(k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(), "caches of one shape");
-    TORCH_CHECK(w[0].numel() == hidden && w[5].numel() == hidden, "norm weights must be [H]");
-    TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == qkv_out && w[1].size(1) == hidden, "qkv weight must be [Q, H]");
-    TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == hidden && w[3].size(1) == hq * d, "o weight must be [H, Hq D]");
-    TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == 2 * inter && w[6].size(1) == hidden &&
-                w[8].dim() == 2 && w[8].size(0) == hidden && w[8].size(1) == inter,
-                "gate_up weight must be [2 I, H] and down weight [H, I]");
-    TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == rot && pos >= 0 && pos < cos_sin[l].size(0),
-                "rotary table or position");
-    lw[l] = {w[0].data_ptr<float>(), w[1].data_ptr<float>(), bias_ptr(w[2], qkv_out, "qkv bias"),
-             w[3].data_ptr<float>(), bias_ptr(w[4], hidden, "o bias"), w[5].data_ptr<float>(),
-             w[6].data_ptr<float>(), bias_ptr(w[7], 2 * inter, "gate_up bias"), w[8].data_ptr<float>(),
-             bias_ptr(w[9], hidden, "down bias"), cos_sin[l].data_ptr<float>() + pos * rot,
-             k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>()};
+class DecodeModel {
+ public:
+  DecodeModel(std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
+              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
+              torch::Tensor final_norm)
+      : scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)) {
+    const size_t layers = k_caches.size();
+    TORCH_CHECK(layers >= 1 && layer_w.size() == 10 * layers && v_caches.size() == layers &&
+                cos_sin.size() == layers, "10 weights, two caches and a rotary table per layer");
+    check_float(final_norm, "final_norm");
+    const torch::Tensor& k0 = k_caches[0];
+    TORCH_CHECK(k0.dim() == 4, "caches must be [blocks, B, Hkv, D]");
+    blocks_ = k0.size(0), bs_ = k0.size(1), hkv_ = k0.size(2), d_ = k0.size(3);
+    check_float(layer_w[1], "qkv weight");
+    check_float(layer_w[8], "down weight");
+    TORCH_CHECK(layer_w[1].dim() == 2 && layer_w[8].dim() == 2, "qkv and down weights must be matrices");
+    hidden_ = layer_w[1].size(1), qkv_out_ = layer_w[1].size(0), inter_ = layer_w[8].size(1);
+    hq_ = (qkv_out_ - 2 * hkv_ * d_) / d_;
+    TORCH_CHECK(hq_ > 0 && hq_ % hkv_ == 0 && qkv_out_ == (hq_ + 2 * hkv_) * d_,
+                "qkv weight must be [(Hq + 2 Hkv) D, H]");
+    TORCH_CHECK(final_norm.numel() == hidden_, "final_norm must be [H]");
+    rot_ = cos_sin[0].dim() == 2 ? cos_sin[0].size(1) : 0;
+    TORCH_CHECK(rot_ > 0 && rot_ <= d_ && rot_ % 2 == 0, "rotary dims must be even and at most the head size");
+    max_pos_ = cos_sin[0].size(0);
+    for (size_t l = 0; l < layers; ++l) {
+      const torch::Tensor* w = layer_w.data() + 10 * l;
+      for (int i : {0, 1, 3, 5, 6, 8}) check_float(w[i], "layer weights");
+      check_float(k_caches[l], "k_cache");
+      check_float(v_caches[l], "v_cache");
+      check_float(cos_sin[l], "cos_sin");
+      TORCH_CHECK(k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(), "caches of one shape");
+      TORCH_CHECK(w[0].numel() == hidden_ && w[5].numel() == hidden_, "norm weights must be [H]");
+      TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == qkv_out_ && w[1].size(1) == hidden_,
+                  "qkv weight must be [Q, H]");
+      TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == hidden_ && w[3].size(1) == hq_ * d_,
+                  "o weight must be [H, Hq D]");
+      TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == 2 * inter_ && w[6].size(1) == hidden_ && w[8].dim() == 2 &&
+                  w[8].size(0) == hidden_ && w[8].size(1) == inter_,
+                  "gate_up weight must be [2 I, H] and down weight [H, I]");
+      TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == rot_ && cos_sin[l].size(0) == max_pos_,
+                  "rotary tables of one shape");
+      layers_.push_back({w[0].data_ptr<float>(), w[1].data_ptr<float>(), bias_ptr(w[2], qkv_out_, "qkv bias"),
+                         w[3].data_ptr<float>(), bias_ptr(w[4], hidden_, "o bias"), w[5].data_ptr<float>(),
+                         w[6].data_ptr<float>(), bias_ptr(w[7], 2 * inter_, "gate_up bias"),
+                         w[8].data_ptr<float>(), bias_ptr(w[9], hidden_, "down bias"),
+                         cos_sin[l].data_ptr<float>(), k_caches[l].data_ptr<float>(),
+                         v_caches[l].data_ptr<float>()});
+    }
+    fn_ = final_norm.data_ptr<float>();
+    // Keep every tensor alive as long as the pointers above are in use.
+    keep_ = std::move(layer_w);
+    for (auto* list : {&k_caches, &v_caches, &cos_sin}) keep_.insert(keep_.end(), list->begin(), list->end());
+    keep_.push_back(final_norm);
   }
-  float* xp = x.data_ptr<float>();
-  const float* fn = final_norm.data_ptr<float>();
+
+  // x [1, H] in place; the token's position, cache slot, block table row and context length (int64, first
+  // element of each).
+  void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
+                  torch::Tensor seq_lens) const {
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == hidden_, "x must be [1, H]");
+    for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() >= 1, "int64 index tensors");
+    const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slot_mapping.data_ptr<int64_t>()[0];
+    const int64_t len = seq_lens.data_ptr<int64_t>()[0], width = block_table.size(-1);
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    TORCH_CHECK(pos >= 0 && pos < max_pos_, "position ", pos, " out of the rotary table's range");
+    TORCH_CHECK(slot >= 0 && slot < blocks_ * bs_, "slot ", slot, " out of range");
+    TORCH_CHECK(len >= 1 && len <= width * bs_, "seq_len ", len, " outside 1..", width * bs_);
+    for (int64_t b = 0; b < (len + bs_ - 1) / bs_; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < blocks_, "block id out of range");
+    run(x.data_ptr<float>(), pos, slot, table, len);
+  }
+
+ private:
+  void run(float* xp, int64_t pos, int64_t slot, const int64_t* table, int64_t len) const;
+
+  std::vector<LayerWeights> layers_;
+  std::vector<torch::Tensor> keep_;
+  const float* fn_;
+  float scale_, eps_;
+  int64_t blocks_, bs_, hkv_, d_, hidden_, qkv_out_, inter_, hq_, rot_, max_pos_;
+};
+
+void DecodeModel::run(float* xp, int64_t pos, int64_t slot, const int64_t* table, int64_t len) const {
+  const int64_t hidden = hidden_, bs = bs_, hkv = hkv_, d = d_, qkv_out = qkv_out_, inter = inter_, hq = hq_;
+  const int64_t layers = static_cast<int64_t>(layers_.size()), half = rot_ / 2, cs_off = pos * rot_;
+  const float* fn = fn_;
   const int64_t row = hkv * d, g = hq / hkv;
-  const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
+  const float sc = scale_, ep = eps_;
   const int nt = std::max(1, at::get_num_threads());
   // Shared between the threads: q|k|v, the attention output, SiLU-and-mul's output, and every thread's partial
   // attention (max, sum, accumulator per head).
@@ -524,7 +564,7 @@ void decode_model(torch::Tensor x, std::vector<torch::Tensor> layer_w, std::vect
     share(len, t, n, 1, a, b);  // this thread's span of the context
     float* pm = part + t * hq * (d + 2);
     for (int64_t l = 0; l < layers; ++l) {
-      const LayerWeights& w = lw[l];
+      const LayerWeights& w = layers_[l];
       if (l == 0) {
         std::copy(xp, xp + hidden, res);
         rms_row(h, res, w.n1, hidden, ep);
@@ -534,7 +574,7 @@ void decode_model(torch::Tensor x, std::vector<torch::Tensor> layer_w, std::vect
       gemv_rows(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
       for (int64_t hh = ha; hh < hb; ++hh) {
         float* v = qkv + hh * d;
-        if (hh < hq + hkv) rotate_head(v, w.cos_sin, half);
+        if (hh < hq + hkv) rotate_head(v, w.cos_sin + cs_off, half);
         if (hh >= hq + hkv) std::copy(v, v + d, w.vc + slot * row + (hh - hq - hkv) * d);
         else if (hh >= hq) std::copy(v, v + d, w.kc + slot * row + (hh - hq) * d);
       }
@@ -576,17 +616,24 @@ void decode_model(torch::Tensor x, std::vector<torch::Tensor> layer_w, std::vect
     if (t == 0) add_rms_row(xp, res, xp, fn, hidden, ep);
   }
 }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention));
+  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul));
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm));
+  m.def("fused_add_rms_norm", torch::wrap_pybind_function(fused_add_rms_norm));
+  m.def("rotary_inplace", torch::wrap_pybind_function(rotary_inplace));
+  m.def("skinny_linear", torch::wrap_pybind_function(skinny_linear));
+  py::class_<DecodeModel>(m, "DecodeModel")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, double, double, torch::Tensor>(),
+           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
+           py::arg("eps"), py::arg("final_norm"))
+      .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("block_table"), py::arg("seq_lens"));
+}
 """
 
-_FUNCTIONS = [
-    "paged_decode_attention",
-    "silu_and_mul",
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_inplace",
-    "skinny_linear",
-    "decode_model",
-]
 _UNSET = object()
 _module: Any = _UNSET
 # The kernels the model layers use: set by the model runner (`set_active`) when its backend is native.
@@ -647,7 +694,6 @@ def _build() -> Any:
         module = load_inline(
             name=f"pagedllm_cpu_kernels_{_cpu_tag()}",
             cpp_sources=[_SOURCE],
-            functions=_FUNCTIONS,
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             verbose=False,

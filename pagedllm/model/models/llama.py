@@ -121,8 +121,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, dtype, bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self._fused_weights: list[torch.Tensor] | None = None  # the fused decode kernel's weights, on first use
-        self._fused_attention: tuple[Any, ...] | None = None  # (layer 0's kv_cache, k caches, v caches, rotary)
+        # (layer 0's kv_cache, the native DecodeModel or None where it does not apply), built on first use
+        self._fused_plan: tuple[Any, Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -143,30 +143,28 @@ class LlamaModel(nn.Module):
         # The native backend (decode_op set) gives every decode batch one group with seq_lens, in float32.
         if ops is None or first.attn.decode_op is None or first.q_norm is not None or not x.is_contiguous():
             return False
-        weights = self._fused_weights
-        if weights is None:
-            weights = self._fused_weights = self._fused_decode_weights()
-        if not weights:
-            return False
-        attns = self._fused_attention
-        if attns is None or attns[0] is not first.attn.kv_cache:  # the caches, gathered once per allocation
+        plan = self._fused_plan
+        if plan is None or plan[0] is not first.attn.kv_cache:  # built once per KV cache allocation
+            weights = self._fused_decode_weights()
+            if not weights:
+                self._fused_plan = (first.attn.kv_cache, None)
+                return False
             layers = [layer.self_attn for layer in self.layers]
-            attns = self._fused_attention = (
+            plan = self._fused_plan = (
                 first.attn.kv_cache,
-                [a.attn.kv_cache[0] for a in layers],
-                [a.attn.kv_cache[1] for a in layers],
-                [a.rotary_emb.cos_sin_cache for a in layers],
-            )
+                ops.DecodeModel(
+                    weights, [a.attn.kv_cache[0] for a in layers], [a.attn.kv_cache[1] for a in layers],
+                    [a.rotary_emb.cos_sin_cache for a in layers], first.attn.scale, self.norm.eps, self.norm.weight,
+                ),
+            )  # fmt: skip
+        if plan[1] is None:
+            return False
         (group,) = meta.decode_groups
-        _, k_caches, v_caches, cos_sin = attns
-        ops.decode_model(
-            x, weights, k_caches, v_caches, cos_sin, positions, meta.slot_mapping, group.block_table,
-            group.seq_lens, first.attn.scale, self.norm.eps, self.norm.weight,
-        )  # fmt: skip
+        plan[1](x, positions, meta.slot_mapping, group.block_table, group.seq_lens)
         return True
 
     def _fused_decode_weights(self) -> list[torch.Tensor]:
-        """`decode_model`'s ten tensors per layer (an empty tensor for an absent bias), or [] where some layer
+        """`DecodeModel`'s ten tensors per layer (an empty tensor for an absent bias), or [] where some layer
         cannot run fused: packed-only weights, tensor parallelism, a non-float32 rotary table."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
