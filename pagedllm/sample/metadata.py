@@ -4,7 +4,8 @@ Contract:
 - Row i of every field describes row i of the logits the sampler receives (one row per request).
 - Tensors live on the device of the logits; per-row Python data (output tokens, logit bias, min_tokens)
   stays on the host and is turned into index tensors by the sampler only when it is needed.
-- Optional tensors are `None` when no row uses the feature, so the sampler can skip that work entirely.
+- Optional tensors are `None` when no row uses the feature, so the sampler can skip that work entirely (the
+  three penalty tensors are None together, when `no_penalties`).
   When present, rows that do not use the feature hold a neutral value (top_k = vocab_size, top_p = 1.0,
   min_p = 0.0, penalties 0/0/1) so the batched op leaves them unchanged.
 - Greedy rows have temperature exactly 0.0, neutral filters and no entry in `generators`: they never
@@ -39,9 +40,10 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [num_reqs] float32; None when no row uses min-p
     generators: dict[int, torch.Generator]  # row index -> that request's own generator (seeded rows)
     no_penalties: bool
-    presence_penalties: torch.Tensor  # [num_reqs] float32
-    frequency_penalties: torch.Tensor  # [num_reqs] float32
-    repetition_penalties: torch.Tensor  # [num_reqs] float32
+    # [num_reqs] float32 each; None when no_penalties (no row uses any penalty)
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
     prompt_token_ids: torch.Tensor | None  # [num_reqs, max_prompt_len] int64 padded with vocab_size
     output_token_ids: list[list[int]]  # per row: tokens generated so far
     min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, token ids forbidden until then)
@@ -148,9 +150,9 @@ class SamplingMetadata:
             min_p=f32(min_p) if uses_min_p else None,
             generators=gens,
             no_penalties=no_penalties,
-            presence_penalties=f32(presence),
-            frequency_penalties=f32(frequency),
-            repetition_penalties=f32(repetition),
+            presence_penalties=None if no_penalties else f32(presence),
+            frequency_penalties=None if no_penalties else f32(frequency),
+            repetition_penalties=None if no_penalties else f32(repetition),
             prompt_token_ids=prompt_tensor,
             output_token_ids=output_token_ids,
             min_tokens=min_tokens,

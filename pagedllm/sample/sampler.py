@@ -179,8 +179,12 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt + output tokens), then frequency and presence (output tokens) penalties.
 
-    Returns a new tensor. If `metadata.prompt_token_ids` is None, only output tokens count as seen.
+    Returns a new tensor. If `metadata.prompt_token_ids` is None, only output tokens count as seen. Returns the
+    logits unchanged when no row has a penalty (`metadata.no_penalties`).
     """
+    rep, freq, pres = metadata.repetition_penalties, metadata.frequency_penalties, metadata.presence_penalties
+    if rep is None or freq is None or pres is None:
+        return logits
     num_reqs, vocab = logits.shape
     dev = logits.device
 
@@ -206,13 +210,13 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
         prompt_mask = torch.zeros((num_reqs, vocab + 1), dtype=torch.bool, device=dev)
         prompt_mask.scatter_(1, metadata.prompt_token_ids.to(dev), True)
         seen = seen | prompt_mask[:, :vocab]
-    rep = metadata.repetition_penalties.to(dev).unsqueeze(1)
+    rep = rep.to(dev).unsqueeze(1)
     # HF/vLLM convention: shrink towards zero, i.e. divide positive logits and multiply negative ones.
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
 
-    freq = metadata.frequency_penalties.to(dev).unsqueeze(1)
-    pres = metadata.presence_penalties.to(dev).unsqueeze(1)
+    freq = freq.to(dev).unsqueeze(1)
+    pres = pres.to(dev).unsqueeze(1)
     return logits - freq * counts - pres * output_mask.to(torch.float32)
 
 

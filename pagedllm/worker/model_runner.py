@@ -117,8 +117,13 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: dict[str, object] = {}
         if sample_rows:
-            idx = torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
+                rows_to_sample = hidden
+            else:
+                rows_to_sample = hidden.index_select(0, torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device))
+            logits = self.model.compute_logits(rows_to_sample)
+            if logits.dtype != torch.float32:
+                logits = logits.float()
             sampling_states = [states[i] for i in sample_rows]
             md = SamplingMetadata.from_requests(
                 [s.sampling_params for s in sampling_states],

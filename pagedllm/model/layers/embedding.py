@@ -55,4 +55,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
-        return logits[..., : self.num_embeddings]
+        return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]
