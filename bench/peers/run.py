@@ -284,10 +284,12 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def bench_serve(port: int, rate: str, args: argparse.Namespace, model: str, out: Path, num_prompts: int) -> dict:
+def bench_serve(
+    port: int, rate: str, seed: int, args: argparse.Namespace, model: str, out: Path, num_prompts: int
+) -> dict:
     cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
     cmd += ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128"]
-    cmd += ["--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(args.seed), "--ignore-eos"]
+    cmd += ["--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos"]
     cmd += ["--tokenizer", model, "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     cmd += ["--disable-tqdm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -303,13 +305,17 @@ def run_online(engines: list[str], args: argparse.Namespace, model: str, vpy: st
         proc = start_server(engine, model, port, args, vpy, workdir / f"{engine}-server.log")
         rows = []
         try:
-            # Warm-up: a few requests so one-time costs (vLLM's compiled graphs, our first steps) are not measured.
-            bench_serve(port, "inf", args, model, workdir / f"{engine}-warmup.json", 4)
-            for rate in args.rates:
+            # Warm-up, so that one-time costs (vLLM's compiled graphs, our first steps) are not measured.
+            # 32 prompts at once make the batch shapes of a loaded server (first-use costs such as oneDNN
+            # primitives are per shape). Their own seed: no measured prompt is in either prefix cache beforehand.
+            bench_serve(port, "inf", args.seed + 1000, args, model, workdir / f"{engine}-warmup.json", 32)
+            for i, rate in enumerate(args.rates):
                 idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
                 num = max(args.min_prompts, int(float(rate) * args.online_seconds)) if rate != "inf" else 64
                 print(f"[online] {ENGINE_LABEL[engine]} at {rate} req/s, {num} prompts ...", flush=True)
-                res = bench_serve(port, rate, args, model, workdir / f"{engine}-{rate}.json", num)
+                # Each rate its own prompts (seed + i), the same for both engines: a rate does not find the
+                # previous rate's prompts in the prefix cache.
+                res = bench_serve(port, rate, args.seed + i, args, model, workdir / f"{engine}-{rate}.json", num)
                 res.update(engine=engine, rate=rate, idle=idle, busy=busy)
                 rows.append(res)
                 print(
