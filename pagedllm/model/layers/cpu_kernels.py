@@ -63,12 +63,12 @@ extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 #endif
 
 // Calls f(row, l) for every token l0 <= l < l1 of a paged context, in order: `row` points at the token's cached row
-// (all KV heads: `row` floats) plus `offset`; `table` maps block index -> cache block.
+// (all KV heads: `row` floats); `table` maps block index -> cache block.
 template <typename F>
 static inline void for_each_token(const float* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
-                                  int64_t row, int64_t offset, F&& f) {
+                                  int64_t row, F&& f) {
   while (l0 < l1) {
-    const float* block = cache + table[l0 / bs] * bs * row + offset;
+    const float* block = cache + table[l0 / bs] * bs * row;
     const int64_t t0 = l0 % bs, m = std::min(bs, t0 + l1 - l0);
     for (int64_t t = t0; t < m; ++t) f(block + t * row, l0 - t0 + t);
     l0 += m - t0;
@@ -77,61 +77,79 @@ static inline void for_each_token(const float* cache, const int64_t* table, int6
 
 // Scratch of one attention item (reused across items and calls of one thread).
 struct AttendScratch {
-  std::vector<float> scores, acc, mx, inv;
+  std::vector<float> scores, acc, mx, sum;
 };
 
-// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's paged context of `len`
-// tokens: query row r reads KV head kv0 + r / g. Keys and values are read in place from their blocks (`table` maps
-// block index -> cache block; a cached token is `row` floats, all KV heads). Two passes: scores and their max, then
-// exp and the weighted sum of values. D is a template constant for the common head sizes (fully unrolled loops,
-// accumulators in registers); D = 0 means "the runtime d".
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+// Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
+// query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
+// heads); a cached token is `row` floats, read once for every head. The result is flash-decoding's unnormalised
+// partial result, per head: its score max m[r], its sum of exp lsum[r] and
+// acc[r] = sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
+template <int D>
+static void attend_span(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                        const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                        int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
+  const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
+  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
+  std::fill(lsum, lsum + hq, 0.f);
+  std::fill(acc, acc + hq * d, 0.f);
+  if (span <= 0) return;
+  scores.resize(hq * span);
+  float* s = scores.data();
+  for_each_token(kc, table, l0, l1, bs, row, [&](const float* kt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float v = dot(q + r * d, kt + (r / g) * d, d) * sc;
+      s[r * span + l - l0] = v;
+      m[r] = std::max(m[r], v);
+    }
+  });
+  for (int64_t r = 0; r < hq; ++r) {
+    float* sr = s + r * span;
+    const float mr = m[r];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < span; ++l) {
+      const float e = expf(sr[l] - mr);
+      sr[l] = e;
+      sum += e;
+    }
+    lsum[r] = sum;
+  }
+  for_each_token(vc, table, l0, l1, bs, row, [&](const float* vt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float p = s[r * span + l - l0];
+      const float* vr = vt + (r / g) * d;
+      float* ar = acc + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+    }
+  });
+}
+
+// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's whole paged context of
+// `len` tokens, query row r reading KV head kv0 + r / g: attend_span over [0, len), normalised into out.
 template <int D>
 static void attend_item(float* out, const float* q, const float* kp, const float* vp, const int64_t* table,
                         int64_t len, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g, int64_t d_rt,
                         float sc, AttendScratch& s) {
   const int64_t d = D > 0 ? D : d_rt;
-  s.scores.resize(rows * len);
-  s.acc.assign(rows * d, 0.f);
-  s.mx.assign(rows, -std::numeric_limits<float>::infinity());
-  s.inv.resize(rows);
-  float* scores = s.scores.data();
-  for_each_token(kp, table, 0, len, bs, row, kv0 * d, [&](const float* kt, int64_t l) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* kr = kt + (r / g) * d;
-      const float* qr = q + r * d;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t x = 0; x < d; ++x) acc += qr[x] * kr[x];
-      acc *= sc;
-      scores[r * len + l] = acc;
-      s.mx[r] = std::max(s.mx[r], acc);
-    }
-  });
+  s.mx.resize(rows);
+  s.sum.resize(rows);
+  s.acc.resize(rows * d);
+  attend_span<D>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, 0, len, bs, row,
+                 rows, g, d, sc, s.scores);
   for (int64_t r = 0; r < rows; ++r) {
-    float* sr = scores + r * len;
-    const float m = s.mx[r];
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < len; ++l) {
-      const float e = expf(sr[l] - m);
-      sr[l] = e;
-      sum += e;
-    }
-    s.inv[r] = 1.f / sum;
-  }
-  for_each_token(vp, table, 0, len, bs, row, kv0 * d, [&](const float* vt, int64_t l) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* vr = vt + (r / g) * d;
-      const float p = scores[r * len + l];
-      float* ar = s.acc.data() + r * d;
-#pragma omp simd
-      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
-    }
-  });
-  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / s.sum[r];
     float* orow = out + r * d;
     const float* ar = s.acc.data() + r * d;
-    for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * s.inv[r];
+    for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * inv;
   }
 }
 
@@ -265,13 +283,6 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cach
   });
 }
 
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
-  return acc;
-}
-
 // y [M, O] = x [M, I] W[O, I]^T (+ bias) for a few rows M: each thread streams its share of W's rows once,
 // in order, and dots every row of x with them (x stays in L1). Memory-bound single-token decode reads the weights
 // ~1.4x faster this way than through oneDNN's GEMM on two cores.
@@ -359,51 +370,6 @@ static inline void share(int64_t n, int t, int nt, int64_t align, int64_t& first
   const int64_t chunks = (n + align - 1) / align;
   first = std::min(n, chunks * t / nt * align);
   last = std::min(n, chunks * (t + 1) / nt * align);
-}
-
-// Single-query attention of all hq query heads q [hq, d] over the tokens [l0, l1) of one paged context (query head r
-// reads KV head r / g; a cached token is `row` floats, all KV heads, so each is read once for every head): the
-// unnormalised partial result of flash-decoding, per head its score max m[r], its sum of exp lsum[r] and
-// acc[r] = sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
-template <int D>
-static void attend_span(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
-                        const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
-                        int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
-  const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
-  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
-  std::fill(lsum, lsum + hq, 0.f);
-  std::fill(acc, acc + hq * d, 0.f);
-  if (span <= 0) return;
-  scores.resize(hq * span);
-  float* s = scores.data();
-  for_each_token(kc, table, l0, l1, bs, row, 0, [&](const float* kt, int64_t l) {
-    for (int64_t r = 0; r < hq; ++r) {
-      const float v = dot(q + r * d, kt + (r / g) * d, d) * sc;
-      s[r * span + l - l0] = v;
-      m[r] = std::max(m[r], v);
-    }
-  });
-  for (int64_t r = 0; r < hq; ++r) {
-    float* sr = s + r * span;
-    const float mr = m[r];
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < span; ++l) {
-      const float e = expf(sr[l] - mr);
-      sr[l] = e;
-      sum += e;
-    }
-    lsum[r] = sum;
-  }
-  for_each_token(vc, table, l0, l1, bs, row, 0, [&](const float* vt, int64_t l) {
-    for (int64_t r = 0; r < hq; ++r) {
-      const float p = s[r * span + l - l0];
-      const float* vr = vt + (r / g) * d;
-      float* ar = acc + r * d;
-#pragma omp simd
-      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
-    }
-  });
 }
 
 static void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
