@@ -41,8 +41,10 @@ class ModelRunner:
         cpu_kernels.set_active(cpu_kernels.load() if self.decode_op is not None else None)
         self.model = load_model(config.model_config, device, keep_dense=self.decode_op is not None)
         self.sampler = Sampler()
+        self.prefill_op = None if self.decode_op is None else cpu_kernels.load().paged_prefill_attention
         for attn in self.model.attention_layers():
             attn.decode_op = self.decode_op
+            attn.prefill_op = self.prefill_op
         self.workspace = GatherWorkspace()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 
@@ -185,6 +187,17 @@ class ModelRunner:
                         mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
                     group = DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len)
                     meta.decode_groups.append(group)
+        if self.prefill_op is not None and num_decodes < len(states):
+            # One call of the native kernel over every segment: the segments and their block tables as tensors.
+            seg_rows = slice(num_decodes, len(states))
+            info = np.stack([cu[seg_rows], n_tok[seg_rows], starts[seg_rows]], axis=1).astype(np.int64)
+            max_blocks = -(-int((info[:, 1] + info[:, 2]).max()) // bs)
+            meta.prefill_segments = self._t(info)
+            tables = self.input_batch.block_table[rows[seg_rows], :max_blocks]
+            meta.prefill_tables = self._t(np.ascontiguousarray(tables))
+            for start, q, ctx in info.tolist():
+                meta.prefills.append(PrefillSegment(query_start=start, query_len=q, context_len=ctx))
+            return meta
         for i in range(num_decodes, len(states)):
             ctx, q = int(starts[i]), int(n_tok[i])
             seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)

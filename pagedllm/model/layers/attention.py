@@ -13,9 +13,10 @@ new tokens (a prompt chunk, possibly after cached or earlier-computed context). 
 3. each multi-token segment attends on its own: causal over its fresh keys when it has no context,
    otherwise over the context gathered from its blocks plus itself with a causal offset mask.
 
-With the native backend (the default on the CPU in float32, see cpu_kernels.py), step 2 is instead one call of
-a C++ kernel over every decode of the batch (one group, no padding): it reads keys and values in place from
-their blocks. Elsewhere (other devices and dtypes, or `attention_backend="torch"`) step 2 is the torch path.
+With the native backend (the default on the CPU in float32, see cpu_kernels.py), steps 2 and 3 are instead one
+call each of a C++ kernel, over every decode and over every multi-token segment of the batch (no padding, no
+mask, no gather): they read keys and values in place from their blocks. Elsewhere (other devices and dtypes, or
+`attention_backend="torch"`) steps 2 and 3 are the torch path.
 
 The metadata is built once per step by the model runner and passed down explicitly, never via a global.
 """
@@ -84,6 +85,10 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     workspace: GatherWorkspace | None = None  # reused gather buffers (the model runner keeps one)
+    # Native kernel only: every prefill segment in one call, [n, 3] (query start, query length, context length)
+    # and each segment's block table [n, max_blocks] (its segments then carry no block table or mask).
+    prefill_segments: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
         if self.workspace is None:
@@ -107,6 +112,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_op = None  # the native paged decode kernel, set by the model runner when it uses it
+        self.prefill_op = None  # the native paged prefill kernel, likewise
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
@@ -126,6 +132,10 @@ class Attention(nn.Module):
                 self.decode_op(dst, qg.contiguous(), k_cache, v_cache, group.block_table, group.seq_lens, self.scale)
             else:
                 dst.copy_(self._decode(qg, k_cache, v_cache, group, meta))
+        if meta.prefills and self.prefill_op is not None and meta.prefill_segments is not None:
+            # Every segment in one call, its keys and values read in place from the blocks written above.
+            self.prefill_op(out, q, k_cache, v_cache, meta.prefill_tables, meta.prefill_segments, self.scale)
+            return out.view(q.shape[0], self.num_heads * d)
         for seg in meta.prefills:
             s, e = seg.query_start, seg.query_start + seg.query_len
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seg, meta)

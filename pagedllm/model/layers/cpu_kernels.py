@@ -7,6 +7,10 @@ dtypes run. All kernels take contiguous float32 CPU tensors and refuse anything 
 * `paged_decode_attention(out [n, Hq, D], q [n, Hq, D], k_cache [blocks, B, Hkv, D], v_cache,
   block_table [n, W] int64, seq_lens [n] int64, scale)`: each request's single-query attention over the first
   seq_lens[i] tokens of its paged context, keys and values read in place from their blocks;
+* `paged_prefill_attention(out [T, Hq, D], q [T, Hq, D] (rows may be strided), k_cache, v_cache,
+  block_tables [n, W] int64, segments [n, 3] int64, scale)`: causal attention of each segment's query rows
+  (segments[i] = query start, query length, context length) over its context and itself, read in place from
+  its blocks (its own keys and values already written there); rows outside every segment are left untouched;
 * `silu_and_mul(out [T, I], x [T, 2I])`, `rms_norm(out, x, weight, eps)`,
   `fused_add_rms_norm(x, residual, weight, eps)` (in place: residual += x; x = norm(residual)),
   `rotary_inplace(x [T, H, D], positions [T], cos_sin_cache, heads)`: one pass each where torch takes several;
@@ -28,6 +32,8 @@ reads weights at ~23-30 GB/s where oneDNN's GEMM reaches ~17 on one row (batch-1
 The fused stack replaces ~12 dispatched ops (each a fork and join of the thread team) per layer and token by one
 call with five barriers a layer, and its attention splits the context between the threads: a batch-1 forward
 reads the weights within ~6 % of the LM head's bandwidth.
+The prefill kernel tiles 16 query rows against 8 keys in the vector lanes, flash-attention style: ~2.2x SDPA's CPU
+kernel at 256-512 tokens (SmolLM2's heads), and no gather or mask for chunks after context.
 The first build takes ~30 s and is cached under ~/.cache/torch_extensions, one build per CPU model and flags
 (it uses -march=native).
 """
@@ -356,6 +362,166 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   }
 }
 
+// Causal attention of up to R query rows of one query head over a paged context, flash-attention style: key tiles
+// of C tokens; the R rows sit in the vector lanes (qt holds them transposed and pre-scaled, qt[x * R + i]), so each
+// key element is broadcast against R queries and the running softmax needs no horizontal reductions. Row i sits at
+// position p0 + i and attends the tokens [0, p0 + i]; rows past nrows are padding (qt zero) and not written.
+// kc, vc point at the query head's KV head within token rows of `row` floats; ot is [d, R] scratch.
+constexpr int kPrefillRows = 16, kPrefillKeys = 8;
+
+template <int D>
+static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const float* kc,
+                         const float* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
+  constexpr int R = kPrefillRows, C = kPrefillKeys;
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
+  float m[R], l[R];
+  std::fill(m, m + R, ninf);
+  std::fill(l, l + R, 0.f);
+  std::fill(ot, ot + d * R, 0.f);
+  for (int64_t j0 = 0; j0 < klen; j0 += C) {
+    const int64_t nc = std::min<int64_t>(C, klen - j0);
+    const float* kr[C];
+    const float* vr[C];
+    for (int c = 0; c < C; ++c) {  // past the context, repeat its last token (masked below)
+      const int64_t j = j0 + std::min<int64_t>(c, nc - 1);
+      const int64_t off = (table[j / bs] * bs + j % bs) * row;
+      kr[c] = kc + off;
+      vr[c] = vc + off;
+    }
+    float s[C][R] = {};
+    for (int64_t x = 0; x < d; ++x) {
+      const float* qx = qt + x * R;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const float kv = kr[c][x];
+#pragma omp simd
+        for (int i = 0; i < R; ++i) s[c][i] += kv * qx[i];
+      }
+    }
+    if (j0 + C - 1 > p0 || nc < C) {  // the tile reaches past some row's position: mask
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < R; ++i)
+          if (c >= nc || j0 + c > p0 + i) s[c][i] = ninf;
+    }
+    // Token 0 is in the first tile and visible to every row: m is finite from the first tile on.
+    float mn[R], alpha[R];
+    std::copy(m, m + R, mn);
+    for (int c = 0; c < C; ++c)
+#pragma omp simd
+      for (int i = 0; i < R; ++i) mn[i] = std::max(mn[i], s[c][i]);
+#pragma omp simd
+    for (int i = 0; i < R; ++i) {
+      alpha[i] = expf(m[i] - mn[i]);
+      m[i] = mn[i];
+      l[i] *= alpha[i];
+    }
+    for (int c = 0; c < C; ++c)
+#pragma omp simd
+      for (int i = 0; i < R; ++i) {
+        const float e = expf(s[c][i] - mn[i]);
+        s[c][i] = e;
+        l[i] += e;
+      }
+    for (int64_t x = 0; x < d; ++x) {
+      float* o = ot + x * R;
+      float acc[R];
+#pragma omp simd
+      for (int i = 0; i < R; ++i) acc[i] = o[i] * alpha[i];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const float vv = vr[c][x];
+#pragma omp simd
+        for (int i = 0; i < R; ++i) acc[i] += s[c][i] * vv;
+      }
+      std::copy(acc, acc + R, o);
+    }
+  }
+  for (int64_t i = 0; i < nrows; ++i) {
+    const float inv = 1.f / l[i];
+    float* orow = out + i * ostride;
+    for (int64_t x = 0; x < d; ++x) orow[x] = ot[x * R + i] * inv;
+  }
+}
+
+// One tile of work: rows [i0, i0 + R) of query head h of segment s.
+struct PrefillTask {
+  int64_t seg, i0, h, cost;
+};
+
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor segments, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(0) == q.size(0) && out.size(1) == q.size(1) &&
+              out.size(2) == q.size(2), "q and out must be [T, Hq, D] of one shape");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q's heads must be contiguous within a token (rows may be strided)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, B, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && segments.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && segments.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3, "segments must be [n, 3]: query start, length, context");
+  const int64_t nseg = segments.size(0), tokens = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head sizes do not match");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == nseg, "one block table row per segment");
+  const int64_t g = hq / hkv, row = hkv * d, width = block_tables.size(1), qstride = q.stride(0);
+  const int64_t* sp = segments.data_ptr<int64_t>();
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  constexpr int R = kPrefillRows;
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = sp[3 * s], len = sp[3 * s + 1], ctx = sp[3 * s + 2];
+    TORCH_CHECK(start >= 0 && len >= 1 && start + len <= tokens, "segment ", s, " rows [", start, ", ",
+                start + len, ") outside the ", tokens, " queries");
+    TORCH_CHECK(ctx >= 0 && ctx + len <= width * bs, "segment ", s, ": context ", ctx, " + ", len,
+                " tokens past its block table");
+    for (int64_t b = 0; b < (ctx + len + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[s * width + b] >= 0 && tp[s * width + b] < num_blocks, "block id out of range");
+    for (int64_t i0 = 0; i0 < len; i0 += R)
+      for (int64_t h = 0; h < hq; ++h) tasks.push_back({s, i0, h, ctx + i0});
+  }
+  // Longest first, handed out one at a time: causal tiles differ in cost, and the threads finish together.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
+  {
+    std::vector<float> qt(d * R), ot(d * R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n; ++t) {
+      const PrefillTask& task = tasks[t];
+      const int64_t start = sp[3 * task.seg], len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
+      const int64_t nrows = std::min<int64_t>(R, len - task.i0), h = task.h;
+      const float* qrow = qp + (start + task.i0) * qstride + h * d;
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < nrows ? qrow[i * qstride + x] * sc : 0.f;
+      float* orow = op + ((start + task.i0) * hq + h) * d;
+      const int64_t kv = (h / g) * d;
+      const int64_t* table = tp + task.seg * width;
+      switch (d) {
+        case 64:
+          prefill_tile<64>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                           ot.data(), d);
+          break;
+        case 128:
+          prefill_tile<128>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                            ot.data(), d);
+          break;
+        default:
+          prefill_tile<0>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                          ot.data(), d);
+      }
+    }
+  }
+}
+
 // y[o] = w[o, :] . x (+ b[o]) for the output rows [o0, o1) of one input row.
 static inline void gemv_rows(const float* __restrict w, const float* __restrict x, const float* b, float* y,
                              int64_t o0, int64_t o1, int64_t in) {
@@ -585,6 +751,7 @@ void DecodeModel::run(float* xp, int64_t pos, int64_t slot, const int64_t* table
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention));
+  m.def("paged_prefill_attention", torch::wrap_pybind_function(paged_prefill_attention));
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul));
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm));
   m.def("fused_add_rms_norm", torch::wrap_pybind_function(fused_add_rms_norm));

@@ -1,0 +1,97 @@
+"""The native paged prefill attention kernel (model/layers/cpu_kernels.py) against SDPA on gathered keys and values.
+
+Several segments in one call, each with its own query rows, context already in the cache and scattered block
+table; queries strided the way the fused q/k/v projection leaves them; grouped KV heads; the head sizes the kernel
+specialises (64, 128) and generic ones; segment lengths that are not a multiple of the kernel's 16-row tiles.
+Bad segments and tables are refused with an error instead of reading outside the cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model.layers.cpu_kernels import load
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel with")
+
+
+def reference(q, k_cache, v_cache, tables, segments, scale):
+    """Each segment: causal attention with offset over its gathered context plus itself."""
+    out = torch.full_like(q, float("nan"))
+    hq, d = q.shape[1], q.shape[2]
+    for (start, length, ctx), table in zip(segments.tolist(), tables):
+        total = ctx + length
+        keys = k_cache[table].flatten(0, 1)[:total].transpose(0, 1)[None]  # [1, Hkv, total, D]
+        values = v_cache[table].flatten(0, 1)[:total].transpose(0, 1)[None]
+        mask = torch.ones(length, total, dtype=torch.bool).tril(diagonal=ctx)
+        qs = q[start : start + length].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + length] = o[0].transpose(0, 1)
+    return out.view(-1, hq, d)
+
+
+def make_case(seed: int, segs: list[tuple[int, int]], hq: int, hkv: int, d: int, block: int):
+    """segs: (query length, context length) per segment; queries strided inside a wider q/k/v row."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-(q + c) // block) for q, c in segs) + 1
+    blocks = width * len(segs) + 3
+    k_cache = torch.randn(blocks, block, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, block, hkv, d, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in segs])
+    starts = [sum(q for q, _ in segs[:i]) + 2 for i in range(len(segs))]  # two rows before: not a segment's
+    segments = torch.tensor([[s, q, c] for s, (q, c) in zip(starts, segs)], dtype=torch.int64)
+    tokens = starts[-1] + segs[-1][0] + 1
+    qkv = torch.randn(tokens, hq + 2 * hkv, d, generator=g)
+    return qkv[:, :hq], k_cache, v_cache, tables, segments, d**-0.5
+
+
+@pytest.mark.parametrize(
+    "segs, hq, hkv, d, block",
+    [
+        ([(256, 0)], 9, 3, 64, 16),  # SmolLM2's heads, a fresh prompt
+        ([(7, 0), (33, 40), (1 + 16, 100), (50, 3)], 9, 3, 64, 16),  # chunks after context, in one call
+        ([(20, 0), (18, 9)], 8, 2, 128, 8),
+        ([(19, 5)], 6, 6, 128, 4),  # no grouping
+        ([(21, 0), (5, 13)], 6, 2, 16, 4),  # head sizes without their own specialisation
+        ([(9, 2)], 4, 1, 40, 2),
+    ],
+)
+def test_kernel_matches_sdpa(segs, hq: int, hkv: int, d: int, block: int) -> None:
+    module = load()
+    assert module is not None, "the native kernels did not build (see the log)"
+    q, k_cache, v_cache, tables, segments, scale = make_case(len(segs) * 7 + d, segs, hq, hkv, d, block)
+    assert not q.is_contiguous()
+    out = torch.full_like(q, float("nan")).contiguous()
+    module.paged_prefill_attention(out, q, k_cache, v_cache, tables, segments, scale)
+    ref = reference(q, k_cache, v_cache, tables, segments, scale)
+    rows = torch.cat([torch.arange(s, s + n) for s, n, _ in segments.tolist()])
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert out[others].isnan().all(), "rows outside every segment were written"
+
+
+@pytest.mark.parametrize("bad", ["block id", "past the table", "rows past q", "empty segment", "dtype", "shape"])
+def test_kernel_refuses_bad_input(bad: str) -> None:
+    module = load()
+    assert module is not None
+    q, k_cache, v_cache, tables, segments, scale = make_case(3, [(10, 4), (6, 0)], 6, 2, 16, 4)
+    out = torch.empty(q.shape)
+    if bad == "block id":
+        tables[0, 1] = k_cache.shape[0]
+    elif bad == "past the table":
+        segments[1, 2] = tables.shape[1] * k_cache.shape[1]
+    elif bad == "rows past q":
+        segments[1, 0] = q.shape[0] - 2
+    elif bad == "empty segment":
+        segments[0, 1] = 0
+    elif bad == "dtype":
+        q = q.double()
+    else:
+        out = torch.empty(q.shape[0], q.shape[1] + 1, q.shape[2])
+    with pytest.raises(RuntimeError):
+        module.paged_prefill_attention(out, q, k_cache, v_cache, tables, segments, scale)
