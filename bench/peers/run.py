@@ -11,8 +11,10 @@ What it does, in order:
    (`offline_runner.py`), one after the other, never two at once. With several rounds (--rounds; batch-1 decode
    has --decode-rounds 3 by default, its figure being the most sensitive to the VM's drifting memory bandwidth)
    the engines alternate, A B, B A, A B, and each engine's row is its median round;
-4. online: starts `pagedllm serve` and then `vllm serve` on the same folder, and for each request rate runs
-   `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals) against it;
+4. online: starts `pagedllm serve` and `vllm serve` on the same folder (both stay up; the one not measured is
+   idle) and, for each request rate, runs `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals)
+   against one and then the other, the order alternating from rate to rate; --online-rounds N repeats every
+   rate N times per engine, each round with its own prompts, and reports each figure's median;
 5. prints one table per workload with ratios, and with --record appends them, the command and the commit to
    bench/RESULTS.md; raw results go to bench/peers/results/ (untracked).
 
@@ -32,6 +34,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -297,36 +300,71 @@ def bench_serve(
 
 
 def run_online(engines: list[str], args: argparse.Namespace, model: str, vpy: str | None) -> dict[str, list[dict]]:
+    """Both servers up at once (one idle while the other is measured), each rate measured on one engine right
+    after the other, in alternating order (A B, B A, ...), so that a drift of the VM's speed weighs on both alike.
+    With --online-rounds N every rate is measured N times per engine, each round with its own prompts; an engine's
+    row then shows the median of each figure over its rounds."""
     workdir = Path(tempfile.mkdtemp(prefix="peers-online-"))
-    results: dict[str, list[dict]] = {}
-    for engine in [e for e in engines if e != "hf"]:
-        port = args.port
-        print(f"[online] starting {ENGINE_LABEL[engine]} server ...", flush=True)
-        proc = start_server(engine, model, port, args, vpy, workdir / f"{engine}-server.log")
-        rows = []
-        try:
+    servers = [e for e in engines if e != "hf"]
+    procs: dict[str, tuple[subprocess.Popen, int]] = {}
+    rounds: dict[str, dict[str, list[dict]]] = {e: {r: [] for r in args.rates} for e in servers}
+    try:
+        for n, engine in enumerate(servers):
+            port = args.port + n
+            print(f"[online] starting {ENGINE_LABEL[engine]} server ...", flush=True)
+            procs[engine] = (start_server(engine, model, port, args, vpy, workdir / f"{engine}-server.log"), port)
             # Warm-up, so that one-time costs (vLLM's compiled graphs, our first steps) are not measured.
             # 32 prompts at once make the batch shapes of a loaded server (first-use costs such as oneDNN
             # primitives are per shape). Their own seed: no measured prompt is in either prefix cache beforehand.
             bench_serve(port, "inf", args.seed + 1000, args, model, workdir / f"{engine}-warmup.json", 32)
+        turn = 0
+        for k in range(args.online_rounds):
             for i, rate in enumerate(args.rates):
-                idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
-                num = max(args.min_prompts, int(float(rate) * args.online_seconds)) if rate != "inf" else 64
-                print(f"[online] {ENGINE_LABEL[engine]} at {rate} req/s, {num} prompts ...", flush=True)
-                # Each rate its own prompts (seed + i), the same for both engines: a rate does not find the
-                # previous rate's prompts in the prefix cache.
-                res = bench_serve(port, rate, args.seed + i, args, model, workdir / f"{engine}-{rate}.json", num)
-                res.update(engine=engine, rate=rate, idle=idle, busy=busy)
-                rows.append(res)
-                print(
-                    f"  median TTFT {res['median_ttft_ms']:.0f} ms, median ITL {res['median_itl_ms']:.1f} ms, "
-                    f"{res['output_throughput']:.1f} output tok/s",
-                    flush=True,
-                )
-        finally:
+                order = servers if turn % 2 == 0 else servers[::-1]
+                turn += 1
+                # Each rate and round its own prompts, the same for every engine: no measured prompt is in a
+                # prefix cache beforehand.
+                seed = args.seed + i + 100 * k
+                for engine in order:
+                    idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
+                    num = max(args.min_prompts, int(float(rate) * args.online_seconds)) if rate != "inf" else 64
+                    tag = f" (round {k + 1}/{args.online_rounds})" if args.online_rounds > 1 else ""
+                    print(f"[online] {ENGINE_LABEL[engine]} at {rate} req/s, {num} prompts{tag} ...", flush=True)
+                    out = workdir / f"{engine}-{rate}-{k}.json"
+                    res = bench_serve(procs[engine][1], rate, seed, args, model, out, num)
+                    res.update(engine=engine, rate=rate, idle=idle, busy=busy)
+                    rounds[engine][rate].append(res)
+                    print(
+                        f"  median TTFT {res['median_ttft_ms']:.0f} ms, median ITL {res['median_itl_ms']:.1f} ms, "
+                        f"{res['output_throughput']:.1f} output tok/s",
+                        flush=True,
+                    )
+    finally:
+        for proc, _ in procs.values():
             stop_server(proc)
-        results[engine] = rows
-    return results
+    return {e: [median_round(rounds[e][r]) for r in args.rates if rounds[e][r]] for e in servers}
+
+
+ONLINE_FIGURES = (
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_tpot_ms",
+    "output_throughput",
+)
+
+
+def median_round(runs: list[dict]) -> dict:
+    """One row from an engine's rounds at one rate: the median of each figure (the first run's other fields)."""
+    row = dict(runs[0])
+    if len(runs) > 1:
+        for key in ONLINE_FIGURES:
+            row[key] = statistics.median(r[key] for r in runs)
+        row["idle"] = all(r["idle"] for r in runs)
+        row["busy"] = max(r["busy"] for r in runs)
+        row["rounds"] = [{k: r[k] for k in ("median_ttft_ms", "median_itl_ms")} for r in runs]
+    return row
 
 
 def online_table(results: dict[str, list[dict]]) -> str:
@@ -347,8 +385,21 @@ def online_table(results: dict[str, list[dict]]) -> str:
                 f"| {r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_tpot_ms']:.1f} "
                 f"| {r['output_throughput']:.1f} | {machine} |"
             )
-    verdict = online_verdict(results)
-    return "\n".join(lines) + (f"\n\n{verdict}" if verdict else "")
+    notes = [online_rounds_note(results), online_verdict(results)]
+    return "\n".join(lines) + "".join(f"\n\n{n}" for n in notes if n)
+
+
+def online_rounds_note(results: dict[str, list[dict]]) -> str:
+    """Every round's median TTFT / ITL per engine and rate, when there was more than one round."""
+    parts = []
+    for rows in results.values():
+        for r in rows:
+            if len(r.get("rounds", [])) > 1:
+                each = ", ".join(f"{x['median_ttft_ms']:.0f} / {x['median_itl_ms']:.1f}" for x in r["rounds"])
+                parts.append(f"{ENGINE_LABEL[r['engine']]} at {r['rate']} req/s: {each}")
+    if not parts:
+        return ""
+    return "rounds (median TTFT ms / median ITL ms; each row shows the median of each figure): " + "; ".join(parts)
 
 
 def online_verdict(results: dict[str, list[dict]]) -> str:
@@ -378,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", default="pagedllm,hf,vllm")
     parser.add_argument("--rates", default="0.5,1,2,4", help="online request rates (req/s), comma-separated")
     parser.add_argument("--online-seconds", type=float, default=60.0, help="online: prompts = rate x this")
+    parser.add_argument(
+        "--online-rounds", type=int, default=1, help="online: measurements per engine and rate (median reported)"
+    )
     parser.add_argument("--min-prompts", type=int, default=32)
     parser.add_argument("--num-iters", type=int, default=1, help="timed runs per offline throughput workload")
     parser.add_argument("--decode-iters", type=int, default=3)
