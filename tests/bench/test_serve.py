@@ -185,7 +185,6 @@ def test_api_key_from_environment_and_missing_key(server, tiny_chat_llama, monke
 
 
 def test_plot_writes_a_png(server, tiny_chat_llama, tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "plots" / "serve.png"
     rec = _run(
         server,
