@@ -329,18 +329,34 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional
   return y;
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [n, Hq, D] of one shape");
+// The checks both paged attention kernels share: out and q [T, Hq, D] of one shape, float32, out contiguous and
+// q's heads contiguous within a token (its rows may be strided); caches [blocks, B, Hkv, D] of one shape, float32,
+// contiguous, of q's head size, Hkv dividing Hq; the two index tensors int64 and contiguous.
+static void check_paged(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& index0, const torch::Tensor& index1) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D] of one shape");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q's heads must be contiguous within a token (rows may be strided)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, B, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_table.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(index0.scalar_type() == at::kLong && index1.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && index0.is_contiguous() &&
+              index1.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head sizes do not match");
+}
+
+// The first `blocks` ids of a block table row name cache blocks.
+static void check_block_ids(const int64_t* row, int64_t blocks, int64_t num_blocks) {
+  for (int64_t b = 0; b < blocks; ++b) TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block id out of range");
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  check_paged(out, q, k_cache, v_cache, block_table, seq_lens);
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head sizes do not match");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == n && seq_lens.numel() == n, "one row per query");
   const int64_t g = hq / hkv, width = block_table.size(1);
   const float* qp = q.data_ptr<float>();
@@ -351,8 +367,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "seq_len ", lp[i], " outside 1..", width * bs);
-    for (int64_t b = 0; b < (lp[i] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[i * width + b] >= 0 && tp[i * width + b] < num_blocks, "block id out of range");
+    check_block_ids(tp + i * width, (lp[i] + bs - 1) / bs, num_blocks);
   }
   const float sc = static_cast<float>(scale);
   switch (d) {
@@ -451,20 +466,10 @@ struct PrefillTask {
 
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor segments, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(0) == q.size(0) && out.size(1) == q.size(1) &&
-              out.size(2) == q.size(2), "q and out must be [T, Hq, D] of one shape");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
-              "q's heads must be contiguous within a token (rows may be strided)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, B, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && segments.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous() && segments.is_contiguous(), "contiguous tensors only");
+  check_paged(out, q, k_cache, v_cache, block_tables, segments);
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3, "segments must be [n, 3]: query start, length, context");
   const int64_t nseg = segments.size(0), tokens = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head sizes do not match");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == nseg, "one block table row per segment");
   const int64_t g = hq / hkv, row = hkv * d, width = block_tables.size(1), qstride = q.stride(0);
   const int64_t* sp = segments.data_ptr<int64_t>();
@@ -477,8 +482,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                 start + len, ") outside the ", tokens, " queries");
     TORCH_CHECK(ctx >= 0 && ctx + len <= width * bs, "segment ", s, ": context ", ctx, " + ", len,
                 " tokens past its block table");
-    for (int64_t b = 0; b < (ctx + len + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[s * width + b] >= 0 && tp[s * width + b] < num_blocks, "block id out of range");
+    check_block_ids(tp + s * width, (ctx + len + bs - 1) / bs, num_blocks);
     for (int64_t i0 = 0; i0 < len; i0 += R)
       for (int64_t h = 0; h < hq; ++h) tasks.push_back({s, i0, h, ctx + i0});
   }
