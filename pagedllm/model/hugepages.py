@@ -4,8 +4,8 @@ Contract. `empty(shape, dtype, device)` and `zeros(...)` return an ordinary tens
 least one huge page, its memory starts on a 2 MiB boundary and is advised `MADV_HUGEPAGE` before its first touch,
 so the kernel backs it with huge pages where transparent huge pages are enabled ("always" or "madvise"). Anywhere
 else (other devices, other systems, THP off or refused) they are plain `torch.empty` / `torch.zeros`: the advice is
-only ever a hint. `consolidate(params)` moves several parameters into one such arena, in the order given, and
-rebinds each parameter's data to its view there (values unchanged).
+only ever a hint. `consolidate(tensors)` moves several tensors (parameters or not) into one such arena, in the
+order given, and rebinds each one's data to its view there (values unchanged).
 
 Why (figures from this 2-core Zen 4 machine, see bench/RESULTS.md): single-request decode reads every weight
 once per token, ~540 MB for SmolLM2-135M. With 4 KiB pages every 4 KiB of a streamed weight costs a TLB miss and
@@ -88,9 +88,9 @@ def zeros(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
     return empty(shape, dtype, device).zero_()
 
 
-def consolidate(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Move `params` (one dtype, on the CPU) into one huge-page arena, back to back in the given order, and
-    rebind each parameter's data to its view there. Returns the arena, or None where nothing moved."""
+def consolidate(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Move `params` (tensors of one dtype, on the CPU) into one huge-page arena, back to back in the given order,
+    and rebind each one's data to its view there. Returns the arena, or None where nothing moved."""
     params = [p for p in params if p.numel()]
     if not params or not applies(params[0].device):
         return None

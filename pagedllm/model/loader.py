@@ -93,8 +93,8 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", keep_dense: bool = False) -> nn.Module:
-    """Build the model class for the architecture and load its weights onto `device` (`keep_dense`: see
+def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", native: bool = False) -> nn.Module:
+    """Build the model class for the architecture and load its weights onto `device` (`native`: see
     `prepare_for_inference`)."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
@@ -102,5 +102,5 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", ke
     path = model_config.model
     weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
-    prepare_for_inference(model, keep_dense)
+    prepare_for_inference(model, native)
     return model.eval()

@@ -36,10 +36,10 @@ class ModelRunner:
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.decode_op = self._decode_kernel()
-        # The native backend also routes RMSNorm, SiLU-and-mul, rotary and few-row linears (which read the dense
-        # weights, kept beside oneDNN's packed copies) through the C++ kernels.
+        # The native backend also routes RMSNorm, SiLU-and-mul, rotary and few-row linears (which read the weights'
+        # panels, kept beside oneDNN's packed copies) through the C++ kernels.
         cpu_kernels.set_active(cpu_kernels.load() if self.decode_op is not None else None)
-        self.model = load_model(config.model_config, device, keep_dense=self.decode_op is not None)
+        self.model = load_model(config.model_config, device, native=self.decode_op is not None)
         self.sampler = Sampler()
         self.prefill_op = None if self.decode_op is None else cpu_kernels.load().paged_prefill_attention
         for attn in self.model.attention_layers():

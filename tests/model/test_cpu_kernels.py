@@ -73,14 +73,32 @@ def test_bad_input_is_refused(ops) -> None:
         ops.rotary_inplace(torch.zeros(1, 2, 16), torch.tensor([8]), rope.cos_sin_cache, 2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear(ops, rows: int, bias: bool) -> None:
-    x, w = torch.randn(rows, 576), torch.randn(67, 576)
-    b = torch.randn(67) if bias else None
-    torch.testing.assert_close(ops.skinny_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    with pytest.raises(RuntimeError):
-        ops.skinny_linear(x, torch.randn(67, 575), None)
+def test_panel_linear(ops, rows: int, bias: bool) -> None:
+    """Any number of rows (one, a register block, several blocks), outputs off the panel width, odd inputs."""
+    for out, inp in [(67, 576), (5, 3), (96, 1537)]:
+        x, w = torch.randn(rows, inp), torch.randn(out, inp)
+        b = torch.randn(out) if bias else None
+        panels = ops.pack_panels(w)
+        assert panels.shape == (-(-out // ops.panel_width()), inp, ops.panel_width())
+        torch.testing.assert_close(ops.panel_linear(x, panels, b, out), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_panel_linear_refuses_bad_input(ops) -> None:
+    w = torch.randn(67, 576)
+    panels = ops.pack_panels(w)
+    for x, p, b, out, match in [
+        (torch.randn(2, 575), panels, None, 67, "panels must be"),
+        (torch.randn(2, 576), panels, None, 67 + ops.panel_width(), "panels must be"),
+        (torch.randn(2, 576), panels, torch.randn(66), 67, "bias"),
+        (torch.randn(2, 576, dtype=torch.float64), panels, None, 67, "float32"),
+        (torch.randn(0, 576), panels, None, 67, r"\[M, I\]"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.panel_linear(x, p, b, out)
+    with pytest.raises(RuntimeError, match="non-empty"):
+        ops.pack_panels(torch.randn(0, 4))
 
 
 def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_cache, slot, table, seq_len, eps):
@@ -111,10 +129,14 @@ def _layer_weights(g, hidden, inter, hq, hkv, d, bias):
     return w
 
 
-def _flat(layers):
-    """decode_model's ten tensors per layer; an empty tensor for an absent bias."""
+def _flat(ops, layers):
+    """decode_model's ten tensors per layer: the linear weights as panels, an empty tensor for an absent bias."""
     order = ("n1", "qkv", "qkv_b", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
-    return [torch.empty(0) if w[k] is None else w[k] for w in layers for k in order]
+    return [
+        torch.empty(0) if w[k] is None else ops.pack_panels(w[k]) if w[k].dim() == 2 else w[k]
+        for w in layers
+        for k in order
+    ]
 
 
 @pytest.mark.parametrize(
@@ -125,6 +147,7 @@ def _flat(layers):
         (576, 1536, 9, 3, 64, 16, None, False, 2),
         (64, 96, 4, 2, 16, 4, 8, True, 19),  # biases (Qwen2), partial rotary, a generic head size
         (256, 320, 2, 2, 128, 8, None, True, 37),
+        (48, 40, 3, 1, 16, 4, None, True, 9),  # the threads' shares and gate|up off the panel boundaries
     ],
 )
 def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, seq_len) -> None:
@@ -145,7 +168,7 @@ def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot
         )
     out_ref = _rms(out_ref + res_ref, final_norm, eps)
     stack = ops.DecodeModel(
-        _flat(layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
+        _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
         eps, final_norm,
     )  # fmt: skip
     stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
@@ -158,7 +181,7 @@ def test_decode_model_refuses_bad_input(ops) -> None:
     hidden, inter, hq, hkv, d, block = 32, 48, 2, 1, 16, 4
     w = _layer_weights(torch.Generator().manual_seed(0), hidden, inter, hq, hkv, d, False)
     build = dict(
-        layer_w=_flat([w, w]), k_caches=[torch.zeros(4, block, hkv, d)] * 2,
+        layer_w=_flat(ops, [w, w]), k_caches=[torch.zeros(4, block, hkv, d)] * 2,
         v_caches=[torch.zeros(4, block, hkv, d)] * 2, cos_sin=[RotaryEmbedding(d, 64, 10000.0).cos_sin_cache] * 2,
         scale=0.25, eps=1e-6, final_norm=torch.ones(hidden),
     )  # fmt: skip
@@ -168,12 +191,15 @@ def test_decode_model_refuses_bad_input(ops) -> None:
     )  # fmt: skip
     stack = ops.DecodeModel(**build)
     stack(**step)  # the valid call works
-    wrong_o = _flat([w, {**w, "o": torch.randn(hidden, hq * d + 1)}])
-    wrong_bias = _flat([w, {**w, "down_b": torch.randn(hidden + 1)}])
+    wrong_o = _flat(ops, [w, {**w, "o": torch.randn(hidden, hq * d + 1)}])
+    wrong_bias = _flat(ops, [w, {**w, "down_b": torch.randn(hidden + 1)}])
+    dense = _flat(ops, [w, w])
+    dense[1] = w["qkv"]
     for key, bad, match in [
-        ("layer_w", wrong_o, "o weight"),
+        ("layer_w", wrong_o, "o panels"),
         ("layer_w", wrong_bias, "down bias"),
-        ("layer_w", _flat([w]), "per layer"),
+        ("layer_w", _flat(ops, [w]), "per layer"),
+        ("layer_w", dense, "panels"),
         ("k_caches", [torch.zeros(4, block, hkv, d, dtype=torch.float64)] * 2, "float32"),
         ("v_caches", [torch.zeros(4, block, hkv, d), torch.zeros(5, block, hkv, d)], "one shape"),
         ("final_norm", torch.ones(hidden + 1), "final_norm"),

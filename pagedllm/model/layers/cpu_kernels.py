@@ -14,10 +14,13 @@ dtypes run. All kernels take contiguous float32 CPU tensors and refuse anything 
 * `silu_and_mul(out [T, I], x [T, 2I])`, `rms_norm(out, x, weight, eps)`,
   `fused_add_rms_norm(x, residual, weight, eps)` (in place: residual += x; x = norm(residual)),
   `rotary_inplace(x [T, H, D], positions [T], cos_sin_cache, heads)`: one pass each where torch takes several;
-* `skinny_linear(x [M, I], weight [O, I], bias)`: x W^T for one or two rows, streaming the dense weight once;
-* `decode_model(x [1, H], layer_w, k_caches, v_caches, cos_sin, positions, slot_mapping, block_table, seq_lens,
-  scale, eps, final_norm)`: a whole Llama-family decoder stack for one decode token in one parallel region (ten
-  weights per layer in layer_w, an empty tensor for an absent bias; one cache pair and rotary table per layer):
+* `pack_panels(weight [O, I])` -> panels [ceil(O / w), I, w] (w = `panel_width()`, 32 with AVX-512): the weight
+  transposed in strips of w output rows, zero past O; `panel_linear(x [M, I], panels, bias, O)`: x W^T (+ bias)
+  for any M, streaming each panel once for up to a register block of rows (16 with AVX-512);
+* `DecodeModel(layer_w, k_caches, v_caches, cos_sin, scale, eps, final_norm)(x [1, H], positions, slot_mapping,
+  block_table, seq_lens)`: a whole Llama-family decoder stack for one decode token in one parallel region (ten
+  tensors per layer in layer_w, the four linear weights as panels, an empty tensor for an absent bias; one cache
+  pair and rotary table per layer):
   x enters as the token's embedding and leaves as the final normed hidden state, each layer's key and value
   written to its cache.
 
@@ -27,8 +30,10 @@ The model runner turns them on with the attention backend ("native", the default
 Why kernels (figures from this 2-core machine, see bench/RESULTS.md): a decode step attends, per layer, over
 every running request's whole context; in torch that is a copy of the context out of the cache and then SDPA,
 whose CPU kernel is tuned for long query blocks: ~3.2 ms a layer at 64 requests x 192 tokens where the kernel
-takes ~1.6 ms. The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s, and the few-row linear
-reads weights at ~23-30 GB/s where oneDNN's GEMM reaches ~17 on one row (batch-1 decode step ~35 -> ~26 ms).
+takes ~1.6 ms. The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s. oneDNN's GEMM reads the
+weights at 15-20 GB/s for 1-16 rows; the panel kernel streams them once for all rows, at ~30 GB/s for one row and
+close to that up to ~12 rows, where compute starts to bound it: decode steps of 4-12 requests at 300-token contexts
+went from ~39-60 ms to ~29-48 ms, one-row linears from ~23 to ~14 ms for SmolLM2's 30 layers.
 The fused stack replaces ~12 dispatched ops (each a fork and join of the thread team) per layer and token by one
 call with five barriers a layer, and its attention splits the context between the threads: a batch-1 forward
 reads the weights within ~6 % of the LM head's bandwidth.
@@ -61,6 +66,10 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 #include <omp.h>
+#include <utility>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #if defined(PAGEDLLM_LIBMVEC)
 // glibc's vector math library: lets the compiler vectorise the softmax's exp (as <math.h> itself does under
@@ -289,43 +298,168 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cach
   });
 }
 
-// y [M, O] = x [M, I] W[O, I]^T (+ bias) for a few rows M: each thread streams its share of W's rows once,
-// in order, and dots every row of x with them (x stays in L1). Memory-bound single-token decode reads the weights
-// ~1.4x faster this way than through oneDNN's GEMM on two cores.
-template <int M>
-static void skinny_rows(const float* __restrict x, const float* __restrict w, const float* bias, float* y,
-                        int64_t out_features, int64_t in_features, int64_t y_stride) {
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const float* __restrict wr = w + o * in_features;
-      for (int m = 0; m < M; ++m) {
-        const float s = dot(wr, x + m * in_features, in_features);
-        y[m * y_stride + o] = bias ? s + bias[o] : s;
-      }
-    }
-  });
+// ---- Few-row linear layers on weights packed in panels ----
+// A panel holds kPanel consecutive output rows of a weight W [O, I] transposed: panels[p][i][n] = W[p kPanel + n][i]
+// (zero past O), so one panel is a contiguous stream of I * kPanel floats. y [M, O] = x W^T for a few rows M is
+// then a GEMM micro-kernel per panel: for each input column i, two vector loads of the panel row and M broadcasts of
+// x[m][i] into 2 M register accumulators. Each weight is read from memory once for all the rows, with no horizontal
+// sums; rows beyond what the registers hold go in blocks over the same panel, which is then in L2.
+// On this 2-core Zen 4, SmolLM2's 30 layers of linears: 4 rows ~17 ms, 8 ~20, 12 ~22 against oneDNN's 21-29;
+// one row ~14 ms, as fast as dot products over the dense rows.
+#if defined(__AVX512F__)
+typedef __m512 pvec;
+constexpr int kLanes = 16, kPanelBlock = 16;
+static inline pvec pv_zero() { return _mm512_setzero_ps(); }
+static inline pvec pv_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline pvec pv_splat(float x) { return _mm512_set1_ps(x); }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void pv_store(float* p, pvec v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 pvec;
+constexpr int kLanes = 8, kPanelBlock = 6;
+static inline pvec pv_zero() { return _mm256_setzero_ps(); }
+static inline pvec pv_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline pvec pv_splat(float x) { return _mm256_set1_ps(x); }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void pv_store(float* p, pvec v) { _mm256_storeu_ps(p, v); }
+#else
+typedef float pvec __attribute__((vector_size(16)));
+constexpr int kLanes = 4, kPanelBlock = 8;
+static inline pvec pv_zero() { return pvec{0.f, 0.f, 0.f, 0.f}; }
+static inline pvec pv_load(const float* p) { pvec v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline pvec pv_splat(float x) { return pvec{x, x, x, x}; }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return a * b + c; }
+static inline void pv_store(float* p, pvec v) { __builtin_memcpy(p, &v, sizeof v); }
+#endif
+constexpr int kPanel = 2 * kLanes;
+
+// Writes a panel's results for outputs [lo, hi) of it (bias added) to y, from the two accumulators.
+static inline void panel_out(pvec a0, pvec a1, float* y, const float* bias, int64_t lo, int64_t hi) {
+  float t[kPanel];
+  pv_store(t, a0);
+  pv_store(t + kLanes, a1);
+  for (int64_t n = lo; n < hi; ++n) y[n] = bias ? t[n] + bias[n] : t[n];
 }
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
-  check_float(x, "x");
+// One row: y[lo..hi) = panel . x, with two interleaved accumulator pairs over i (hides the FMA latency).
+static inline void panel_row(const float* __restrict wp, const float* __restrict x, int64_t in, float* y,
+                             const float* bias, int64_t lo, int64_t hi) {
+  pvec a0 = pv_zero(), a1 = pv_zero(), b0 = pv_zero(), b1 = pv_zero();
+  int64_t i = 0;
+  for (; i + 1 < in; i += 2) {
+    const float* w = wp + i * kPanel;
+    const pvec x0 = pv_splat(x[i]), x1 = pv_splat(x[i + 1]);
+    a0 = pv_fma(pv_load(w), x0, a0);
+    a1 = pv_fma(pv_load(w + kLanes), x0, a1);
+    b0 = pv_fma(pv_load(w + kPanel), x1, b0);
+    b1 = pv_fma(pv_load(w + kPanel + kLanes), x1, b1);
+  }
+  if (i < in) {
+    const pvec xv = pv_splat(x[i]);
+    a0 = pv_fma(pv_load(wp + i * kPanel), xv, a0);
+    a1 = pv_fma(pv_load(wp + i * kPanel + kLanes), xv, a1);
+  }
+  panel_out(a0 + b0, a1 + b1, y, bias, lo, hi);
+}
+
+// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs go to y + m * ys.
+template <int MB>
+static void panel_rows(const float* __restrict wp, const float* __restrict xt, int64_t ld, int64_t in, float* y,
+                       int64_t ys, const float* bias, int64_t nout) {
+  pvec acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
+  for (int64_t i = 0; i < in; ++i) {
+    const pvec w0 = pv_load(wp + i * kPanel), w1 = pv_load(wp + i * kPanel + kLanes);
+    const float* xi = xt + i * ld;
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const pvec xv = pv_splat(xi[m]);
+      acc0[m] = pv_fma(w0, xv, acc0[m]);
+      acc1[m] = pv_fma(w1, xv, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, 0, nout);
+}
+
+template <int MB>
+static void panel_block_fn(const float* wp, const float* xt, int64_t ld, int64_t in, float* y, int64_t ys,
+                           const float* bias, int64_t nout) {
+  panel_rows<MB>(wp, xt, ld, in, y, ys, bias, nout);
+}
+
+using PanelBlockFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t);
+
+template <int... Ms>
+static PanelBlockFn panel_block_for(int mb, std::integer_sequence<int, Ms...>) {
+  static const PanelBlockFn table[] = {panel_block_fn<Ms + 1>...};
+  return table[mb - 1];
+}
+
+// y[m, :] for outputs [o0, o1) of one input row x (any alignment: a panel shared with a neighbouring range is read
+// whole and written in part).
+static void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1,
+                        int64_t in) {
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    const int64_t base = p * kPanel;
+    panel_row(wp + p * in * kPanel, x, in, y + base, bias ? bias + base : nullptr, std::max<int64_t>(o0 - base, 0),
+              std::min<int64_t>(o1 - base, kPanel));
+  }
+}
+
+int64_t panel_width() { return kPanel; }
+
+// A weight W [O, I] in panels: [ceil(O / kPanel), I, kPanel], zero past O.
+torch::Tensor pack_panels(torch::Tensor weight) {
   check_float(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, I], weight [O, I]");
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0, "weight must be a non-empty [O, I]");
+  const int64_t out = weight.size(0), in = weight.size(1), np = (out + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({np * kPanel, in}, weight.options());
+  padded.narrow(0, 0, out).copy_(weight);
+  return padded.view({np, kPanel, in}).transpose(1, 2).contiguous();
+}
+
+// y [M, O] = x [M, I] W^T (+ bias) from W's panels [ceil(O / kPanel), I, kPanel]; the threads split the panels and
+// each runs its rows in blocks of at most kPanelBlock.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
+                           int64_t out_features) {
+  check_float(x, "x");
+  check_float(panels, "panels");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be [M, I]");
+  const int64_t rows = x.size(0), in = x.size(1), np = (out_features + kPanel - 1) / kPanel;
+  TORCH_CHECK(out_features >= 1 && panels.dim() == 3 && panels.size(0) == np && panels.size(1) == in &&
+                  panels.size(2) == kPanel,
+              "panels must be [ceil(O / ", kPanel, "), I, ", kPanel, "] for x [M, I] and ", out_features,
+              " outputs");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_float(*bias, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "bias [O]");
+    TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({rows, out_features}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < rows; m0 += 2) {
-    if (rows - m0 >= 2)
-      skinny_rows<2>(xp + m0 * in_features, wp, bp, yp + m0 * out_features, out_features, in_features, out_features);
-    else
-      skinny_rows<1>(xp + m0 * in_features, wp, bp, yp + m0 * out_features, out_features, in_features, out_features);
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  if (rows == 1) {
+    at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+      gemv_panels(wp, xp, bp, yp, p0 * kPanel, std::min(p1 * kPanel, out_features), in);
+    });
+    return y;
   }
+  std::vector<float> xt(in * rows);  // x transposed: one input column's rows side by side
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < in; ++i) xt[i * rows + m] = xp[m * in + i];
+  const int64_t blocks = (rows + kPanelBlock - 1) / kPanelBlock;
+  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks;
+        panel_block_for(static_cast<int>(m1 - m0), std::make_integer_sequence<int, kPanelBlock>{})(
+            wp + p * in * kPanel, xt.data() + m0, rows, in, yp + m0 * out_features + base, out_features,
+            bp ? bp + base : nullptr, nout);
+      }
+    }
+  });
   return y;
 }
 
@@ -526,15 +660,6 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   }
 }
 
-// y[o] = w[o, :] . x (+ b[o]) for the output rows [o0, o1) of one input row.
-static inline void gemv_rows(const float* __restrict w, const float* __restrict x, const float* b, float* y,
-                             int64_t o0, int64_t o1, int64_t in) {
-  for (int64_t o = o0; o < o1; ++o) {
-    const float acc = dot(w + o * in, x, in);
-    y[o] = b ? acc + b[o] : acc;
-  }
-}
-
 // Thread t's share [first, last) of n items, in whole chunks of `align`.
 static inline void share(int64_t n, int t, int nt, int64_t align, int64_t& first, int64_t& last) {
   const int64_t chunks = (n + align - 1) / align;
@@ -556,6 +681,12 @@ struct LayerWeights {
   float *kc, *vc;
 };
 
+// Panels of a weight [out, in] (see pack_panels).
+static void check_panels(const torch::Tensor& t, int64_t out, int64_t in, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == (out + kPanel - 1) / kPanel && t.size(1) == in && t.size(2) == kPanel,
+              what);
+}
+
 // A bias: an empty tensor means none.
 static const float* bias_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
   if (t.numel() == 0) return nullptr;
@@ -565,8 +696,8 @@ static const float* bias_ptr(const torch::Tensor& t, int64_t numel, const char* 
 }
 
 // A whole Llama-family model's decoder stack for one decode token, in one parallel region. Per layer l (weights
-// layer_w[10 l .. 10 l + 9] = norm1, qkv_w, qkv_b, o_w, o_b, norm2, gate_up_w, gate_up_b, down_w, down_b; an empty
-// bias means none):
+// layer_w[10 l .. 10 l + 9] = norm1, qkv_w, qkv_b, o_w, o_b, norm2, gate_up_w, gate_up_b, down_w, down_b, the four
+// weights as panels (pack_panels); an empty bias means none):
 //   residual += x (residual = x at the first layer); h = rms_norm(residual) * norm1
 //   q, k, v = h Wqkv^T (+ b); rotary on q and k at positions[0] (cos_sin[l]); k, v written to cache l at
 //   slot_mapping[0]
@@ -598,13 +729,15 @@ class DecodeModel {
     const torch::Tensor& k0 = k_caches[0];
     TORCH_CHECK(k0.dim() == 4, "caches must be [blocks, B, Hkv, D]");
     blocks_ = k0.size(0), bs_ = k0.size(1), hkv_ = k0.size(2), d_ = k0.size(3);
-    check_float(layer_w[1], "qkv weight");
-    check_float(layer_w[8], "down weight");
-    TORCH_CHECK(layer_w[1].dim() == 2 && layer_w[8].dim() == 2, "qkv and down weights must be matrices");
-    hidden_ = layer_w[1].size(1), qkv_out_ = layer_w[1].size(0), inter_ = layer_w[8].size(1);
-    hq_ = (qkv_out_ - 2 * hkv_ * d_) / d_;
-    TORCH_CHECK(hq_ > 0 && hq_ % hkv_ == 0 && qkv_out_ == (hq_ + 2 * hkv_) * d_,
-                "qkv weight must be [(Hq + 2 Hkv) D, H]");
+    check_float(layer_w[1], "qkv panels");
+    check_float(layer_w[3], "o panels");
+    check_float(layer_w[8], "down panels");
+    TORCH_CHECK(layer_w[1].dim() == 3 && layer_w[3].dim() == 3 && layer_w[8].dim() == 3,
+                "the linear weights must be panels [P, I, ", kPanel, "]");
+    hidden_ = layer_w[1].size(1), inter_ = layer_w[8].size(1), hq_ = layer_w[3].size(1) / d_;
+    qkv_out_ = (hq_ + 2 * hkv_) * d_;
+    TORCH_CHECK(hq_ > 0 && hq_ % hkv_ == 0 && layer_w[3].size(1) == hq_ * d_,
+                "o panels must be [P, Hq D, ", kPanel, "] with Hq a multiple of the caches' Hkv");
     TORCH_CHECK(final_norm.numel() == hidden_, "final_norm must be [H]");
     rot_ = cos_sin[0].dim() == 2 ? cos_sin[0].size(1) : 0;
     TORCH_CHECK(rot_ > 0 && rot_ <= d_ && rot_ % 2 == 0, "rotary dims must be even and at most the head size");
@@ -617,13 +750,10 @@ class DecodeModel {
       check_float(cos_sin[l], "cos_sin");
       TORCH_CHECK(k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(), "caches of one shape");
       TORCH_CHECK(w[0].numel() == hidden_ && w[5].numel() == hidden_, "norm weights must be [H]");
-      TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == qkv_out_ && w[1].size(1) == hidden_,
-                  "qkv weight must be [Q, H]");
-      TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == hidden_ && w[3].size(1) == hq_ * d_,
-                  "o weight must be [H, Hq D]");
-      TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == 2 * inter_ && w[6].size(1) == hidden_ && w[8].dim() == 2 &&
-                  w[8].size(0) == hidden_ && w[8].size(1) == inter_,
-                  "gate_up weight must be [2 I, H] and down weight [H, I]");
+      check_panels(w[1], qkv_out_, hidden_, "qkv panels must hold [(Hq + 2 Hkv) D, H]");
+      check_panels(w[3], hidden_, hq_ * d_, "o panels must hold [H, Hq D]");
+      check_panels(w[6], 2 * inter_, hidden_, "gate_up panels must hold [2 I, H]");
+      check_panels(w[8], hidden_, inter_, "down panels must hold [H, I]");
       TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == rot_ && cos_sin[l].size(0) == max_pos_,
                   "rotary tables of one shape");
       layers_.push_back({w[0].data_ptr<float>(), w[1].data_ptr<float>(), bias_ptr(w[2], qkv_out_, "qkv bias"),
@@ -695,8 +825,8 @@ void DecodeModel::run(float* xp, int64_t pos, int64_t slot, const int64_t* table
     std::vector<float> scores;
     int64_t a, b, ha, hb, ia, ib, ra, rb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
-    share(inter, t, n, 16, ia, ib);
-    share(hidden, t, n, 16, ra, rb);
+    share(inter, t, n, kPanel, ia, ib);
+    share(hidden, t, n, kPanel, ra, rb);
     share(len, t, n, 1, a, b);  // this thread's span of the context
     float* pm = part + t * hq * (d + 2);
     for (int64_t l = 0; l < layers; ++l) {
@@ -707,7 +837,7 @@ void DecodeModel::run(float* xp, int64_t pos, int64_t slot, const int64_t* table
       } else {
         add_rms_row(h, res, xp, w.n1, hidden, ep);
       }
-      gemv_rows(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
+      gemv_panels(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
       for (int64_t hh = ha; hh < hb; ++hh) {
         float* v = qkv + hh * d;
         if (hh < hq + hkv) rotate_head(v, w.cos_sin + cs_off, half);
@@ -738,15 +868,15 @@ void DecodeModel::run(float* xp, int64_t pos, int64_t slot, const int64_t* table
         for (int64_t k = 0; k < d; ++k) o[k] *= inv;
       }
 #pragma omp barrier
-      gemv_rows(w.o, att, w.o_b, xp, ra, rb, hq * d);
+      gemv_panels(w.o, att, w.o_b, xp, ra, rb, hq * d);
 #pragma omp barrier
       add_rms_row(h, res, xp, w.n2, hidden, ep);
-      gemv_rows(w.gu, h, w.gu_b, gu, ia, ib, hidden);
-      gemv_rows(w.gu + inter * hidden, h, w.gu_b ? w.gu_b + inter : nullptr, gu + inter, ia, ib, hidden);
+      gemv_panels(w.gu, h, w.gu_b, gu, ia, ib, hidden);
+      gemv_panels(w.gu, h, w.gu_b, gu, inter + ia, inter + ib, hidden);
 #pragma omp simd
       for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
 #pragma omp barrier
-      gemv_rows(w.down, act, w.down_b, xp, ra, rb, inter);
+      gemv_panels(w.down, act, w.down_b, xp, ra, rb, inter);
 #pragma omp barrier
     }
     if (t == 0) add_rms_row(xp, res, xp, fn, hidden, ep);
@@ -760,7 +890,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm));
   m.def("fused_add_rms_norm", torch::wrap_pybind_function(fused_add_rms_norm));
   m.def("rotary_inplace", torch::wrap_pybind_function(rotary_inplace));
-  m.def("skinny_linear", torch::wrap_pybind_function(skinny_linear));
+  m.def("panel_width", &panel_width);
+  m.def("pack_panels", torch::wrap_pybind_function(pack_panels));
+  m.def("panel_linear", torch::wrap_pybind_function(panel_linear));
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, double, double, torch::Tensor>(),

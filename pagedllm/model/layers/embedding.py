@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers.linear import linear, pack_weight
+from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight
 from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 
@@ -43,16 +43,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states onto the vocabulary; may share its weight with the input embedding."""
 
     packed_weight: torch.Tensor | None = None
+    panels: Panels | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_weights(self, keep_dense: bool = False) -> bool:  # the dense weight is the embedding's: kept
+    def pack_weights(self, native: bool = False) -> bool:  # the plain weight may be the embedding's: kept
         self.packed_weight = pack_weight(self.weight)
-        return self.packed_weight is not None
+        self.panels = pack_panels(self.weight) if native else None
+        return self.packed_weight is not None or self.panels is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]

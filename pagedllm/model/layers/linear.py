@@ -8,22 +8,33 @@ checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pas
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model import hugepages
-from pagedllm.model.layers.cpu_kernels import active_for
+from pagedllm.model.layers import cpu_kernels
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
 # MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
 # (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows). Used when oneDNN is missing.
 SPLIT_GEMM_MAX_ROWS = 64
-# Up to this many rows, the native kernels (when active) run the product on the dense weight: it streams the
-# weight once at ~1.4x oneDNN's speed for 1-2 rows on two cores, and loses from ~4 rows (bench figures in
-# cpu_kernels.py's skinny_linear). Single-request decode is the case this serves.
-SKINNY_MAX_ROWS = 2
+# Up to this many rows, the native kernels (when active) run the product on the weight's panels: they stream the
+# weight once for all rows, where oneDNN's GEMM reads it at 15-20 GB/s for 1-16 rows on two cores. SmolLM2's 30
+# layers of linears (bench figures in cpu_kernels.py): 1 row ~14 ms against ~23, 8 rows ~20 against ~27; from ~16
+# rows on the two are level and oneDNN's cache blocking wins. Decode steps of up to a dozen or so requests are the
+# case this serves.
+PANEL_MAX_ROWS = 16
+
+
+class Panels(NamedTuple):
+    """A weight [out_features, I] laid out for the native few-row kernel: [ceil(O / w), I, w] (see cpu_kernels)."""
+
+    data: torch.Tensor
+    out_features: int
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -45,14 +56,29 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def pack_panels(weight: torch.Tensor) -> Panels | None:
+    """The native kernels' panel layout of a float32 CPU weight, or None where they do not exist."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not weight.numel():
+        return None
+    ops = cpu_kernels.load()
+    if ops is None:
+        return None
+    return Panels(ops.pack_panels(weight.detach().contiguous()), weight.shape[0])
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    panels: Panels | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has."""
-    if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.numel():
-        ops = active_for(x)
-        if ops is not None and weight.is_contiguous():
-            return ops.skinny_linear(x.contiguous(), weight, bias)
+    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the native panels
+    for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `packed` and `panels` cover it."""
+    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS:
+        ops = cpu_kernels.active_for(x)
+        if ops is not None:
+            return ops.panel_linear(x.contiguous(), panels.data, bias, panels.out_features)
     if packed is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     parts = torch.get_num_threads()
@@ -72,34 +98,30 @@ def linear(
     return y + bias if bias is not None else y
 
 
-def prepare_for_inference(model: nn.Module, keep_dense: bool = False) -> int:
-    """Prepack the weights of every layer that supports it (call after loading); returns how many. With
-    `keep_dense` the plain weights stay too (the native kernels' few-row path reads them), moved into one
-    huge-page arena in the order a forward pass reads them (see hugepages.py)."""
+def prepare_for_inference(model: nn.Module, native: bool = False) -> int:
+    """Prepack the weights of every layer that supports it (call after loading); returns how many. With `native`
+    (the native CPU kernels' backend) each weight also gets its panels, laid out in one huge-page arena in the
+    order a forward pass reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and
+    the panels cover every batch size."""
     count = 0
     for module in model.modules():
         prepare = getattr(module, "pack_weights", None)
-        if prepare is not None and prepare(keep_dense):
+        if prepare is not None and prepare(native):
             count += 1
-    if keep_dense:
-        consolidate_dense_weights(model)
+    if native:
+        consolidate_panels(model)
     return count
 
 
-def consolidate_dense_weights(model: nn.Module) -> None:
-    """Lay the 2-D weights the few-row kernels stream out back to back in one huge-page arena: the linear
-    layers in module order (the order of a forward pass), then the LM head's (read last)."""
-    linears: list[nn.Parameter] = []
-    tail: list[nn.Parameter] = []
-    seen: set[int] = set()
+def consolidate_panels(model: nn.Module) -> None:
+    """Lay the panels the few-row kernels stream out back to back in one huge-page arena: the linear layers' in
+    module order (the order of a forward pass), then the LM head's (read last)."""
+    linears: list[torch.Tensor] = []
+    tail: list[torch.Tensor] = []
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not weight.numel() or id(weight) in seen:
-            continue
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            return  # only the native CPU kernels read the dense weights this way
-        seen.add(id(weight))
-        (linears if isinstance(module, LinearBase) else tail).append(weight)
+        panels = getattr(module, "panels", None)
+        if isinstance(panels, Panels):
+            (linears if isinstance(module, LinearBase) else tail).append(panels.data)
     hugepages.consolidate(linears + tail)
 
 
@@ -124,19 +146,20 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.panels: Panels | None = None
 
-    def pack_weights(self, keep_dense: bool = False) -> bool:
+    def pack_weights(self, native: bool = False) -> bool:
         self.packed_weight = pack_weight(self.weight)
+        self.panels = pack_panels(self.weight) if native else None
         if self.packed_weight is None:
-            return False
-        # Without the native few-row kernel the packed copy serves every batch size, and keeping the dense
-        # one would only double the weights' memory.
-        if not keep_dense:
+            return self.panels is not None
+        # oneDNN's copy serves every batch size (the panels the few-row ones): the plain weight is not read again.
+        if not native or self.panels is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.panels)
 
 
 class ReplicatedLinear(LinearBase):
@@ -228,5 +251,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels))
         return y + self.bias if self.bias is not None else y

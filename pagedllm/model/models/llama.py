@@ -164,14 +164,14 @@ class LlamaModel(nn.Module):
         return True
 
     def _fused_decode_weights(self) -> list[torch.Tensor]:
-        """`DecodeModel`'s ten tensors per layer (an empty tensor for an absent bias), or [] where some layer
-        cannot run fused: packed-only weights, tensor parallelism, a non-float32 rotary table."""
+        """`DecodeModel`'s ten tensors per layer (the linear weights as panels, an empty tensor for an absent
+        bias), or [] where some layer cannot run fused: no panels, tensor parallelism, a non-float32 rotary table."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(not lin.weight.numel() or lin.tp_size != 1 for lin in linears):
+            if any(lin.panels is None or lin.tp_size != 1 for lin in linears):
                 return []
             if attn.rotary_emb.cos_sin_cache.dtype != torch.float32 or layer.input_layernorm.eps != self.norm.eps:
                 return []
@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
                               (layer.post_attention_layernorm, mlp.gate_up_proj), (None, mlp.down_proj)):  # fmt: skip
                 if norm is not None:
                     weights.append(norm.weight)
-                weights += [lin.weight, none if lin.bias is None else lin.bias]
+                weights += [lin.panels.data, none if lin.bias is None else lin.bias]
         return weights
 
 
