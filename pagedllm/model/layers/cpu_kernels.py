@@ -30,10 +30,13 @@ The model runner turns them on with the attention backend ("native", the default
 Why kernels (figures from this 2-core machine, see bench/RESULTS.md): a decode step attends, per layer, over
 every running request's whole context; in torch that is a copy of the context out of the cache and then SDPA,
 whose CPU kernel is tuned for long query blocks: ~3.2 ms a layer at 64 requests x 192 tokens where the kernel
-takes ~1.6 ms. The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s. oneDNN's GEMM reads the
-weights at 15-20 GB/s for 1-16 rows; the panel kernel streams them once for all rows, at ~30 GB/s for one row and
-close to that up to ~12 rows, where compute starts to bound it: decode steps of 4-12 requests at 300-token contexts
-went from ~39-60 ms to ~29-48 ms, one-row linears from ~23 to ~14 ms for SmolLM2's 30 layers.
+takes ~1.6 ms. It hands out requests longest first, one at a time, and prefetches each next block while it reads
+one (blocks are scattered, which stops the hardware prefetcher): 32-64 requests of 256-384 tokens went from ~36-79
+to ~28-60 ms a step over 30 layers' caches. The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s.
+oneDNN's GEMM reads the weights at 15-20 GB/s for 1-16 rows; the panel kernel streams them once for all rows, at
+~30 GB/s for one row and close to that up to ~12 rows, where compute starts to bound it: decode steps of 4-12
+requests at 300-token contexts went from ~39-60 ms to ~29-48 ms, one-row linears from ~23 to ~14 ms for SmolLM2's
+30 layers.
 The fused stack replaces ~12 dispatched ops (each a fork and join of the thread team) per layer and token by one
 call with five barriers a layer, and its attention splits the context between the threads: a batch-1 forward
 reads the weights within ~6 % of the LM head's bandwidth.
@@ -83,9 +86,17 @@ template <typename F>
 static inline void for_each_token(const float* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
                                   int64_t row, F&& f) {
   while (l0 < l1) {
-    const float* block = cache + table[l0 / bs] * bs * row;
+    const int64_t b = l0 / bs;
+    const float* block = cache + table[b] * bs * row;
     const int64_t t0 = l0 % bs, m = std::min(bs, t0 + l1 - l0);
-    for (int64_t t = t0; t < m; ++t) f(block + t * row, l0 - t0 + t);
+    // The blocks are scattered, so the hardware prefetcher stops at each block's end: while on token t of this
+    // block, fetch token t of the next one.
+    const float* next = (b + 1) * bs < l1 ? cache + table[b + 1] * bs * row : nullptr;
+    for (int64_t t = t0; t < m; ++t) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + t * row + c);
+      f(block + t * row, l0 - t0 + t);
+    }
     l0 += m - t0;
   }
 }
@@ -178,16 +189,24 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
   const int64_t g = hq / hkv;
   const int64_t row = hkv * d;  // floats between consecutive tokens of one block
   const int64_t hs = n >= 4 * at::get_num_threads() ? hkv : 1;
-  const int64_t per_req = hkv / hs;
-  at::parallel_for(0, n * per_req, 1, [&](int64_t begin, int64_t end) {
+  const int64_t per_req = hkv / hs, items = n * per_req;
+  // Longest contexts first, handed out one at a time: the threads finish together even when the lengths differ
+  // or one thread loses its core for a while to another process (on a 2-core server, the API server's).
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lp[a] > lp[b]; });
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(nt)
+  {
     AttendScratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / per_req, h0 = (item % per_req) * hs;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = order[item / per_req], h0 = (item % per_req) * hs;
       const int64_t first = i * hq + h0 * g;  // the item's query heads are consecutive
       attend_item<D>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
                      scratch);
     }
-  });
+  }
 }
 
 static void check_float(const torch::Tensor& t, const char* name) {
@@ -439,27 +458,29 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   auto y = torch::empty({rows, out_features}, x.options());
   float* yp = y.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  // Panels are handed out one at a time (each is a contiguous stream of I * kPanel floats): the threads finish
+  // together even when one loses its core for a while to another process.
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), np)));
   if (rows == 1) {
-    at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-      gemv_panels(wp, xp, bp, yp, p0 * kPanel, std::min(p1 * kPanel, out_features), in);
-    });
+#pragma omp parallel for schedule(guided) num_threads(nt)
+    for (int64_t p = 0; p < np; ++p)
+      gemv_panels(wp, xp, bp, yp, p * kPanel, std::min((p + 1) * kPanel, out_features), in);
     return y;
   }
   std::vector<float> xt(in * rows);  // x transposed: one input column's rows side by side
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < in; ++i) xt[i * rows + m] = xp[m * in + i];
   const int64_t blocks = (rows + kPanelBlock - 1) / kPanelBlock;
-  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks;
-        panel_block_for(static_cast<int>(m1 - m0), std::make_integer_sequence<int, kPanelBlock>{})(
-            wp + p * in * kPanel, xt.data() + m0, rows, in, yp + m0 * out_features + base, out_features,
-            bp ? bp + base : nullptr, nout);
-      }
+#pragma omp parallel for schedule(guided) num_threads(nt)
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks;
+      panel_block_for(static_cast<int>(m1 - m0), std::make_integer_sequence<int, kPanelBlock>{})(
+          wp + p * in * kPanel, xt.data() + m0, rows, in, yp + m0 * out_features + base, out_features,
+          bp ? bp + base : nullptr, nout);
     }
-  });
+  }
   return y;
 }
 
