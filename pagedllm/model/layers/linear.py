@@ -24,9 +24,9 @@ from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_wor
 SPLIT_GEMM_MAX_ROWS = 64
 # Up to this many rows, the native kernels (when active) run the product on the weight's panels: they stream the
 # weight once for all rows, where oneDNN's GEMM reads it at 15-20 GB/s for 1-16 rows on two cores. SmolLM2's 30
-# layers of linears (bench figures in cpu_kernels.py): 1 row ~14 ms against ~23, 8 rows ~20 against ~27; from ~16
-# rows on the two are level and oneDNN's cache blocking wins. Decode steps of up to a dozen or so requests are the
-# case this serves.
+# layers of linears (bench figures in cpu_kernels.py): 1 row ~14 ms against ~23, 8 rows ~18 against ~23-29, 16 rows
+# ~22 against ~28-32; from ~24 rows the two are level, both bound by compute. Decode steps of up to a dozen or so
+# requests are the case this serves.
 PANEL_MAX_ROWS = 16
 
 
