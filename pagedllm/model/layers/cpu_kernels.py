@@ -400,17 +400,12 @@ static void panel_rows(const float* __restrict wp, const float* __restrict xt, i
   for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, 0, nout);
 }
 
-template <int MB>
-static void panel_block_fn(const float* wp, const float* xt, int64_t ld, int64_t in, float* y, int64_t ys,
-                           const float* bias, int64_t nout) {
-  panel_rows<MB>(wp, xt, ld, in, y, ys, bias, nout);
-}
+using PanelRowsFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t);
 
-using PanelBlockFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t);
-
+// panel_rows<mb> for a block size known only at run time (1 <= mb <= kPanelBlock).
 template <int... Ms>
-static PanelBlockFn panel_block_for(int mb, std::integer_sequence<int, Ms...>) {
-  static const PanelBlockFn table[] = {panel_block_fn<Ms + 1>...};
+static PanelRowsFn panel_rows_for(int mb, std::integer_sequence<int, Ms...>) {
+  static const PanelRowsFn table[] = {panel_rows<Ms + 1>...};
   return table[mb - 1];
 }
 
@@ -470,16 +465,21 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   std::vector<float> xt(in * rows);  // x transposed: one input column's rows side by side
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < in; ++i) xt[i * rows + m] = xp[m * in + i];
+  // Rows in near-equal blocks of at most kPanelBlock, each with its kernel, chosen once for all panels.
   const int64_t blocks = (rows + kPanelBlock - 1) / kPanelBlock;
+  std::vector<int64_t> first(blocks);
+  std::vector<PanelRowsFn> kernel(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    first[b] = rows * b / blocks;
+    kernel[b] = panel_rows_for(static_cast<int>(rows * (b + 1) / blocks - first[b]),
+                               std::make_integer_sequence<int, kPanelBlock>{});
+  }
 #pragma omp parallel for schedule(guided) num_threads(nt)
   for (int64_t p = 0; p < np; ++p) {
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks;
-      panel_block_for(static_cast<int>(m1 - m0), std::make_integer_sequence<int, kPanelBlock>{})(
-          wp + p * in * kPanel, xt.data() + m0, rows, in, yp + m0 * out_features + base, out_features,
-          bp ? bp + base : nullptr, nout);
-    }
+    for (int64_t b = 0; b < blocks; ++b)
+      kernel[b](wp + p * in * kPanel, xt.data() + first[b], rows, in, yp + first[b] * out_features + base,
+                out_features, bp ? bp + base : nullptr, nout);
   }
   return y;
 }
