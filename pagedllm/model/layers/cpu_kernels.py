@@ -115,6 +115,18 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
   return acc;
 }
 
+// s[l] = exp(s[l] - mx) for l < n; returns their sum (softmax numerators and denominator).
+static inline float exp_in_place(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t l = 0; l < n; ++l) {
+    const float e = expf(s[l] - mx);
+    s[l] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 #if defined(__AVX512F__)
 // Lane t of the result is the sum of the 16 lanes of v[t] (a transposed reduction: 45 shuffles and adds for 16
 // dot products, where 16 separate horizontal sums take ~4x as many).
@@ -232,15 +244,8 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
     float mr = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mr)
     for (int64_t l = 0; l < span; ++l) mr = std::max(mr, sr[l]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < span; ++l) {
-      const float e = expf(sr[l] - mr);
-      sr[l] = e;
-      sum += e;
-    }
     m[r] = mr;
-    lsum[r] = sum;
+    lsum[r] = exp_in_place(sr, span, mr);
   }
   // Pass 3: values, a tile at a time; per tile, query heads in runs of up to RB sharing one KV head.
   std::fill(acc, acc + hq * D, 0.f);
@@ -297,16 +302,7 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
     }
   });
   for (int64_t r = 0; r < hq; ++r) {
-    float* sr = s + r * span;
-    const float mr = m[r];
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < span; ++l) {
-      const float e = expf(sr[l] - mr);
-      sr[l] = e;
-      sum += e;
-    }
-    lsum[r] = sum;
+    lsum[r] = exp_in_place(s + r * span, span, m[r]);
   }
   for_each_token(vc, table, l0, l1, bs, row, [&](const float* vt, int64_t l) {
     for (int64_t r = 0; r < hq; ++r) {
