@@ -34,7 +34,8 @@ takes ~1.6 ms. It hands out requests longest first, one at a time, and prefetche
 one (blocks are scattered, which stops the hardware prefetcher): 32-64 requests of 256-384 tokens went from ~36-79
 to ~28-60 ms a step over 30 layers' caches. With AVX-512 it takes 16 keys at a time, reduces their 16 dot
 products together and prefetches into L2 two tiles ahead: 8-64 requests of 256-500 tokens went from ~13-15 to
-~19-22 GB/s of KV read (~8.6 -> 5.8 ms a step at 8, ~77 -> 55 ms at 64, timed interleaved). The elementwise kernels took a 2048-token prefill from ~3.1 to ~2.7 s.
+~19-22 GB/s of KV read (~8.6 -> 5.8 ms a step at 8, ~77 -> 55 ms at 64, timed interleaved). The elementwise
+kernels took a 2048-token prefill from ~3.1 to ~2.7 s.
 oneDNN's GEMM reads the weights at 15-20 GB/s for 1-16 rows; the panel kernel streams them once for all rows, at
 ~30 GB/s for one row and close to that up to ~12 rows, where compute starts to bound it: decode steps of 4-12
 requests at 300-token contexts went from ~39-60 ms to ~29-48 ms, one-row linears from ~23 to ~14 ms for SmolLM2's
