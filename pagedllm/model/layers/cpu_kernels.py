@@ -168,11 +168,11 @@ static inline void values_tile(float* acc, const float* p, int64_t stride, const
     for (int v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, av[i][v]);
 }
 
-// attend_span for head sizes that are a multiple of 16, with AVX-512: the same three passes (scores, softmax,
-// values) over tiles of 16 tokens. A tile's 16 keys are read once for all query heads, their dot products
-// reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads of one KV head
-// at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's work: blocks
-// are scattered, which stops the hardware prefetcher (into L1, or one tile ahead, read ~35 % slower).
+// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512: the same three
+// passes (scores, softmax, values) over tiles of 16 tokens. A tile's 16 keys are read once for all query heads,
+// their dot products reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads
+// of one KV head at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's
+// work: blocks are scattered, which stops the hardware prefetcher (into L1, or one tile ahead, read ~35 % slower).
 template <int D>
 static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
                                const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
