@@ -104,6 +104,11 @@ static inline void for_each_token(const float* cache, const int64_t* table, int6
   }
 }
 
+// Threads for a parallel loop over `items` independent pieces of work: torch's thread count, at most one a piece.
+static inline int team_size(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+}
+
 // Scratch of one attention item (reused across items and calls of one thread).
 struct AttendScratch {
   std::vector<float> scores, acc, mx, sum;
@@ -215,6 +220,7 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
     plan_prefetch(tile - kAhead);
     prefetch(0, pf_lines);
   }
+  const __m512 scv = _mm512_set1_ps(sc);
   // Pass 1: scores, s[r * stride + l - l0].
   int64_t nt = rows_of(kc, l0, kr);
   for (int64_t t0 = l0; t0 < l1; t0 += T) {
@@ -225,7 +231,6 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
       const float* qr = q + r * D;
       const int64_t ko = (r / g) * D;
       __m512 qv[DV], a[T];
-      const __m512 scv = _mm512_set1_ps(sc);
       for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
 #pragma GCC unroll 16
       for (int c = 0; c < T; ++c) {
@@ -352,7 +357,7 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lp[a] > lp[b]; });
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  const int nt = team_size(items);
 #pragma omp parallel num_threads(nt)
   {
     AttendScratch scratch;
@@ -610,9 +615,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   auto y = torch::empty({rows, out_features}, x.options());
   float* yp = y.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  // Panels are handed out one at a time (each is a contiguous stream of I * kPanel floats): the threads finish
-  // together even when one loses its core for a while to another process.
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), np)));
+  // Panels are handed out in shrinking chunks (guided; each panel is a contiguous stream of I * kPanel floats): the
+  // threads finish together even when one loses its core for a while to another process.
+  const int nt = team_size(np);
   if (rows == 1) {
 #pragma omp parallel for schedule(guided) num_threads(nt)
     for (int64_t p = 0; p < np; ++p)
@@ -807,7 +812,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t n = static_cast<int64_t>(tasks.size());
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
+#pragma omp parallel num_threads(team_size(n))
   {
     std::vector<float> qt(d * R), ot(d * R);
 #pragma omp for schedule(dynamic, 1)
