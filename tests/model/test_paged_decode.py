@@ -1,23 +1,18 @@
-"""The native paged decode attention kernel (model/layers/cpu_kernels.py) against SDPA on gathered keys and values.
+"""The native paged decode attention kernel (csrc/cpu/attention.cpp), for every ISA build this CPU runs, against
+SDPA on gathered keys and values.
 
 Random caches and block tables with scattered and repeated block ids; requests of different lengths in one call
 (each reads only its first seq_lens[i] tokens); grouped KV heads; the head sizes the kernel specialises (64, 128:
 with AVX-512, tiles of 16 tokens across blocks of 2-32 tokens and query heads in register runs of one to four) and
-generic ones; bad tables are refused with an error instead of reading outside the cache. The kernel is built on
-this machine's compiler: the tests fail (not skip) if it cannot be built while a compiler exists.
+generic ones; bad tables are refused with an error instead of reading outside the cache. The kernels are built by
+the install: the tests fail (not skip) where they are missing while a compiler exists (tests/model/conftest.py).
 """
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from pagedllm.model.layers.cpu_kernels import paged_decode_op
-
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel with")
 
 
 def reference(q, k_cache, v_cache, table, lens, scale):
@@ -64,9 +59,8 @@ def make_case(seed: int, n: int, width: int, hq: int, hkv: int, d: int, block: i
         (2, 3, 4, 1, 40, 2),
     ],
 )
-def test_kernel_matches_sdpa(n: int, width: int, hq: int, hkv: int, d: int, block: int) -> None:
-    op = paged_decode_op()
-    assert op is not None, "the native kernel did not build (see the log)"
+def test_kernel_matches_sdpa(isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int) -> None:
+    op = isa_ops.paged_decode_attention
     q, k_cache, v_cache, table, lens, scale = make_case(n * 100 + width, n, width, hq, hkv, d, block)
     out = torch.full_like(q, float("nan"))
     op(out, q, k_cache, v_cache, table, lens, scale)
@@ -74,9 +68,8 @@ def test_kernel_matches_sdpa(n: int, width: int, hq: int, hkv: int, d: int, bloc
 
 
 @pytest.mark.parametrize("bad", ["block id", "seq_len zero", "seq_len past table", "dtype"])
-def test_kernel_refuses_bad_input(bad: str) -> None:
-    op = paged_decode_op()
-    assert op is not None
+def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
+    op = isa_ops.paged_decode_attention
     q, k_cache, v_cache, table, lens, scale = make_case(1, 3, 4, 6, 2, 16, 4)
     if bad == "block id":
         table[1, 0] = k_cache.shape[0]

@@ -1,4 +1,5 @@
-"""The native paged prefill attention kernel (model/layers/cpu_kernels.py) against SDPA on gathered keys and values.
+"""The native paged prefill attention kernel (csrc/cpu/attention.cpp), for every ISA build this CPU runs, against
+SDPA on gathered keys and values.
 
 Several segments in one call, each with its own query rows, context already in the cache and scattered block
 table; queries strided the way the fused q/k/v projection leaves them; grouped KV heads; the head sizes the kernel
@@ -8,15 +9,9 @@ Bad segments and tables are refused with an error instead of reading outside the
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from pagedllm.model.layers.cpu_kernels import load
-
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel with")
 
 
 def reference(q, k_cache, v_cache, tables, segments, scale):
@@ -60,9 +55,8 @@ def make_case(seed: int, segs: list[tuple[int, int]], hq: int, hkv: int, d: int,
         ([(9, 2)], 4, 1, 40, 2),
     ],
 )
-def test_kernel_matches_sdpa(segs, hq: int, hkv: int, d: int, block: int) -> None:
-    module = load()
-    assert module is not None, "the native kernels did not build (see the log)"
+def test_kernel_matches_sdpa(isa_ops, segs, hq: int, hkv: int, d: int, block: int) -> None:
+    module = isa_ops
     q, k_cache, v_cache, tables, segments, scale = make_case(len(segs) * 7 + d, segs, hq, hkv, d, block)
     assert not q.is_contiguous()
     out = torch.full_like(q, float("nan")).contiguous()
@@ -76,9 +70,8 @@ def test_kernel_matches_sdpa(segs, hq: int, hkv: int, d: int, block: int) -> Non
 
 
 @pytest.mark.parametrize("bad", ["block id", "past the table", "rows past q", "empty segment", "dtype", "shape"])
-def test_kernel_refuses_bad_input(bad: str) -> None:
-    module = load()
-    assert module is not None
+def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
+    module = isa_ops
     q, k_cache, v_cache, tables, segments, scale = make_case(3, [(10, 4), (6, 0)], 6, 2, 16, 4)
     out = torch.empty(q.shape)
     if bad == "block id":

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.kernels import available_isas
 from pagedllm.outputs import Logprob, RequestOutput
 from tests.model_utils import PreemptionCounter, hf_greedy, hf_logprobs, make_tiny_model, random_prompts
 
@@ -68,6 +69,13 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> str:
     return make_tiny_model(tiny_model_dir, arch, **kwargs)
 
 
+def require_native_kernels() -> None:
+    """Skip where no compiler could have built the native kernels; fail where one could and they are missing."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler, so no native kernels")
+    assert available_isas(), "the native CPU kernels are not built: run `make setup`"
+
+
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
@@ -101,13 +109,13 @@ def shared_prefix_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("backend", ["cpu_native", "torch"])
 def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
-    if backend == "native" and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler to build the native kernels with")
-    """Eight prompts of 3..150 tokens in one call (positions up to 181, past the llama3 original 64), with the
-    decode attention of each backend: the native CPU kernel (one call over all decodes) and torch (gather +
-    SDPA in length groups)."""
+    """Eight prompts of 3..150 tokens in one call (positions up to 181, past the llama3 original 64), with each
+    attention backend: the native CPU kernels (one call over all decodes, layer by layer) and torch (gather + SDPA
+    in length groups)."""
+    if backend == "cpu_native":
+        require_native_kernels()
     prompts = random_prompts([3, 9, 16, 17, 40, 64, 100, 150], seed=10)
     engine = dict(ENGINE, attention_backend=backend)
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
@@ -118,29 +126,26 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
 
 
 def test_single_request_fused_decode_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One request alone: every decode step is a lone token, which the native backend runs through the fused
-    whole-model kernel (one call for all layers) wherever it applies: all variants but Qwen3's q/k norm."""
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler to build the native kernels with")
-    from pagedllm.model.models import llama
+    """One request alone: every decode step is a lone token, which the cpu_native backend runs through the fused
+    decoder (worker/cpu_decode_runner.py: one native call for all layers), for every variant."""
+    require_native_kernels()
+    from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 
     fused_calls = []
-    original = llama.LlamaModel._fused_decode
+    original = CpuDecodeRunner.__call__
 
     def counting(self: Any, *args: Any) -> Any:
-        out = original(self, *args)
-        fused_calls.append(out)
-        return out
+        fused_calls.append(args[0].numel())
+        return original(self, *args)
 
-    monkeypatch.setattr(llama.LlamaModel, "_fused_decode", counting)
+    monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
     prompts = random_prompts([37], seed=11)
-    engine = dict(ENGINE, attention_backend="native", engine_client="inproc")
+    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         outs = generate(llm, prompts, greedy())
         assert_idle(llm)
     assert_matches_hf(model_dir, prompts, outs)
-    qk_norm = "qwen3" in Path(model_dir).name.lower()
-    assert fused_calls and all(fused_calls) != qk_norm and any(fused_calls) != qk_norm
+    assert fused_calls == [1] * (MAX_TOKENS - 1)  # every token after the prefill's first
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])

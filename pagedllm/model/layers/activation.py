@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers.cpu_kernels import active_for
-
 
 class SiluAndMul(nn.Module):
+    def __init__(self, ops: Any = None) -> None:
+        super().__init__()
+        self.ops = ops  # the native CPU ops, or None: plain torch
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        ops = active_for(x)
+        ops = self.ops
         if ops is not None and x.dim() == 2 and x.is_contiguous():
             out = x.new_empty(x.shape[0], d)
             ops.silu_and_mul(out, x)

@@ -6,6 +6,8 @@ summed across ranks, and the LM head's partial logits are gathered. On one devic
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,16 +47,22 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
     panels: Panels | None = None
 
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32, ops: Any = None
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype)
+        self.ops = ops  # the native CPU ops (few-row logits on panels), or None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_weights(self, native: bool = False) -> bool:  # the plain weight may be the embedding's: kept
+    def pack_weights(self) -> bool:  # the plain weight may be the embedding's: kept
         self.packed_weight = pack_weight(self.weight)
-        self.panels = pack_panels(self.weight) if native else None
+        self.panels = pack_panels(self.weight, self.ops)
         return self.packed_weight is not None or self.panels is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels, self.ops)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]

@@ -8,40 +8,36 @@ checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pas
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model import hugepages
-from pagedllm.model.layers import cpu_kernels
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
 # MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
 # (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows). Used when oneDNN is missing.
 SPLIT_GEMM_MAX_ROWS = 64
-# Up to this many rows, the native kernels (when active) run the product on the weight's panels: they stream the
-# weight once for all rows, where oneDNN's GEMM reads it at 15-20 GB/s for 1-16 rows on two cores. SmolLM2's 30
-# layers of linears (bench figures in cpu_kernels.py): 1 row ~14 ms against ~23, 8 rows ~18 against ~23-29, 16 rows
-# ~22 against ~28-32; from ~24 rows the two are level, both bound by compute. Decode steps of up to a dozen or so
-# requests are the case this serves.
+# Up to this many rows, the native ops (when the layer has them) run the product on the weight's panels: they stream
+# the weight once for all rows, where oneDNN's GEMM reads it well below the memory bandwidth for few rows on two
+# cores; from ~24 rows the two are level, both bound by compute (bench/RESULTS.md). Decode steps of up to a dozen or
+# so requests are the case this serves.
 PANEL_MAX_ROWS = 16
 
 
 class Panels(NamedTuple):
-    """A weight [out_features, I] laid out for the native few-row kernel: [ceil(O / w), I, w] (see cpu_kernels)."""
+    """A weight [out_features, I] laid out for the native few-row kernel: [ceil(O / w), I, w] (csrc/cpu/linear.cpp)."""
 
     data: torch.Tensor
     out_features: int
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-prepacked copy of a float32 CPU weight, or None where that path does not exist.
-
-    On the AMD Zen 3 CPUs we measure on, oneDNN's prepacked GEMM runs at ~190 GFLOPS on two cores where
-    MKL's sgemm reaches ~120, and it is as fast as the split-weight bmm for single rows."""
+    """A oneDNN-prepacked copy of a float32 CPU weight, or None where that path does not exist (on the CPUs we
+    measure on, oneDNN's prepacked GEMM is well ahead of MKL's sgemm: bench/RESULTS.md)."""
     if (
         weight.device.type != "cpu"
         or weight.dtype != torch.float32
@@ -56,12 +52,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def pack_panels(weight: torch.Tensor) -> Panels | None:
-    """The native kernels' panel layout of a float32 CPU weight, or None where they do not exist."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not weight.numel():
+def pack_panels(weight: torch.Tensor, ops: Any) -> Panels | None:
+    """The native ops' panel layout of a float32 CPU weight, or None where they do not apply."""
+    if ops is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    ops = cpu_kernels.load()
-    if ops is None:
+    if not weight.numel():
         return None
     return Panels(ops.pack_panels(weight.detach().contiguous()), weight.shape[0])
 
@@ -72,13 +67,13 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     panels: Panels | None = None,
+    ops: Any = None,
 ) -> torch.Tensor:
     """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the native panels
-    for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `packed` and `panels` cover it."""
-    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS:
-        ops = cpu_kernels.active_for(x)
-        if ops is not None:
-            return ops.panel_linear(x.contiguous(), panels.data, bias, panels.out_features)
+    (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `packed` and `panels`
+    cover it."""
+    if panels is not None and ops is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS:
+        return ops.panel_linear(x.contiguous(), panels.data, bias, panels.out_features)
     if packed is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     parts = torch.get_num_threads()
@@ -98,18 +93,17 @@ def linear(
     return y + bias if bias is not None else y
 
 
-def prepare_for_inference(model: nn.Module, native: bool = False) -> int:
-    """Prepack the weights of every layer that supports it (call after loading); returns how many. With `native`
-    (the native CPU kernels' backend) each weight also gets its panels, laid out in one huge-page arena in the
-    order a forward pass reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and
-    the panels cover every batch size."""
+def prepare_for_inference(model: nn.Module) -> int:
+    """Prepack the weights of every layer that supports it (call after loading); returns how many. Layers built with
+    the native CPU ops also get their weights' panels, laid out in one huge-page arena in the order a forward pass
+    reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and the panels cover every
+    batch size."""
     count = 0
     for module in model.modules():
         prepare = getattr(module, "pack_weights", None)
-        if prepare is not None and prepare(native):
+        if prepare is not None and prepare():
             count += 1
-    if native:
-        consolidate_panels(model)
+    consolidate_panels(model)
     return count
 
 
@@ -137,8 +131,9 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, ops: Any = None) -> None:
         super().__init__()
+        self.ops = ops  # the native CPU ops (few-row products on panels), or None
         self.input_size = input_size
         self.output_size = output_size
         self.tp_rank = get_tp_rank()
@@ -148,25 +143,27 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.panels: Panels | None = None
 
-    def pack_weights(self, native: bool = False) -> bool:
+    def pack_weights(self) -> bool:
         self.packed_weight = pack_weight(self.weight)
-        self.panels = pack_panels(self.weight) if native else None
+        self.panels = pack_panels(self.weight, self.ops)
         if self.packed_weight is None:
             return self.panels is not None
         # oneDNN's copy serves every batch size (the panels the few-row ones): the plain weight is not read again.
-        if not native or self.panels is not None:
+        if self.ops is None or self.panels is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.panels)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.panels, self.ops)
 
 
 class ReplicatedLinear(LinearBase):
     """The full matrix on every rank."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
-        super().__init__(input_size, output_size, bias, dtype)
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
+    ) -> None:
+        super().__init__(input_size, output_size, bias, dtype, ops)
         _set_loader(self.weight, default_weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
@@ -175,9 +172,11 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by columns (the output dimension); each rank keeps its slice of Y."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
+    ) -> None:
         tp = get_tp_world_size()
-        super().__init__(input_size, divide(output_size, tp), bias, dtype)
+        super().__init__(input_size, divide(output_size, tp), bias, dtype, ops)
         _set_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, self.weight_loader)
@@ -190,9 +189,16 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked along the output (e.g. gate_proj and up_proj)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        ops: Any = None,
+    ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, ops)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
         shard_size = self.output_sizes[shard_id] // self.tp_size
@@ -211,7 +217,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        dtype=torch.float32,
+        dtype: torch.dtype = torch.float32,
+        ops: Any = None,
     ) -> None:
         tp = get_tp_world_size()
         self.head_dim = head_dim
@@ -219,7 +226,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias, dtype)
+        super().__init__(hidden_size, out, bias, dtype, ops)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str = "q") -> None:
         q_size = self.num_heads * self.head_dim
@@ -238,9 +245,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A with A split by rows (the input dimension); partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
+    ) -> None:
         tp = get_tp_world_size()
-        super().__init__(divide(input_size, tp), output_size, bias, dtype)
+        super().__init__(divide(input_size, tp), output_size, bias, dtype, ops)
         _set_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
@@ -251,5 +260,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels))
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops))
         return y + self.bias if self.bias is not None else y

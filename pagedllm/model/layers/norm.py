@@ -1,22 +1,25 @@
 """RMSNorm, optionally fused with the residual add that precedes it (one pass instead of two).
 
-With the native CPU kernels active (float32 on the CPU) both forms are one C++ pass, and the fused form works in
-place as vLLM's does: `x` becomes the normalised sum and `residual` the sum, so callers must own both tensors
-(here they are always fresh layer outputs)."""
+With the native CPU ops (given when the layer is built, for float32 on the CPU) both forms are one C++ pass, and the
+fused form works in place as vLLM's does: `x` becomes the normalised sum and `residual` the sum, so callers must own
+both tensors (here they are always fresh layer outputs)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers.cpu_kernels import active_for
-
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32, ops: Any = None
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops  # the native CPU ops, or None: plain torch
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +34,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        ops = active_for(x)
+        ops = self.ops
         if ops is not None and x.dim() == 2 and x.is_contiguous():
             if residual is None:
                 out = torch.empty_like(x)

@@ -12,8 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model.layers.cpu_kernels import active_for
-
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     factor = float(params["factor"])
@@ -38,8 +36,10 @@ class RotaryEmbedding(nn.Module):
         base: float,
         rope_scaling: dict[str, Any] | None = None,
         rotary_dim: int | None = None,
+        ops: Any = None,
     ) -> None:
         super().__init__()
+        self.ops = ops  # the native CPU ops (rotate_heads_ in place), or None
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
@@ -64,8 +64,8 @@ class RotaryEmbedding(nn.Module):
     def rotate_heads_(self, positions: torch.Tensor, x: torch.Tensor, heads: int) -> bool:
         """Rotate the first `heads` heads of x [T, H, D] in place with the native kernel; False (x untouched)
         where that kernel does not apply, and the caller uses `rotate`."""
-        ops = active_for(x)
-        if ops is None or not x.is_contiguous() or x.dim() != 3:
+        ops = self.ops
+        if ops is None or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 3:
             return False
         ops.rotary_inplace(x, positions, self.cos_sin_cache, heads)
         return True

@@ -1,0 +1,448 @@
+// Paged attention over a block KV cache, reading keys and values in place from their blocks (no gather, no mask):
+// single-query decode (flash-decoding partial results per span, merged per head) and causal prefill of multi-token
+// segments (16 query rows x 8 keys a tile in the vector lanes, flash-attention style). With AVX-512 the decode span
+// takes 16 keys at a time and reduces their dot products together. Figures: bench/RESULTS.md.
+#include <vector>
+
+#include "internal.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+// Calls f(row, l) for every token l0 <= l < l1 of a paged context, in order: `row` points at the token's cached row
+// (all KV heads: `row` floats); `table` maps block index -> cache block.
+template <typename F>
+static inline void for_each_token(const float* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
+                                  int64_t row, F&& f) {
+  while (l0 < l1) {
+    const int64_t b = l0 / bs;
+    const float* block = cache + table[b] * bs * row;
+    const int64_t t0 = l0 % bs, m = std::min(bs, t0 + l1 - l0);
+    // The blocks are scattered, so the hardware prefetcher stops at each block's end: while on token t of this
+    // block, fetch token t of the next one.
+    const float* next = (b + 1) * bs < l1 ? cache + table[b + 1] * bs * row : nullptr;
+    for (int64_t t = t0; t < m; ++t) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + t * row + c);
+      f(block + t * row, l0 - t0 + t);
+    }
+    l0 += m - t0;
+  }
+}
+
+
+// Scratch of one attention item (reused across items and calls of one thread).
+struct AttendScratch {
+  std::vector<float> scores, acc, mx, sum;
+};
+
+
+#if defined(__AVX512F__)
+// Lane t of the result is the sum of the 16 lanes of v[t] (a transposed reduction: 45 shuffles and adds for 16
+// dot products, where 16 separate horizontal sums take ~4x as many).
+static inline __m512 sum16x16(const __m512* v) {
+  __m512 w[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of tokens 2i, 2i+1
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit chunk: one partial sum of each of tokens 4i .. 4i+3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// acc[i] += sum over the tile's tokens c < nt of p[i * stride + c] * value row c (at offset ko), for NR query heads
+// of one KV head, the NR x D / 16 accumulators held in registers.
+template <int D, int NR>
+static inline void values_tile(float* acc, const float* p, int64_t stride, const float* const* rows, int64_t ko,
+                               int64_t nt) {
+  constexpr int DV = D / 16;
+  __m512 av[NR][DV];
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < DV; ++v) av[i][v] = _mm512_loadu_ps(acc + i * D + 16 * v);
+  for (int64_t c = 0; c < nt; ++c) {
+    const float* vr = rows[c] + ko;
+    __m512 vv[DV];
+    for (int v = 0; v < DV; ++v) vv[v] = _mm512_loadu_ps(vr + 16 * v);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * stride + c]);
+      for (int v = 0; v < DV; ++v) av[i][v] = _mm512_fmadd_ps(pi, vv[v], av[i][v]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, av[i][v]);
+}
+
+// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512: the same three
+// passes (scores, softmax, values) over tiles of 16 tokens. A tile's 16 keys are read once for all query heads,
+// their dot products reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads
+// of one KV head at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's
+// work: blocks are scattered, which stops the hardware prefetcher (into L1, or one tile ahead, read ~35 % slower).
+template <int D>
+static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                               const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                               int64_t g, float sc, std::vector<float>& scores) {
+  constexpr int DV = D / 16, T = 16, kAhead = 2;
+  constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
+  const int64_t span = l1 - l0, stride = (span + T - 1) / T * T;
+  const int64_t used = ((hq - 1) / g + 1) * D;  // floats of each token row this span reads
+  scores.resize(hq * stride);
+  float* s = scores.data();
+  const float* kr[T];
+  const float* nxt[T];
+  auto rows_of = [&](const float* base, int64_t t0, const float** out) {
+    const int64_t nt = std::min<int64_t>(T, l1 - t0);
+    int64_t b = t0 / bs, o = t0 % bs;
+    for (int c = 0; c < nt; ++c) {
+      out[c] = base + (table[b] * bs + o) * row;
+      if (++o == bs) o = 0, ++b;
+    }
+    for (int c = nt; c < T; ++c) out[c] = out[nt - 1];  // past the span: repeat its last token (never used)
+    return nt;
+  };
+  const float* pf[T];
+  int64_t pf_lines = 0;
+  const int64_t lpr = used / 16;
+  // Prefetch lines [i0, i1) of the tile kAhead ahead (rows pf, pf_lines lines in all).
+  auto prefetch = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < std::min(i1, pf_lines); ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(pf[i / lpr] + (i % lpr) * 16), _MM_HINT_T1);
+  };
+  const int64_t ntiles = stride / T;
+  // The tiles are read in the order K 0 .. ntiles-1, then V 0 .. ntiles-1: aim kAhead tiles ahead in it.
+  auto plan_prefetch = [&](int64_t tile) {
+    int64_t ahead = tile + kAhead;
+    const float* base = ahead < ntiles ? kc : vc;
+    if (ahead >= ntiles) ahead -= ntiles;
+    pf_lines = ahead < ntiles ? rows_of(base, l0 + ahead * T, pf) * lpr : 0;
+  };
+  for (int64_t tile = 0; tile < kAhead; ++tile) {  // the first tiles, before they are needed
+    plan_prefetch(tile - kAhead);
+    prefetch(0, pf_lines);
+  }
+  const __m512 scv = _mm512_set1_ps(sc);
+  // Pass 1: scores, s[r * stride + l - l0].
+  int64_t nt = rows_of(kc, l0, kr);
+  for (int64_t t0 = l0; t0 < l1; t0 += T) {
+    const int64_t nn = t0 + T < l1 ? rows_of(kc, t0 + T, nxt) : 0;
+    plan_prefetch((t0 - l0) / T);
+    for (int64_t r = 0; r < hq; ++r) {
+      prefetch(r * pf_lines / hq, (r + 1) * pf_lines / hq);
+      const float* qr = q + r * D;
+      const int64_t ko = (r / g) * D;
+      __m512 qv[DV], a[T];
+      for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
+#pragma GCC unroll 16
+      for (int c = 0; c < T; ++c) {
+        const float* k = kr[c] + ko;
+        __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), x);
+        a[c] = x;
+      }
+      _mm512_storeu_ps(s + r * stride + (t0 - l0), sum16x16(a));
+    }
+    std::copy(nxt, nxt + T, kr);
+    nt = nn;
+  }
+  // Pass 2: softmax numerators and sums, per query head.
+  for (int64_t r = 0; r < hq; ++r) {
+    float* sr = s + r * stride;
+    float mr = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mr)
+    for (int64_t l = 0; l < span; ++l) mr = std::max(mr, sr[l]);
+    m[r] = mr;
+    lsum[r] = exp_in_place(sr, span, mr);
+  }
+  // Pass 3: values, a tile at a time; per tile, query heads in runs of up to RB sharing one KV head.
+  std::fill(acc, acc + hq * D, 0.f);
+  nt = rows_of(vc, l0, kr);
+  for (int64_t t0 = l0; t0 < l1; t0 += T) {
+    const int64_t nn = t0 + T < l1 ? rows_of(vc, t0 + T, nxt) : 0;
+    plan_prefetch(ntiles + (t0 - l0) / T);
+    for (int64_t r0 = 0; r0 < hq;) {
+      const int64_t kvh = r0 / g, r1 = std::min<int64_t>({hq, (kvh + 1) * g, r0 + RB});
+      prefetch(r0 * pf_lines / hq, r1 * pf_lines / hq);
+      const float* sp = s + r0 * stride + (t0 - l0);
+      float* ap = acc + r0 * D;
+      switch (r1 - r0) {
+        case 1: values_tile<D, 1>(ap, sp, stride, kr, kvh * D, nt); break;
+        case 2: values_tile<D, std::min(2, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
+        case 3: values_tile<D, std::min(3, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
+        default: values_tile<D, std::min(4, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
+      }
+      r0 = r1;
+    }
+    std::copy(nxt, nxt + T, kr);
+    nt = nn;
+  }
+}
+#endif
+
+// Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
+// query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
+// heads); a cached token is `row` floats, read once for every head. The result is flash-decoding's unnormalised
+// partial result, per head: its score max m[r], its sum of exp lsum[r] and
+// acc[r] = sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
+template <int D>
+static void attend_span(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                        const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                        int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
+  const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
+  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
+  std::fill(lsum, lsum + hq, 0.f);
+  std::fill(acc, acc + hq * d, 0.f);
+  if (span <= 0) return;
+#if defined(__AVX512F__)
+  if constexpr (D > 0 && D % 16 == 0) {
+    attend_span_avx512<D>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, sc, scores);
+    return;
+  }
+#endif
+  scores.resize(hq * span);
+  float* s = scores.data();
+  for_each_token(kc, table, l0, l1, bs, row, [&](const float* kt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float v = dot(q + r * d, kt + (r / g) * d, d) * sc;
+      s[r * span + l - l0] = v;
+      m[r] = std::max(m[r], v);
+    }
+  });
+  for (int64_t r = 0; r < hq; ++r) {
+    lsum[r] = exp_in_place(s + r * span, span, m[r]);
+  }
+  for_each_token(vc, table, l0, l1, bs, row, [&](const float* vt, int64_t l) {
+    for (int64_t r = 0; r < hq; ++r) {
+      const float p = s[r * span + l - l0];
+      const float* vr = vt + (r / g) * d;
+      float* ar = acc + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+    }
+  });
+}
+
+// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's whole paged context of
+// `len` tokens, query row r reading KV head kv0 + r / g: attend_span over [0, len), normalised into out.
+template <int D>
+static void attend_item(float* out, const float* q, const float* kp, const float* vp, const int64_t* table,
+                        int64_t len, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g, int64_t d_rt,
+                        float sc, AttendScratch& s) {
+  const int64_t d = D > 0 ? D : d_rt;
+  s.mx.resize(rows);
+  s.sum.resize(rows);
+  s.acc.resize(rows * d);
+  attend_span<D>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, 0, len, bs, row,
+                 rows, g, d, sc, s.scores);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / s.sum[r];
+    float* orow = out + r * d;
+    const float* ar = s.acc.data() + r * d;
+    for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * inv;
+  }
+}
+
+// Every request of the batch, in parallel over items. An item is one request's KV heads [h0, h0 + hs) and their
+// query heads: all KV heads when there are enough requests to keep every thread busy (each cached token row is
+// then read whole and in order), one each otherwise.
+template <int D>
+static void decode_loop(float* op, const float* qp, const float* kp, const float* vp, const int64_t* tp,
+                        const int64_t* lp, int64_t n, int64_t hq, int64_t hkv, int64_t bs, int64_t width,
+                        int64_t d, float sc, int threads) {
+  const int64_t g = hq / hkv;
+  const int64_t row = hkv * d;  // floats between consecutive tokens of one block
+  const int64_t hs = n >= 4 * threads ? hkv : 1;
+  const int64_t per_req = hkv / hs, items = n * per_req;
+  // Longest contexts first, handed out one at a time: the threads finish together even when the lengths differ
+  // or one thread loses its core for a while to another process (on a 2-core server, the API server's).
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lp[a] > lp[b]; });
+  const int nt = team_size(threads, items);
+#pragma omp parallel num_threads(nt)
+  {
+    AttendScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = order[item / per_req], h0 = (item % per_req) * hs;
+      const int64_t first = i * hq + h0 * g;  // the item's query heads are consecutive
+      attend_item<D>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
+                     scratch);
+    }
+  }
+}
+
+
+// Causal attention of up to R query rows of one query head over a paged context, flash-attention style: key tiles
+// of C tokens; the R rows sit in the vector lanes (qt holds them transposed and pre-scaled, qt[x * R + i]), so each
+// key element is broadcast against R queries and the running softmax needs no horizontal reductions. Row i sits at
+// position p0 + i and attends the tokens [0, p0 + i]; rows past nrows are padding (qt zero) and not written.
+// kc, vc point at the query head's KV head within token rows of `row` floats; ot is [d, R] scratch.
+constexpr int kPrefillRows = 16, kPrefillKeys = 8;
+
+template <int D>
+static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const float* kc,
+                         const float* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
+  constexpr int R = kPrefillRows, C = kPrefillKeys;
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
+  float m[R], l[R];
+  std::fill(m, m + R, ninf);
+  std::fill(l, l + R, 0.f);
+  std::fill(ot, ot + d * R, 0.f);
+  for (int64_t j0 = 0; j0 < klen; j0 += C) {
+    const int64_t nc = std::min<int64_t>(C, klen - j0);
+    const float* kr[C];
+    const float* vr[C];
+    for (int c = 0; c < C; ++c) {  // past the context, repeat its last token (masked below)
+      const int64_t j = j0 + std::min<int64_t>(c, nc - 1);
+      const int64_t off = (table[j / bs] * bs + j % bs) * row;
+      kr[c] = kc + off;
+      vr[c] = vc + off;
+    }
+    float s[C][R] = {};
+    for (int64_t x = 0; x < d; ++x) {
+      const float* qx = qt + x * R;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const float kv = kr[c][x];
+#pragma omp simd
+        for (int i = 0; i < R; ++i) s[c][i] += kv * qx[i];
+      }
+    }
+    if (j0 + C - 1 > p0 || nc < C) {  // the tile reaches past some row's position: mask
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < R; ++i)
+          if (c >= nc || j0 + c > p0 + i) s[c][i] = ninf;
+    }
+    // Token 0 is in the first tile and visible to every row: m is finite from the first tile on.
+    float mn[R], alpha[R];
+    std::copy(m, m + R, mn);
+    for (int c = 0; c < C; ++c)
+#pragma omp simd
+      for (int i = 0; i < R; ++i) mn[i] = std::max(mn[i], s[c][i]);
+#pragma omp simd
+    for (int i = 0; i < R; ++i) {
+      alpha[i] = expf(m[i] - mn[i]);
+      m[i] = mn[i];
+      l[i] *= alpha[i];
+    }
+    for (int c = 0; c < C; ++c)
+#pragma omp simd
+      for (int i = 0; i < R; ++i) {
+        const float e = expf(s[c][i] - mn[i]);
+        s[c][i] = e;
+        l[i] += e;
+      }
+    for (int64_t x = 0; x < d; ++x) {
+      float* o = ot + x * R;
+      float acc[R];
+#pragma omp simd
+      for (int i = 0; i < R; ++i) acc[i] = o[i] * alpha[i];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const float vv = vr[c][x];
+#pragma omp simd
+        for (int i = 0; i < R; ++i) acc[i] += s[c][i] * vv;
+      }
+      std::copy(acc, acc + R, o);
+    }
+  }
+  for (int64_t i = 0; i < nrows; ++i) {
+    const float inv = 1.f / l[i];
+    float* orow = out + i * ostride;
+    for (int64_t x = 0; x < d; ++x) orow[x] = ot[x * R + i] * inv;
+  }
+}
+
+// One tile of work: rows [i0, i0 + R) of query head h of segment s.
+struct PrefillTask {
+  int64_t seg, i0, h, cost;
+};
+}  // namespace
+
+void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                     const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq, int64_t g,
+                     int64_t d, float sc, std::vector<float>& scores) {
+  if (d == 64) attend_span<64>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else if (d == 128) attend_span<128>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else attend_span<0>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+}
+
+
+void paged_decode(const PagedDecodeArgs* a) {
+  const PagedCache& c = a->cache;
+  const int64_t d = c.head_dim;
+  switch (d) {
+    case 64:
+      decode_loop<64>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                      c.block_size, a->table_width, 64, a->scale, a->threads);
+      break;
+    case 128:
+      decode_loop<128>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                       c.block_size, a->table_width, 128, a->scale, a->threads);
+      break;
+    default:
+      decode_loop<0>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                     c.block_size, a->table_width, d, a->scale, a->threads);
+  }
+}
+
+void paged_prefill(const PagedPrefillArgs* a) {
+  const PagedCache& c = a->cache;
+  const int64_t hq = a->q_heads, d = c.head_dim, bs = c.block_size, g = hq / c.kv_heads, row = c.kv_heads * d;
+  const int64_t width = a->table_width, qstride = a->q_stride, nseg = a->num_segments;
+  const int64_t* sp = a->segments;
+  const int64_t* tp = a->tables;
+  constexpr int R = kPrefillRows;
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t len = sp[3 * s + 1], ctx = sp[3 * s + 2];
+    for (int64_t i0 = 0; i0 < len; i0 += R)
+      for (int64_t h = 0; h < hq; ++h) tasks.push_back({s, i0, h, ctx + i0});
+  }
+  // Longest first, handed out one at a time: causal tiles differ in cost, and the threads finish together.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& x, const PrefillTask& y) { return x.cost > y.cost; });
+  const float* qp = a->q;
+  const float* kp = c.k;
+  const float* vp = c.v;
+  float* op = a->out;
+  const float sc = a->scale;
+  const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel num_threads(team_size(a->threads, n))
+  {
+    std::vector<float> qt(d * R), ot(d * R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n; ++t) {
+      const PrefillTask& task = tasks[t];
+      const int64_t start = sp[3 * task.seg], len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
+      const int64_t nrows = std::min<int64_t>(R, len - task.i0), h = task.h;
+      const float* qrow = qp + (start + task.i0) * qstride + h * d;
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < nrows ? qrow[i * qstride + x] * sc : 0.f;
+      float* orow = op + ((start + task.i0) * hq + h) * d;
+      const int64_t kv = (h / g) * d;
+      const int64_t* table = tp + task.seg * width;
+      switch (d) {
+        case 64:
+          prefill_tile<64>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                           ot.data(), d);
+          break;
+        case 128:
+          prefill_tile<128>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                            ot.data(), d);
+          break;
+        default:
+          prefill_tile<0>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                          ot.data(), d);
+      }
+    }
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,357 @@
+// pagedllm._C: the torch-facing side of the native CPU kernels.
+//
+// `detect_isa()` names the best kernel build this CPU runs (avx512, avx2 or generic). `CpuOps(path)` opens one ISA
+// build (a shared library from the same sources, see kernels.h), refuses it if this CPU lacks its instructions or if
+// it was built against another interface version, and exposes its kernels on torch tensors: every call checks
+// shapes, dtypes, contiguity and index ranges here (a RuntimeError naming what is wrong), then passes raw pointers
+// and torch's thread count. `DecodeModel` is the fused one-token decoder over a model's weights and KV caches, checked
+// once when it is built.
+#include <torch/extension.h>
+
+#include <dlfcn.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+std::string detect_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+    return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return "avx2";
+#endif
+  return "generic";
+}
+
+int isa_rank(const std::string& isa) { return isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0; }
+
+void check_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+// The first `blocks` ids of a block table row name cache blocks.
+void check_block_ids(const int64_t* row, int64_t blocks, int64_t num_blocks) {
+  for (int64_t b = 0; b < blocks; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block id ", row[b], " out of range");
+}
+
+PagedCache paged_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be [blocks, B, Hkv, D] of one shape");
+  return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(0), k_cache.size(1), k_cache.size(2),
+          k_cache.size(3)};
+}
+
+// out and q [T, Hq, D] of one shape, float32, out contiguous and q's heads contiguous within a token (its rows may be
+// strided); q's head size the caches'; Hkv dividing Hq.
+void check_queries(const torch::Tensor& out, const torch::Tensor& q, const PagedCache& c) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.device().is_cpu(), "q must be a float32 CPU tensor");
+  check_float(out, "out");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q's heads must be contiguous within a token (rows may be strided)");
+  TORCH_CHECK(c.head_dim == q.size(2) && q.size(1) % c.kv_heads == 0, "head sizes do not match");
+}
+
+class CpuOps {
+ public:
+  explicit CpuOps(const std::string& path) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(handle != nullptr, "cannot open the kernel library ", path, ": ", dlerror());
+    using Entry = const PagedllmCpuOps* (*)();
+    auto entry = reinterpret_cast<Entry>(dlsym(handle, "pagedllm_cpu_ops"));
+    TORCH_CHECK(entry != nullptr, path, " has no pagedllm_cpu_ops");
+    t_ = entry();
+    TORCH_CHECK(t_->abi == PAGEDLLM_CPU_ABI, path, " was built for kernel interface ", t_->abi, ", not ",
+                PAGEDLLM_CPU_ABI, ": rebuild (make setup or pip install -e .)");
+    TORCH_CHECK(isa_rank(t_->isa) <= isa_rank(detect_isa()), "this CPU cannot run the ", t_->isa,
+                " kernels (it has ", detect_isa(), ")");
+  }
+
+  const PagedllmCpuOps* table() const { return t_; }
+  std::string isa() const { return t_->isa; }
+  std::string source_hash() const { return t_->source_hash; }
+  int64_t panel_width() const { return t_->panel_width; }
+
+  void silu_and_mul(torch::Tensor out, torch::Tensor x) const {
+    check_float(out, "out");
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && x.size(1) == 2 * out.size(1),
+                "x [T, 2I], out [T, I]");
+    t_->silu_and_mul(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), out.size(1), at::get_num_threads());
+  }
+
+  void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) const {
+    check_float(out, "out");
+    check_float(x, "x");
+    check_float(weight, "weight");
+    TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == x.size(1), "x, out [T, H], weight [H]");
+    t_->rms_norm(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1),
+                 static_cast<float>(eps), at::get_num_threads());
+  }
+
+  void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) const {
+    check_float(x, "x");
+    check_float(residual, "residual");
+    check_float(weight, "weight");
+    TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == x.size(1), "x, residual [T, H]");
+    t_->fused_add_rms_norm(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), x.size(0),
+                           x.size(1), static_cast<float>(eps), at::get_num_threads());
+  }
+
+  void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cache, int64_t heads) const {
+    check_float(x, "x");
+    check_float(cache, "cache");
+    check_index(positions, "positions");
+    TORCH_CHECK(x.dim() == 3 && positions.numel() == x.size(0) && heads >= 0 && heads <= x.size(1),
+                "x [T, H, D], positions [T]");
+    TORCH_CHECK(cache.dim() == 2, "cache must be [max_position, rot]");
+    const int64_t rot = cache.size(1), max_pos = cache.size(0);
+    TORCH_CHECK(rot <= x.size(2) && rot % 2 == 0, "rotary dims must be even and at most the head size");
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < x.size(0); ++t)
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " out of range");
+    t_->rotary(x.data_ptr<float>(), pp, cache.data_ptr<float>(), x.size(0), x.size(1), x.size(2), heads, rot,
+               at::get_num_threads());
+  }
+
+  // A weight W [O, I] in panels: [ceil(O / w), I, w], zero past O.
+  torch::Tensor pack_panels(torch::Tensor weight) const {
+    check_float(weight, "weight");
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0, "weight must be a non-empty [O, I]");
+    const int64_t out = weight.size(0), in = weight.size(1), w = t_->panel_width;
+    auto panels = torch::empty({(out + w - 1) / w, in, w}, weight.options());
+    t_->pack_panels(panels.data_ptr<float>(), weight.data_ptr<float>(), out, in);
+    return panels;
+  }
+
+  void check_panels(const torch::Tensor& panels, int64_t out, int64_t in, const char* what) const {
+    check_float(panels, what);
+    const int64_t w = t_->panel_width;
+    TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out + w - 1) / w && panels.size(1) == in && panels.size(2) == w,
+                what, " panels must be [ceil(", out, " / ", w, "), ", in, ", ", w, "]");
+  }
+
+  torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
+                             int64_t out_features) const {
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && out_features >= 1, "x must be [M, I]");
+    check_panels(panels, out_features, x.size(1), "panels");
+    const float* bp = nullptr;
+    if (bias.has_value()) {
+      check_float(*bias, "bias");
+      TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
+      bp = bias->data_ptr<float>();
+    }
+    auto y = torch::empty({x.size(0), out_features}, x.options());
+    t_->panel_linear(y.data_ptr<float>(), x.data_ptr<float>(), panels.data_ptr<float>(), bp, x.size(0), x.size(1),
+                     out_features, at::get_num_threads());
+    return y;
+  }
+
+  void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_table, torch::Tensor seq_lens, double scale) const {
+    const PagedCache c = paged_cache(k_cache, v_cache);
+    check_queries(out, q, c);
+    TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+    check_index(block_table, "block_table");
+    check_index(seq_lens, "seq_lens");
+    const int64_t n = q.size(0);
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == n && seq_lens.numel() == n, "one row per query");
+    const int64_t width = block_table.size(1), bs = c.block_size;
+    const int64_t* tp = block_table.data_ptr<int64_t>();
+    const int64_t* lp = seq_lens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "seq_len ", lp[i], " outside 1..", width * bs);
+      check_block_ids(tp + i * width, (lp[i] + bs - 1) / bs, c.num_blocks);
+    }
+    const PagedDecodeArgs args{out.data_ptr<float>(), q.data_ptr<float>(), c, tp, lp, n, q.size(1), width,
+                               static_cast<float>(scale), at::get_num_threads()};
+    t_->paged_decode(&args);
+  }
+
+  void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor segments, double scale) const {
+    const PagedCache c = paged_cache(k_cache, v_cache);
+    check_queries(out, q, c);
+    check_index(block_tables, "block_tables");
+    check_index(segments, "segments");
+    TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3, "segments must be [n, 3]: query start, length, context");
+    const int64_t nseg = segments.size(0), tokens = q.size(0), bs = c.block_size;
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == nseg, "one block table row per segment");
+    const int64_t width = block_tables.size(1);
+    const int64_t* sp = segments.data_ptr<int64_t>();
+    const int64_t* tp = block_tables.data_ptr<int64_t>();
+    for (int64_t s = 0; s < nseg; ++s) {
+      const int64_t start = sp[3 * s], len = sp[3 * s + 1], ctx = sp[3 * s + 2];
+      TORCH_CHECK(start >= 0 && len >= 1 && start + len <= tokens, "segment ", s, " rows [", start, ", ",
+                  start + len, ") outside the ", tokens, " queries");
+      TORCH_CHECK(ctx >= 0 && ctx + len <= width * bs, "segment ", s, ": context ", ctx, " + ", len,
+                  " tokens past its block table");
+      check_block_ids(tp + s * width, (ctx + len + bs - 1) / bs, c.num_blocks);
+    }
+    const PagedPrefillArgs args{out.data_ptr<float>(), q.data_ptr<float>(), q.stride(0), tokens, q.size(1), c, tp,
+                                sp, nseg, width, static_cast<float>(scale), at::get_num_threads()};
+    t_->paged_prefill(&args);
+  }
+
+ private:
+  const PagedllmCpuOps* t_;
+};
+
+// A bias or an optional norm: an empty tensor means none.
+const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
+  if (t.numel() == 0) return nullptr;
+  check_float(t, name);
+  TORCH_CHECK(t.numel() == numel, name, " must have ", numel, " elements");
+  return t.data_ptr<float>();
+}
+
+// The fused one-token decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
+// layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
+// weights as panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer.
+// Everything is checked here once; a step passes only the token's few index tensors.
+class DecodeModel {
+ public:
+  static constexpr int kPerLayer = 12;
+
+  DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
+              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
+              torch::Tensor final_norm)
+      : ops_(std::move(ops)), t_(ops_->table()) {
+    const size_t layers = k_caches.size();
+    TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
+                    cos_sin.size() == layers,
+                kPerLayer, " weights, two caches and a rotary table per layer");
+    check_float(final_norm, "final_norm");
+    const PagedCache c0 = paged_cache(k_caches[0], v_caches[0]);
+    DecoderSpec& s = spec_;
+    s.num_blocks = c0.num_blocks, s.block_size = c0.block_size, s.kv_heads = c0.kv_heads, s.head_dim = c0.head_dim;
+    TORCH_CHECK(layer_w[1].dim() == 3 && layer_w[5].dim() == 3 && layer_w[10].dim() == 3,
+                "the linear weights must be panels");
+    s.hidden = layer_w[1].size(1), s.inter = layer_w[10].size(1), s.q_heads = layer_w[5].size(1) / s.head_dim;
+    const int64_t d = s.head_dim, qkv_out = (s.q_heads + 2 * s.kv_heads) * d;
+    TORCH_CHECK(s.q_heads > 0 && s.q_heads % s.kv_heads == 0 && layer_w[5].size(1) == s.q_heads * d,
+                "o panels must be [P, Hq D, w] with Hq a multiple of the caches' Hkv");
+    TORCH_CHECK(final_norm.numel() == s.hidden, "final_norm must be [H]");
+    TORCH_CHECK(cos_sin[0].dim() == 2, "rotary tables must be [max_position, rot]");
+    s.rot = cos_sin[0].size(1), s.max_position = cos_sin[0].size(0);
+    TORCH_CHECK(s.rot > 0 && s.rot <= d && s.rot % 2 == 0, "rotary dims must be even and at most the head size");
+    for (size_t l = 0; l < layers; ++l) {
+      const torch::Tensor* w = layer_w.data() + kPerLayer * l;
+      const PagedCache c = paged_cache(k_caches[l], v_caches[l]);
+      TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes(), "caches of one shape");
+      check_float(w[0], "norm1");
+      check_float(w[7], "norm2");
+      check_float(cos_sin[l], "cos_sin");
+      TORCH_CHECK(w[0].numel() == s.hidden && w[7].numel() == s.hidden, "norm weights must be [H]");
+      ops_->check_panels(w[1], qkv_out, s.hidden, "qkv");
+      ops_->check_panels(w[5], s.hidden, s.q_heads * d, "o");
+      ops_->check_panels(w[8], 2 * s.inter, s.hidden, "gate_up");
+      ops_->check_panels(w[10], s.hidden, s.inter, "down");
+      TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == s.rot && cos_sin[l].size(0) == s.max_position,
+                  "rotary tables of one shape");
+      layers_.push_back({w[0].data_ptr<float>(), w[1].data_ptr<float>(), optional_ptr(w[2], qkv_out, "qkv bias"),
+                         optional_ptr(w[3], d, "q_norm"), optional_ptr(w[4], d, "k_norm"), w[5].data_ptr<float>(),
+                         optional_ptr(w[6], s.hidden, "o bias"), w[7].data_ptr<float>(), w[8].data_ptr<float>(),
+                         optional_ptr(w[9], 2 * s.inter, "gate_up bias"), w[10].data_ptr<float>(),
+                         optional_ptr(w[11], s.hidden, "down bias"), cos_sin[l].data_ptr<float>(),
+                         const_cast<float*>(c.k), const_cast<float*>(c.v)});
+    }
+    s.layers = layers_.data();
+    s.num_layers = static_cast<int64_t>(layers);
+    s.final_norm = final_norm.data_ptr<float>();
+    s.scale = static_cast<float>(scale);
+    s.eps = static_cast<float>(eps);
+    s.all_reduce = nullptr;
+    s.reduce_ctx = nullptr;
+    handle_ = t_->decoder_create(&s);
+    // Keep every tensor alive as long as the pointers above are in use.
+    keep_ = std::move(layer_w);
+    for (auto* list : {&k_caches, &v_caches, &cos_sin}) keep_.insert(keep_.end(), list->begin(), list->end());
+    keep_.push_back(final_norm);
+  }
+
+  ~DecodeModel() { t_->decoder_destroy(handle_); }
+  DecodeModel(const DecodeModel&) = delete;
+  DecodeModel& operator=(const DecodeModel&) = delete;
+
+  // x [1, H] in place; the token's position, cache slot, block table row and context length (int64, first element
+  // of each).
+  void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
+                  torch::Tensor seq_lens) const {
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == spec_.hidden, "x must be [1, H]");
+    for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens}) {
+      check_index(*t, "index tensors");
+      TORCH_CHECK(t->numel() >= 1, "empty index tensor");
+    }
+    const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slot_mapping.data_ptr<int64_t>()[0];
+    const int64_t len = seq_lens.data_ptr<int64_t>()[0], width = block_table.size(-1), bs = spec_.block_size;
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    TORCH_CHECK(pos >= 0 && pos < spec_.max_position, "position ", pos, " out of the rotary table's range");
+    TORCH_CHECK(slot >= 0 && slot < spec_.num_blocks * bs, "slot ", slot, " out of range");
+    TORCH_CHECK(len >= 1 && len <= width * bs, "seq_len ", len, " outside 1..", width * bs);
+    check_block_ids(table, (len + bs - 1) / bs, spec_.num_blocks);
+    t_->decoder_run(handle_, x.data_ptr<float>(), pos, slot, table, len, at::get_num_threads());
+  }
+
+ private:
+  std::shared_ptr<CpuOps> ops_;
+  const PagedllmCpuOps* t_;
+  DecoderSpec spec_{};
+  std::vector<DecoderLayer> layers_;
+  std::vector<torch::Tensor> keep_;
+  void* handle_ = nullptr;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pagedllm's native CPU kernels: the torch-facing bindings of one ISA build at a time";
+  m.def("detect_isa", &detect_isa, "the best kernel build this CPU runs: avx512, avx2 or generic");
+  m.attr("abi") = PAGEDLLM_CPU_ABI;
+  py::class_<CpuOps, std::shared_ptr<CpuOps>>(m, "CpuOps")
+      .def(py::init<const std::string&>(), py::arg("path"))
+      .def_property_readonly("isa", &CpuOps::isa)
+      .def_property_readonly("source_hash", &CpuOps::source_hash)
+      .def("panel_width", &CpuOps::panel_width)
+      .def("silu_and_mul", &CpuOps::silu_and_mul)
+      .def("rms_norm", &CpuOps::rms_norm)
+      .def("fused_add_rms_norm", &CpuOps::fused_add_rms_norm)
+      .def("rotary_inplace", &CpuOps::rotary_inplace)
+      .def("pack_panels", &CpuOps::pack_panels)
+      .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
+           py::arg("out_features"))
+      .def("paged_decode_attention", &CpuOps::paged_decode_attention)
+      .def("paged_prefill_attention", &CpuOps::paged_prefill_attention)
+      .def(
+          "decode_model",
+          [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
+             std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
+             torch::Tensor final_norm) {
+            return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
+                                                 std::move(v_caches), std::move(cos_sin), scale, eps, final_norm);
+          },
+          py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
+          py::arg("eps"), py::arg("final_norm"), "the fused one-token decoder over these weights and caches");
+  py::class_<DecodeModel>(m, "DecodeModel")
+      .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("block_table"), py::arg("seq_lens"));
+}

@@ -1,0 +1,154 @@
+// The fused one-token decoder: a whole Llama-family decoder stack for one decode token in one parallel region.
+//
+// Per layer (weights of DecoderLayer; linear weights as panels; a null bias or q/k norm means none):
+//   residual += x (residual = x at the first layer); h = rms_norm(residual) * norm1
+//   q, k, v = h Wqkv^T (+ b); per-head rms_norm of q and k (Qwen3); rotary on q and k at the token's position;
+//   k, v written to the layer's cache at the token's slot
+//   a = attention(q, the cached keys and values of the request's blocks over its context) * scale
+//   residual += a Wo^T (+ b); h = rms_norm(residual) * norm2
+//   x = (silu(gate) * up)(h Wgu^T (+ b)) Wd^T (+ b)
+// and then x = rms_norm(residual + x) * final_norm: x [H] enters as the token's embedding and leaves as the final
+// hidden state, exactly what the layer-by-layer path computes.
+//
+// Why: a single request's decode step is bound by reading the weights, and the layer-by-layer path dispatches about
+// twelve ops per layer, each a fork and join of the thread team. Here the work split between the threads costs five
+// barriers a layer: each thread keeps its own copy of the residual stream and normalises it itself (a few hundred
+// floats, cheaper than a barrier); the qkv rows split on head boundaries, so each thread normalises, rotates and
+// caches the heads it computed; attention splits the context between the threads (flash-decoding: every thread
+// reads each of its cached tokens once for all heads, and the partial results merge per head); gate and up split on
+// the same rows, so SiLU-and-mul needs no barrier of its own.
+//
+// Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
+// which thread 0 reduces between two extra barriers before their bias is added.
+#include <vector>
+
+#include "internal.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+struct Decoder {
+  DecoderSpec spec;
+  std::vector<DecoderLayer> layers;
+};
+
+// y[lo, hi) += bias[lo, hi) (after a reduction).
+static inline void add_bias(float* y, const float* bias, int64_t lo, int64_t hi) {
+  if (bias == nullptr) return;
+#pragma omp simd
+  for (int64_t k = lo; k < hi; ++k) y[k] += bias[k];
+}
+
+}  // namespace
+
+void* decoder_create(const DecoderSpec* spec) {
+  auto* dec = new Decoder{*spec, std::vector<DecoderLayer>(spec->layers, spec->layers + spec->num_layers)};
+  dec->spec.layers = dec->layers.data();
+  return dec;
+}
+
+void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
+
+void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
+                 int threads) {
+  const Decoder& dec = *static_cast<const Decoder*>(decoder);
+  const DecoderSpec& s = dec.spec;
+  const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
+  const int64_t inter = s.inter, qkv_out = (hq + 2 * hkv) * d, layers = s.num_layers;
+  const int64_t half = s.rot / 2, cs_off = pos * s.rot, row = hkv * d, g = hq / hkv;
+  const float sc = s.scale, ep = s.eps;
+  const AllReduceFn reduce = s.all_reduce;
+  const int nt = std::max(1, threads);
+  // Shared between the threads: q|k|v, the attention output, SiLU-and-mul's output, and every thread's partial
+  // attention (max, sum, accumulator per head).
+  std::vector<float> shared(qkv_out + hq * d + inter + nt * hq * (d + 2));
+  float* qkv = shared.data();
+  float* att = qkv + qkv_out;
+  float* act = att + hq * d;
+  float* part = act + inter;
+  std::vector<float> gate_up(2 * inter);
+  float* gu = gate_up.data();
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> mine(2 * hidden);
+    float* res = mine.data();  // this thread's copy of the residual stream
+    float* h = res + hidden;
+    std::vector<float> scores;
+    int64_t a, b, ha, hb, ia, ib, ra, rb, qa, qb;
+    share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
+    share(inter, t, n, kPanel, ia, ib);
+    share(hidden, t, n, kPanel, ra, rb);
+    share(len, t, n, 1, a, b);  // this thread's span of the context
+    share(hq, t, n, 1, qa, qb);
+    float* pm = part + t * hq * (d + 2);
+    for (int64_t l = 0; l < layers; ++l) {
+      const DecoderLayer& w = dec.layers[l];
+      if (l == 0) {
+        std::copy(xp, xp + hidden, res);
+        rms_row(h, res, w.norm1, hidden, ep);
+      } else {
+        add_rms_row(h, res, xp, w.norm1, hidden, ep);
+      }
+      gemv_panels(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
+      for (int64_t hh = ha; hh < hb; ++hh) {
+        float* v = qkv + hh * d;
+        if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
+        if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
+        if (hh < hq + hkv) rotate_head(v, w.cos_sin + cs_off, half);
+        if (hh >= hq + hkv) std::copy(v, v + d, w.v_cache + slot * row + (hh - hq - hkv) * d);
+        else if (hh >= hq) std::copy(v, v + d, w.k_cache + slot * row + (hh - hq) * d);
+      }
+#pragma omp barrier
+      attend_span_any(pm, pm + hq, pm + 2 * hq, qkv, w.k_cache, w.v_cache, table, a, b, bs, row, hq, g, d, sc,
+                      scores);
+#pragma omp barrier
+      for (int64_t r = qa; r < qb; ++r) {  // merge the threads' partial results of query head r
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int u = 0; u < n; ++u) mx = std::max(mx, part[u * hq * (d + 2) + r]);
+        float total = 0.f;
+        float* o = att + r * d;
+        std::fill(o, o + d, 0.f);
+        for (int u = 0; u < n; ++u) {
+          const float* pu = part + u * hq * (d + 2);
+          const float f = pu[hq + r] > 0.f ? expf(pu[r] - mx) : 0.f;
+          total += f * pu[hq + r];
+          const float* au = pu + 2 * hq + r * d;
+#pragma omp simd
+          for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+      }
+#pragma omp barrier
+      gemv_panels(w.o, att, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
+#pragma omp barrier
+      if (reduce != nullptr) {
+        if (t == 0) reduce(xp, hidden, s.reduce_ctx);
+#pragma omp barrier
+        add_bias(xp, w.o_b, ra, rb);  // each thread its rows; the add_rms below reads all: one more barrier
+#pragma omp barrier
+      }
+      add_rms_row(h, res, xp, w.norm2, hidden, ep);
+      gemv_panels(w.gate_up, h, w.gate_up_b, gu, ia, ib, hidden);
+      gemv_panels(w.gate_up, h, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
+#pragma omp simd
+      for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
+#pragma omp barrier
+      gemv_panels(w.down, act, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
+#pragma omp barrier
+      if (reduce != nullptr) {
+        if (t == 0) reduce(xp, hidden, s.reduce_ctx);
+#pragma omp barrier
+        add_bias(xp, w.down_b, ra, rb);
+#pragma omp barrier
+      }
+    }
+    if (t == 0) add_rms_row(xp, res, xp, s.final_norm, hidden, ep);
+  }
+}
+
+}  // namespace pagedllm

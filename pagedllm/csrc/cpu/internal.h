@@ -1,0 +1,41 @@
+// Functions one kernel source of an ISA build calls in another (the fused decoder reuses the attention span and the
+// panel GEMV). Internal to the library: hidden like everything but the ops table.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace pagedllm {
+
+// Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
+// query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
+// heads); a cached token is `row` floats, read once for every head. The result is flash-decoding's unnormalised
+// partial result, per head: its score max m[r], its sum of exp lsum[r] and acc[r] = sum of exp(score - m[r]) *
+// value. An empty span gives m = -inf, lsum = 0, acc = 0.
+void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+                     const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq, int64_t g,
+                     int64_t d, float sc, std::vector<float>& scores);
+
+// y[o] for outputs [o0, o1) of one input row x [in] from W's panels (any alignment: a panel shared with a
+// neighbouring range is read whole and written in part); bias may be null.
+void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
+
+// The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp).
+void paged_decode(const PagedDecodeArgs* args);
+void paged_prefill(const PagedPrefillArgs* args);
+void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads);
+void rms_norm(float* out, const float* x, const float* w, int64_t rows, int64_t h, float eps, int threads);
+void fused_add_rms_norm(float* x, float* residual, const float* w, int64_t rows, int64_t h, float eps, int threads);
+void rotary(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d, int64_t heads,
+            int64_t rot, int threads);
+void pack_panels(float* dst, const float* w, int64_t out, int64_t in);
+void panel_linear(float* y, const float* x, const float* panels, const float* bias, int64_t rows, int64_t in,
+                  int64_t out, int threads);
+void* decoder_create(const DecoderSpec* spec);
+void decoder_run(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
+                 int threads);
+void decoder_destroy(void* decoder);
+
+}  // namespace pagedllm

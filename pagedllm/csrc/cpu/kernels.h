@@ -1,0 +1,110 @@
+// The interface between the torch bindings (bindings.cpp) and one ISA build of the kernels.
+//
+// Every kernel source is compiled once per instruction set (generic, avx2, avx512: see setup.py) into its own shared
+// library, which exports one symbol, `pagedllm_cpu_ops`, returning the table below. The bindings open the library of
+// the ISA picked at run time and call through the table. The kernels see raw pointers and sizes only: no torch, no
+// Python. The bindings check shapes, dtypes and index ranges before calling; the kernels assume valid input.
+//
+// Why one library per ISA rather than one library with three namespaces: the C++ standard library's templates
+// (std::vector, std::sort, ...) instantiated in an AVX-512 object are weak symbols, and the linker would keep one
+// copy for the whole library, possibly the AVX-512 one, which the AVX2 path would then call on a CPU without
+// AVX-512. Separate libraries, hidden visibility and -Bsymbolic keep each build's copies its own.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
+#define PAGEDLLM_CPU_ABI 1
+
+// A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous float32.
+struct PagedCache {
+  const float* k;
+  const float* v;
+  int64_t num_blocks, block_size, kv_heads, head_dim;
+};
+
+// Single-query attention of n requests: out, q [n, q_heads, head_dim] contiguous; request i attends the first
+// seq_lens[i] tokens of its context, whose blocks are block_table[i * table_width ...].
+struct PagedDecodeArgs {
+  float* out;
+  const float* q;
+  PagedCache cache;
+  const int64_t* block_table;
+  const int64_t* seq_lens;
+  int64_t n, q_heads, table_width;
+  float scale;
+  int threads;
+};
+
+// Causal attention of each segment's query rows over its context and itself: segments[3 s .. 3 s + 2] = query start,
+// query length, context length; q rows are q_stride floats apart (heads contiguous within a row), out [tokens,
+// q_heads, head_dim] contiguous; rows outside every segment are left untouched.
+struct PagedPrefillArgs {
+  float* out;
+  const float* q;
+  int64_t q_stride, tokens, q_heads;
+  PagedCache cache;
+  const int64_t* tables;
+  const int64_t* segments;
+  int64_t num_segments, table_width;
+  float scale;
+  int threads;
+};
+
+// One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels); a null bias or
+// q/k norm means none.
+struct DecoderLayer {
+  const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
+  const float* cos_sin;  // [max_position, rot]: cos | sin
+  float *k_cache, *v_cache;
+};
+
+// Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
+typedef void (*AllReduceFn)(float* data, int64_t n, void* ctx);
+
+struct DecoderSpec {
+  const DecoderLayer* layers;
+  int64_t num_layers;
+  const float* final_norm;
+  int64_t num_blocks, block_size, kv_heads, head_dim, q_heads, hidden, inter, rot, max_position;
+  float scale, eps;
+  // Tensor parallelism: the partial sums of the attention output projection and of the MLP down projection are
+  // all-reduced through this hook (null: one rank), and their biases are added after the reduction.
+  AllReduceFn all_reduce;
+  void* reduce_ctx;
+};
+
+struct PagedllmCpuOps {
+  int abi;
+  const char* isa;
+  const char* source_hash;  // of the sources it was built from (setup.py), to detect a stale build
+  int64_t panel_width;      // outputs per panel of pack_panels
+  // out [rows, inner] = silu(x[:, :inner]) * x[:, inner:] for x [rows, 2 inner].
+  void (*silu_and_mul)(float* out, const float* x, int64_t rows, int64_t inner, int threads);
+  // out = x * rsqrt(mean(x^2) + eps) * w, row by row (x, out [rows, h]; out may be x).
+  void (*rms_norm)(float* out, const float* x, const float* w, int64_t rows, int64_t h, float eps, int threads);
+  // In place: residual += x; x = rms_norm(residual) * w.
+  void (*fused_add_rms_norm)(float* x, float* residual, const float* w, int64_t rows, int64_t h, float eps,
+                             int threads);
+  // In place on x [rows, h, d]: rotate the first `heads` heads of each row by positions[row] (HF's rotate-half over
+  // the first rot dims); cache [max_position, rot] holds cos | sin.
+  void (*rotary)(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d,
+                 int64_t heads, int64_t rot, int threads);
+  // dst [ceil(out / panel_width), in, panel_width] = w [out, in] transposed in strips, zero past `out`.
+  void (*pack_panels)(float* dst, const float* w, int64_t out, int64_t in);
+  // y [rows, out] = x [rows, in] W^T (+ bias) from W's panels.
+  void (*panel_linear)(float* y, const float* x, const float* panels, const float* bias, int64_t rows, int64_t in,
+                       int64_t out, int threads);
+  void (*paged_decode)(const PagedDecodeArgs* args);
+  void (*paged_prefill)(const PagedPrefillArgs* args);
+  // The fused one-token decoder: built once per weights and caches, run per token on x [hidden] in place.
+  void* (*decoder_create)(const DecoderSpec* spec);
+  void (*decoder_run)(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
+                      int threads);
+  void (*decoder_destroy)(void* decoder);
+};
+
+__attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);
+}

@@ -1,0 +1,132 @@
+// Few-row linear layers on weights packed in panels.
+//
+// A panel holds kPanel consecutive output rows of a weight W [O, I] transposed: panels[p][i][n] = W[p kPanel + n][i]
+// (zero past O), so one panel is a contiguous stream of I * kPanel floats. y [M, O] = x W^T for a few rows M is then
+// a GEMM micro-kernel per panel: for each input column i, two vector loads of the panel row and M broadcasts of
+// x[m][i] into 2 M register accumulators. Each weight is read from memory once for all the rows, with no horizontal
+// sums; rows beyond what the registers hold go in blocks over the same panel, which is then in L2. oneDNN's GEMM
+// reads a weight well below the memory bandwidth for 1-16 rows on two cores: this is why (bench/RESULTS.md).
+#include <utility>
+#include <vector>
+
+#include "internal.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+// Writes a panel's results for outputs [lo, hi) of it (bias added) to y, from the two accumulators.
+static inline void panel_out(pvec a0, pvec a1, float* y, const float* bias, int64_t lo, int64_t hi) {
+  float t[kPanel];
+  pv_store(t, a0);
+  pv_store(t + kLanes, a1);
+  for (int64_t n = lo; n < hi; ++n) y[n] = bias ? t[n] + bias[n] : t[n];
+}
+
+// One row: y[lo..hi) = panel . x, with two interleaved accumulator pairs over i (hides the FMA latency).
+static inline void panel_row(const float* __restrict wp, const float* __restrict x, int64_t in, float* y,
+                             const float* bias, int64_t lo, int64_t hi) {
+  pvec a0 = pv_zero(), a1 = pv_zero(), b0 = pv_zero(), b1 = pv_zero();
+  int64_t i = 0;
+  for (; i + 1 < in; i += 2) {
+    const float* w = wp + i * kPanel;
+    const pvec x0 = pv_splat(x[i]), x1 = pv_splat(x[i + 1]);
+    a0 = pv_fma(pv_load(w), x0, a0);
+    a1 = pv_fma(pv_load(w + kLanes), x0, a1);
+    b0 = pv_fma(pv_load(w + kPanel), x1, b0);
+    b1 = pv_fma(pv_load(w + kPanel + kLanes), x1, b1);
+  }
+  if (i < in) {
+    const pvec xv = pv_splat(x[i]);
+    a0 = pv_fma(pv_load(wp + i * kPanel), xv, a0);
+    a1 = pv_fma(pv_load(wp + i * kPanel + kLanes), xv, a1);
+  }
+  panel_out(a0 + b0, a1 + b1, y, bias, lo, hi);
+}
+
+// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs go to y + m * ys.
+template <int MB>
+static void panel_rows(const float* __restrict wp, const float* __restrict xt, int64_t ld, int64_t in, float* y,
+                       int64_t ys, const float* bias, int64_t nout) {
+  pvec acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
+  for (int64_t i = 0; i < in; ++i) {
+    const pvec w0 = pv_load(wp + i * kPanel), w1 = pv_load(wp + i * kPanel + kLanes);
+    const float* xi = xt + i * ld;
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const pvec xv = pv_splat(xi[m]);
+      acc0[m] = pv_fma(w0, xv, acc0[m]);
+      acc1[m] = pv_fma(w1, xv, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, 0, nout);
+}
+
+using PanelRowsFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t);
+
+// panel_rows<mb> for a block size known only at run time (1 <= mb <= kPanelBlock).
+template <int... Ms>
+static PanelRowsFn panel_rows_for(int mb, std::integer_sequence<int, Ms...>) {
+  static const PanelRowsFn table[] = {panel_rows<Ms + 1>...};
+  return table[mb - 1];
+}
+
+}  // namespace
+
+void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in) {
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    const int64_t base = p * kPanel;
+    panel_row(wp + p * in * kPanel, x, in, y + base, bias ? bias + base : nullptr, std::max<int64_t>(o0 - base, 0),
+              std::min<int64_t>(o1 - base, kPanel));
+  }
+}
+
+void pack_panels(float* dst, const float* w, int64_t out, int64_t in) {
+  const int64_t np = (out + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < np; ++p) {
+    float* panel = dst + p * in * kPanel;
+    for (int64_t n = 0; n < kPanel; ++n) {
+      const int64_t o = p * kPanel + n;
+      const float* src = o < out ? w + o * in : nullptr;
+      for (int64_t i = 0; i < in; ++i) panel[i * kPanel + n] = src ? src[i] : 0.f;
+    }
+  }
+}
+
+// The threads split the panels and each runs its rows in blocks of at most kPanelBlock.
+void panel_linear(float* yp, const float* xp, const float* wp, const float* bp, int64_t rows, int64_t in,
+                  int64_t out_features, int threads) {
+  const int64_t np = (out_features + kPanel - 1) / kPanel;
+  // Panels are handed out in shrinking chunks (guided; each panel is a contiguous stream of I * kPanel floats): the
+  // threads finish together even when one loses its core for a while to another process.
+  const int nt = team_size(threads, np);
+  if (rows == 1) {
+#pragma omp parallel for schedule(guided) num_threads(nt)
+    for (int64_t p = 0; p < np; ++p)
+      gemv_panels(wp, xp, bp, yp, p * kPanel, std::min((p + 1) * kPanel, out_features), in);
+    return;
+  }
+  std::vector<float> xt(in * rows);  // x transposed: one input column's rows side by side
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < in; ++i) xt[i * rows + m] = xp[m * in + i];
+  // Rows in near-equal blocks of at most kPanelBlock, each with its kernel, chosen once for all panels.
+  const int64_t blocks = (rows + kPanelBlock - 1) / kPanelBlock;
+  std::vector<int64_t> first(blocks);
+  std::vector<PanelRowsFn> kernel(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    first[b] = rows * b / blocks;
+    kernel[b] = panel_rows_for(static_cast<int>(rows * (b + 1) / blocks - first[b]),
+                               std::make_integer_sequence<int, kPanelBlock>{});
+  }
+#pragma omp parallel for schedule(guided) num_threads(nt)
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
+    for (int64_t b = 0; b < blocks; ++b)
+      kernel[b](wp + p * in * kPanel, xt.data() + first[b], rows, in, yp + first[b] * out_features + base,
+                out_features, bp ? bp + base : nullptr, nout);
+  }
+}
+
+
+}  // namespace pagedllm

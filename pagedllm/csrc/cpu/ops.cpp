@@ -1,0 +1,28 @@
+// The one symbol an ISA build of the kernels exports: its ops table (kernels.h).
+#include "internal.h"
+#include "simd.h"
+
+#ifndef PAGEDLLM_SOURCE_HASH
+#define PAGEDLLM_SOURCE_HASH "unknown"
+#endif
+
+extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
+  static const PagedllmCpuOps table = {
+      PAGEDLLM_CPU_ABI,
+      PAGEDLLM_ISA_NAME,
+      PAGEDLLM_SOURCE_HASH,
+      pagedllm::kPanel,
+      pagedllm::silu_and_mul,
+      pagedllm::rms_norm,
+      pagedllm::fused_add_rms_norm,
+      pagedllm::rotary,
+      pagedllm::pack_panels,
+      pagedllm::panel_linear,
+      pagedllm::paged_decode,
+      pagedllm::paged_prefill,
+      pagedllm::decoder_create,
+      pagedllm::decoder_run,
+      pagedllm::decoder_destroy,
+  };
+  return &table;
+}

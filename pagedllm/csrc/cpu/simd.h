@@ -1,0 +1,126 @@
+// What every kernel source of one ISA build shares: the panel vector type, the vectorised exp, and the small row
+// helpers (dot product, softmax numerators, RMSNorm, rotary, SiLU) that the layer kernels and the fused decoder both
+// use. The ISA comes from the compiler flags of the build (setup.py): __AVX512F__, __AVX2__ + __FMA__, or neither.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+#if defined(PAGEDLLM_LIBMVEC)
+// glibc's vector math library: lets the compiler vectorise the softmax's exp (as <math.h> itself does under
+// -ffast-math), at glibc's documented accuracy for libmvec (within 4 ulp).
+extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
+#endif
+
+namespace pagedllm {
+
+#if defined(__AVX512F__)
+#define PAGEDLLM_ISA_NAME "avx512"
+typedef __m512 pvec;
+constexpr int kLanes = 16, kPanelBlock = 16;
+static inline pvec pv_zero() { return _mm512_setzero_ps(); }
+static inline pvec pv_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline pvec pv_splat(float x) { return _mm512_set1_ps(x); }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void pv_store(float* p, pvec v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_ISA_NAME "avx2"
+typedef __m256 pvec;
+constexpr int kLanes = 8, kPanelBlock = 6;
+static inline pvec pv_zero() { return _mm256_setzero_ps(); }
+static inline pvec pv_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline pvec pv_splat(float x) { return _mm256_set1_ps(x); }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void pv_store(float* p, pvec v) { _mm256_storeu_ps(p, v); }
+#else
+#define PAGEDLLM_ISA_NAME "generic"
+typedef float pvec __attribute__((vector_size(16)));
+constexpr int kLanes = 4, kPanelBlock = 8;
+static inline pvec pv_zero() { return pvec{0.f, 0.f, 0.f, 0.f}; }
+static inline pvec pv_load(const float* p) {
+  pvec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline pvec pv_splat(float x) { return pvec{x, x, x, x}; }
+static inline pvec pv_fma(pvec a, pvec b, pvec c) { return a * b + c; }
+static inline void pv_store(float* p, pvec v) { __builtin_memcpy(p, &v, sizeof v); }
+#endif
+// Outputs per panel: two vectors, so the micro-kernels keep two accumulators a row.
+constexpr int kPanel = 2 * kLanes;
+
+// Threads for a parallel loop over `items` independent pieces of work: at most `threads`, at most one a piece.
+static inline int team_size(int threads, int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, items)));
+}
+
+// Threads for `work` elements when each thread should get at least `grain` of them.
+static inline int team_for_grain(int threads, int64_t work, int64_t grain) {
+  return team_size(threads, (work + grain - 1) / std::max<int64_t>(1, grain));
+}
+
+// Thread t's share [first, last) of n items, in whole chunks of `align`.
+static inline void share(int64_t n, int t, int nt, int64_t align, int64_t& first, int64_t& last) {
+  const int64_t chunks = (n + align - 1) / align;
+  first = std::min(n, chunks * t / nt * align);
+  last = std::min(n, chunks * (t + 1) / nt * align);
+}
+
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+// s[l] = exp(s[l] - mx) for l < n; returns their sum (softmax numerators and denominator).
+static inline float exp_in_place(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t l = 0; l < n; ++l) {
+    const float e = expf(s[l] - mx);
+    s[l] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// out = x * rsqrt(mean(x^2) + eps) * w over one row of h (out may be x).
+static inline void rms_row(float* out, const float* x, const float* w, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < h; ++k) ss += x[k] * x[k];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < h; ++k) out[k] = w[k] * (x[k] * r);
+}
+
+// residual += x; out = rms_norm(residual) * w (out may be x).
+static inline void add_rms_row(float* out, float* residual, const float* x, const float* w, int64_t h, float eps) {
+#pragma omp simd
+  for (int64_t k = 0; k < h; ++k) residual[k] += x[k];
+  rms_row(out, residual, w, h, eps);
+}
+
+// One head v in place, HF's "rotate half" over its first 2 * half dims; c holds cos | sin (half each).
+static inline void rotate_head(float* v, const float* c, int64_t half) {
+  const float* sn = c + half;
+#pragma omp simd
+  for (int64_t k = 0; k < half; ++k) {
+    const float x1 = v[k], x2 = v[k + half];
+    v[k] = x1 * c[k] - x2 * sn[k];
+    v[k + half] = x2 * c[k] + x1 * sn[k];
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,1 @@
+"""Attention backends: one class per implementation, chosen once per engine (selector.py)."""

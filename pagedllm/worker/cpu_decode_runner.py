@@ -1,0 +1,119 @@
+"""The fused one-token decoder on the CPU: a whole Llama-family decoder stack in one native call per step.
+
+Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
+Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32, every linear with its panels, one rank), else
+None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, seq_lens)` computes the
+final hidden state [1, hidden] of a step whose batch is one decode token, writing that token's keys and values into
+every layer's cache, exactly as the model's layer-by-layer forward does (which stays the path for every other step
+and every other model).
+
+Why: a single request's decode step is bound by reading the weights, and dispatching some twelve ops per layer
+(each a fork and join of the thread team) cost a measurable share of that step (bench/RESULTS.md). The C++ side is
+pagedllm/csrc/cpu/decoder.cpp; it has the hook points where tensor parallelism all-reduces the attention output
+projection and the MLP down projection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _get(module: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+class CpuDecodeRunner:
+    def __init__(self, model: nn.Module, ops: Any) -> None:
+        self.model = model
+        self.ops = ops
+        self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
+
+    @classmethod
+    def create(cls, model: nn.Module, ops: Any) -> CpuDecodeRunner | None:
+        """A runner for `model`, or None where the fused path does not apply."""
+        if ops is None or not cls._applies(model):
+            return None
+        return cls(model, ops)
+
+    @staticmethod
+    def _applies(model: nn.Module) -> bool:
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or not layers or getattr(inner, "norm", None) is None:
+            return False
+        eps = inner.norm.eps
+        for layer in layers:
+            attn = _get(layer, "self_attn")
+            for path in _LINEARS:
+                lin = _get(layer, path)
+                if lin is None or getattr(lin, "panels", None) is None or getattr(lin, "tp_size", 1) != 1:
+                    return False
+            rope = _get(layer, "self_attn.rotary_emb")
+            if rope is None or rope.cos_sin_cache.dtype != torch.float32:
+                return False
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+            if any(n.eps != eps or n.weight.dtype != torch.float32 for n in norms):
+                return False
+        return True
+
+    def _layer_weights(self) -> list[torch.Tensor]:
+        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels, an empty
+        tensor for an absent bias or q/k norm."""
+        none = torch.empty(0)
+        weights: list[torch.Tensor] = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+
+            def bias(lin: Any) -> torch.Tensor:
+                return none if lin.bias is None else lin.bias
+
+            def norm(n: Any) -> torch.Tensor:
+                return none if n is None else n.weight
+
+            weights += [
+                layer.input_layernorm.weight, attn.qkv_proj.panels.data, bias(attn.qkv_proj),
+                norm(attn.q_norm), norm(attn.k_norm), attn.o_proj.panels.data, bias(attn.o_proj),
+                layer.post_attention_layernorm.weight, mlp.gate_up_proj.panels.data, bias(mlp.gate_up_proj),
+                mlp.down_proj.panels.data, bias(mlp.down_proj),
+            ]  # fmt: skip
+        return weights
+
+    def _decoder(self) -> Any:
+        """The native DecodeModel, built once per KV cache allocation (it holds the caches' pointers)."""
+        layers = self.model.model.layers
+        cache = layers[0].self_attn.attn.kv_cache
+        assert cache is not None, "the KV cache is not bound"
+        if self._plan is None or self._plan[0] is not cache:
+            attns = [layer.self_attn for layer in layers]
+            decoder = self.ops.decode_model(
+                self._layer_weights(), [a.attn.kv_cache[0] for a in attns],
+                [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
+                self.model.model.norm.eps, self.model.model.norm.weight,
+            )  # fmt: skip
+            self._plan = (cache, decoder)
+        return self._plan[1]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions, slot_mapping [1]; block_table [1, blocks]; seq_lens [1] -> hidden [1, hidden]."""
+        decoder = self._decoder()
+        x = self.model.model.embed_tokens(input_ids).contiguous()
+        decoder(x, positions, slot_mapping, block_table, seq_lens)
+        return x
