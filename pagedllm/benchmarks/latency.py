@@ -2,12 +2,16 @@
 
 Contract. One batch of ``--batch-size`` (8) requests, each ``--input-len`` (32) random token ids (uniform in
 ``[100, vocab_size)``, seeded) and ``--output-len`` (128) output tokens with ``ignore_eos`` and greedy
-sampling, is submitted at once to `LLM.generate`. Each iteration times two calls on the same prompts, with the
-prefix cache reset before each so neither reuses cached prompt KV:
+sampling, is submitted at once to `LLM.generate`, with the prefix cache reset first so no iteration reuses
+cached prompt KV. Each iteration is one call, and all three figures come from that same call:
 
-* prefill: the batch generating 1 token each (``max_tokens=1``): the time to the batch's first token;
-* full: the batch generating ``--output-len`` tokens each: the batch latency;
-* decode per token: ``(t_full - t_prefill) / (output_len - 1)``.
+* batch latency: wall time from submitting the batch until `generate` returns;
+* prefill: wall time from submitting the batch until its last request's first token (the latest
+  ``RequestOutput.metrics.first_token_time``), that is until the whole batch is past its prompt;
+* decode per token: ``(batch latency - prefill) / (output_len - 1)``.
+
+The first token of every request is stamped before `generate` returns, so prefill <= batch latency and decode
+per token >= 0 by construction (both are taken on the one wall clock, `time.time()`, that stamps the metrics).
 
 ``--num-iters-warmup`` (2) untimed iterations run first, then ``--num-iters`` (5) timed ones; the report gives the
 mean and the 50th/90th/99th percentiles of each over the timed iterations. ``--output-json PATH`` writes them,
@@ -60,7 +64,7 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 class BatchTimer:
-    """Times the prefill call and the full call of one batch on an `LLM`."""
+    """Times one batch on an `LLM`: batch latency and prefill from the same `generate` call."""
 
     def __init__(self, llm: Any, args: argparse.Namespace) -> None:
         from pagedllm import SamplingParams
@@ -70,22 +74,24 @@ class BatchTimer:
         vocab = int(llm.config.model_config.vocab_size)
         work = make_workload(args.batch_size, (args.input_len,) * 2, (args.output_len,) * 2, vocab, args.seed)
         self.prompts = [{"prompt_token_ids": p} for p in work.prompts]
-        self.first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        self.full = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         self.output_len = args.output_len
 
-    def _time(self, params: Any, expected: int) -> float:
-        self.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = self.llm.generate(self.prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        lens = {len(o.outputs[0].token_ids) for o in outs}
-        assert lens == {expected}, f"expected {expected} output tokens per request, got {sorted(lens)}"
-        return elapsed
-
     def iteration(self) -> tuple[float, float]:
-        """(prefill s, full s) of one iteration."""
-        return self._time(self.first, 1), self._time(self.full, self.output_len)
+        """(prefill s, batch latency s) of one call; 0 <= prefill <= batch latency."""
+        self.llm.reset_prefix_cache()
+        # time.time(): the clock that stamps RequestOutput.metrics, so both figures are on one clock.
+        start = time.time()
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        end = time.time()
+        lens = {len(o.outputs[0].token_ids) for o in outs}
+        assert lens == {self.output_len}, f"expected {self.output_len} output tokens per request, got {sorted(lens)}"
+        first_tokens = [o.metrics.first_token_time for o in outs if o.metrics is not None]
+        assert len(first_tokens) == len(outs) and None not in first_tokens, "a request has no first-token time"
+        full = max(end - start, 0.0)
+        # Clamped: a wall-clock step back during the call must not produce a negative or inverted figure.
+        prefill = min(max(max(first_tokens) - start, 0.0), full)
+        return prefill, full
 
 
 def run(args: argparse.Namespace, command: str) -> int:
