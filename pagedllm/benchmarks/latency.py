@@ -15,13 +15,15 @@ per token >= 0 by construction (both are taken on the one wall clock, `time.time
 
 ``--num-iters-warmup`` (2) untimed iterations run first, then ``--num-iters`` (5) timed ones; the report gives the
 mean and the 50th/90th/99th percentiles of each over the timed iterations. ``--output-json PATH`` writes them,
-every iteration's numbers and all arguments. Engine flags are `pagedllm serve`'s (``[MODEL]``, ``--model``,
-``--max-model-len``, ``--kv-cache-memory``, ...). Bad input exits with status 2 and names the value.
+every iteration's numbers and all arguments. Engine flags are `pagedllm serve`'s, from `EngineArgs.add_cli_args`
+(``[MODEL]``, ``--model``, ``--max-model-len``, ``--kv-cache-memory-bytes``, ...). Bad input exits with status 2
+and names the value.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -35,9 +37,9 @@ PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.cli import add_engine_args
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    add_engine_args(parser, positional_model=True)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     add = parser.add_argument
     add("--batch-size", type=int, default=8, help="requests in the batch (default 8)")
     add("--input-len", type=int, default=32, help="prompt tokens per request (default 32)")
@@ -98,10 +100,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     from tqdm import tqdm
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     print(f"command: {command}", flush=True)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     try:
         max_len = llm.config.model_config.max_model_len
         if args.input_len + args.output_len > max_len:

@@ -59,7 +59,7 @@ class EngineCoreProc:
     # ---- start-up ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from pagedllm.config import EngineArgs
+        from pagedllm.engine.arg_utils import EngineArgs
         from pagedllm.engine.core import EngineCore
 
         try:

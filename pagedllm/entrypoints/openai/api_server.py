@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.config import EngineArgs, api_key_from_env
+from pagedllm.config import api_key_from_env
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -350,9 +351,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (0) or until the engine dies (1); returns the exit status."""
     if engine_args is None:
-        from pagedllm.entrypoints.cli import engine_kwargs
-
-        engine_args = EngineArgs(**engine_kwargs(args))
+        engine_args = EngineArgs.from_cli_args(args)
     if not getattr(args, "api_key", None):
         args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
