@@ -115,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `pagedllm bench {throughput,serve,latency} --help`",
-        usage="pagedllm bench {throughput,serve,latency} [options]",
+        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup} --help`",
+        usage="pagedllm bench {throughput,serve,latency,startup} [options]",
     )
     bench.add_argument(
         "bench_kind",
-        choices=["throughput", "serve", "latency"],
+        choices=["throughput", "serve", "latency", "startup"],
         help="throughput: offline vs HF transformers; serve: against a running OpenAI-compatible server; "
-        "latency: one batch through LLM",
+        "latency: one batch through LLM; startup: `pagedllm serve` launch -> first 200 on /health",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)

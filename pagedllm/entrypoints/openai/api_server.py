@@ -26,6 +26,7 @@ import logging
 import secrets
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -367,7 +368,9 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
 
         stats_interval = stats_log_interval()  # a bad $PAGEDLLM_STATS_LOG_INTERVAL fails before the model loads
         logger.info("starting the engine for the API server on %s:%d", host, port)
+        engine_start = time.perf_counter()
         engine = AsyncLLM(engine_args)
+        logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
         engine.stat_loggers += [
             PrometheusStatLogger(engine.model_config.served_model_name, engine.model_config.max_model_len),
             LoggingStatLogger(stats_interval),
