@@ -22,6 +22,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.layers.linear import prepare_for_inference
 from pagedllm.model.registry import get_model_class
+from pagedllm.model.weight_cache import gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", na
     with torch.device(device):
         model = cls(model_config.hf_config, dtype=model_config.dtype)
     path = model_config.model
-    weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
+    if path.endswith(".gguf"):
+        weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
+    else:
+        weights = iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
     loaded = time.perf_counter()
     prepare_for_inference(model, native)
