@@ -350,7 +350,7 @@ def summarize(results: list[RunResult], command: str, modes: list[str]) -> dict[
 
 
 def _fmt(value: float | None) -> str:
-    return f"{value:>10.2f}" if value is not None else f"{'-':>10}"
+    return f"{round(value, 2) + 0.0:>10.2f}" if value is not None else f"{'-':>10}"  # + 0.0: no "-0.00"
 
 
 def print_report(record: dict[str, Any]) -> None:

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,51 @@ def test_breakdown_without_the_lines_leaves_rows_unknown() -> None:
     rows, _ = startup.breakdown([], total=3.0)
     assert rows["other"] == 3.0
     assert all(v is None for k, v in rows.items() if k != "other")
+
+
+# A stand-in server: says hello, waits, then answers 200 on /health (and 404 elsewhere) until it is stopped.
+FAKE_SERVER = """
+import http.server, os, sys, time
+open(sys.argv[2], "w").write(str(os.getpid()))
+print("hello from the fake server", flush=True)
+time.sleep(0.3)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.timeout(60, method="signal")
+def test_time_to_health_stamps_the_output_and_stops_the_server(tmp_path: Path) -> None:
+    port, pid_file = startup.free_port(), tmp_path / "pid"
+    cmd = [sys.executable, "-c", FAKE_SERVER, str(port), str(pid_file)]
+    total, lines = startup.time_to_health(cmd, port, dict(os.environ), timeout=30, log_path=str(tmp_path / "log"))
+    assert total >= 0.3
+    assert [text for _, text in lines] == ["hello from the fake server"]
+    assert 0 <= lines[0][0] <= total
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # stopped and reaped
+    assert "hello from the fake server" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.timeout(60, method="signal")
+def test_time_to_health_reports_a_server_that_exits() -> None:
+    cmd = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="(?s)status 3.*no model here"):
+        startup.time_to_health(cmd, startup.free_port(), dict(os.environ), timeout=30)
+
+
+def test_peer_commands() -> None:
+    ns = argparse.Namespace(peer_cmd="serve-it --port {port} --x", vllm_venv=None, peer_model=None)
+    assert startup.peer_cmd(ns, 1234) == ["serve-it", "--port", "1234", "--x"]
+    ns = argparse.Namespace(peer_cmd=None, vllm_venv="/v", peer_model="/m")
+    cmd = startup.peer_cmd(ns, 1234)
+    assert cmd[:4] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
 
 
 @pytest.mark.timeout(1800, method="signal")  # the signal interrupts the poll; the run's `finally` stops the server
