@@ -110,14 +110,15 @@ def open_cached(file: str, key: str) -> list[tuple[str, torch.Tensor]] | None:
         return _read(file, key)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # malformed in any way, including bad JSON
+    except Exception as e:  # malformed in any way (bad JSON, wrong types, short file): never fatal
         logger.warning("weight cache: ignoring invalid cache file %s (%s); converting the GGUF again", file, e)
         return None
 
 
 def _read(file: str, key: str) -> list[tuple[str, torch.Tensor]]:
-    size = os.path.getsize(file)
+    # One open file for the checks and the map: a concurrent writer's rename cannot swap the file in between.
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than its header length")
@@ -125,13 +126,25 @@ def _read(file: str, key: str) -> list[tuple[str, torch.Tensor]]:
         if n > min(size - 8, _MAX_HEADER):
             raise ValueError(f"header length {n} beyond the file's {size} bytes")
         header = json.loads(f.read(n))
+        _check(header, key, size - 8 - n)
+        data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + n)
+    out = []
+    for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, stop = e["data_offsets"]
+        arr = data[begin:stop].view(np.float32).reshape(e["shape"])
+        out.append((name, torch.from_numpy(arr)))
+    return out
+
+
+def _check(header: object, key: str, data_len: int) -> None:
+    """Pop the __metadata__ of `header`; ValueError naming what is wrong unless the rest describes a cache file of
+    `key` whose tensors tile `data_len` bytes of data."""
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
     if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
         raise ValueError(f"format/key {meta.get('format')!r}/{meta.get('key')!r} do not match")
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    data_len = size - 8 - n
     end = 0
     for name, e in entries:
         begin, stop = e["data_offsets"]
@@ -143,13 +156,6 @@ def _read(file: str, key: str) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"{data_len} bytes of data where the header describes {end}")
     if not entries:
         raise ValueError("no tensors")
-    data = np.memmap(file, dtype=np.uint8, mode="c", offset=8 + n, shape=(data_len,))
-    out = []
-    for name, e in entries:
-        begin, stop = e["data_offsets"]
-        arr = data[begin:stop].view(np.float32).reshape(e["shape"])
-        out.append((name, torch.from_numpy(arr)))
-    return out
 
 
 # ---- writing --------------------------------------------------------------------------------------------------

@@ -139,6 +139,14 @@ def _other_key(data: bytes) -> bytes:
     return struct.pack("<Q", n) + raw + b" " * (n - len(raw)) + data[8 + n :]
 
 
+def _metadata_not_an_object(data: bytes) -> bytes:
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = [1, 2]
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", n) + raw + b" " * (n - len(raw)) + data[8 + n :]
+
+
 def _bad_offsets(data: bytes) -> bytes:
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -149,8 +157,10 @@ def _bad_offsets(data: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     "damage",
-    [_truncate, _garbage_header, _huge_header_length, _trailing_bytes, _other_key, _bad_offsets, lambda d: b""],
-    ids=["truncated", "garbage-header", "huge-header-length", "trailing-bytes", "other-key", "bad-offsets", "empty"],
+    [_truncate, _garbage_header, _huge_header_length, _trailing_bytes, _other_key, _metadata_not_an_object]
+    + [_bad_offsets, lambda d: b""],
+    ids=["truncated", "garbage-header", "huge-header-length", "trailing-bytes", "other-key", "metadata-list"]
+    + ["bad-offsets", "empty"],
 )
 def test_damaged_cache_file_falls_back_to_the_gguf_and_is_rewritten(gguf_path: str, cache_dir: Path, damage) -> None:
     convert = Converter()
