@@ -1,12 +1,13 @@
 """EngineConfig: every engine setting, built once at the edge (CLI or `LLM(**kwargs)`), validated, frozen.
 
-Each component receives only the sub-config it uses. This is the only module that reads environment
-variables. Invalid values raise `ValueError` naming the value.
+Each component receives only the sub-config it uses. The user-facing arguments and their flags are
+`pagedllm.engine.arg_utils.EngineArgs`, whose `create_engine_config()` builds these. This is the only module that
+reads environment variables (the `*_from_env` / `*_default` helpers below). Invalid values raise `ValueError`
+naming the value. It imports no other pagedllm module, so that any module may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import re
@@ -95,7 +96,63 @@ def logging_level() -> str:
     return os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()
 
 
+def model_from_env() -> str | None:
+    """$PAGEDLLM_MODEL: the model when none is given (else the default model)."""
+    return os.environ.get("PAGEDLLM_MODEL") or None
+
+
+def kv_cache_memory_from_env() -> str | None:
+    """$PAGEDLLM_KV_CACHE_MEMORY: the KV cache budget (e.g. 4GiB) when no flag sizes it."""
+    return os.environ.get("PAGEDLLM_KV_CACHE_MEMORY") or None
+
+
+def num_threads_default() -> int:
+    """$PAGEDLLM_NUM_THREADS, else two torch threads (or fewer on a smaller machine)."""
+    raw = os.environ.get("PAGEDLLM_NUM_THREADS")
+    if raw is None:
+        return min(2, os.cpu_count() or 1)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_NUM_THREADS must be an integer, got {raw!r}") from None
+
+
+def normalise_attention_backend(value: str, source: str) -> str:
+    """`value` lower-cased, "native" -> "cpu_native"; ValueError naming `source` if it is not a backend."""
+    name = value.strip().lower()
+    name = ATTENTION_BACKEND_ALIASES.get(name, name)
+    if name not in ATTENTION_BACKENDS:
+        choices = ", ".join(ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES))
+        raise ValueError(f"{source} must be one of {choices}, got {value!r}")
+    return name
+
+
+def attention_backend_from_env() -> str:
+    """$PAGEDLLM_ATTENTION_BACKEND (normalised), "auto" when unset."""
+    return normalise_attention_backend(
+        os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto"), "PAGEDLLM_ATTENTION_BACKEND"
+    )
+
+
+def cpu_kernels_enabled() -> bool:
+    """$PAGEDLLM_CPU_KERNELS: the C++ CPU kernels are used unless it is "0"."""
+    return os.environ.get("PAGEDLLM_CPU_KERNELS", "1").strip() != "0"
+
+
+def cpu_isa() -> str:
+    """$PAGEDLLM_CPU_ISA: auto (detect at run time, the default), avx512, avx2 or generic."""
+    raw = os.environ.get("PAGEDLLM_CPU_ISA", "auto")
+    value = raw.strip().lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"PAGEDLLM_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {raw!r}")
+    return value
+
+
+DTYPE_NAMES = tuple(_DTYPES)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype name (see DTYPE_NAMES) or torch dtype -> the torch dtype the model runs in."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
@@ -146,16 +203,21 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+# The attention backends a user may name; "native" is the older name of "cpu_native" (normalised away).
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch")
+ATTENTION_BACKEND_ALIASES = {"native": "cpu_native"}
+CPU_ISAS = ("auto", "avx512", "avx2", "generic")
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
     num_threads: int = 2
-    # "native": decode attention through the C++ CPU kernel (model/layers/cpu_kernels.py); "torch": gather + SDPA;
-    # "auto": native where it applies (CPU, float32) and builds, else torch.
+    # "cpu_native": attention through the C++ CPU kernels; "torch": gather + SDPA (device-agnostic, the
+    # reference); "auto": cpu_native where it applies (CPU, float32) and builds, else torch.
     attention_backend: str = "auto"
+    # $PAGEDLLM_CPU_KERNELS ("0": plain torch everywhere) and $PAGEDLLM_CPU_ISA (force an ISA below the
+    # detected one): environment only, not engine arguments.
     cpu_kernels: bool = True
     cpu_isa: str = "auto"
 
@@ -167,105 +229,3 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
-
-
-@dataclass
-class EngineArgs:
-    """User-facing engine arguments (vLLM names). `create_engine_config()` validates and freezes them."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory_bytes: int | str | None = None
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 128
-    scheduling_policy: str = "fcfs"
-    long_prefill_token_threshold: int = 0
-    num_gpu_blocks_override: int | None = None
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    num_threads: int | None = None
-    seed: int = 0
-    # None: $PAGEDLLM_ATTENTION_BACKEND, else "auto" (see DeviceConfig.attention_backend).
-    attention_backend: str | None = None
-    # Accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager whatever this says.
-    enforce_eager: bool | None = None
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    def create_engine_config(self) -> EngineConfig:
-        from pagedllm.model.config_loader import load_model_config
-
-        model = self.model or os.environ.get("PAGEDLLM_MODEL") or default_model_path()
-        dtype = resolve_dtype(self.dtype)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
-        model_config = load_model_config(
-            model,
-            tokenizer=self.tokenizer,
-            dtype=dtype,
-            max_model_len=self.max_model_len,
-            served_model_name=self.served_model_name,
-            seed=self.seed,
-        )
-        max_len = model_config.max_model_len
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None:
-            kv_bytes = os.environ.get("PAGEDLLM_KV_CACHE_MEMORY", 2 << 30)
-        kv_bytes = parse_size(kv_bytes)
-        if kv_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {kv_bytes}")
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048
-        if batched < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {batched}")
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        threads = self.num_threads
-        if threads is None:
-            threads = int(os.environ.get("PAGEDLLM_NUM_THREADS", min(2, os.cpu_count() or 1)))
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory_bytes=kv_bytes,
-                enable_prefix_caching=self.enable_prefix_caching,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=batched,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=max_len,
-                policy=self.scheduling_policy,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-            ),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device, num_threads=threads, attention_backend=self._attention_backend()),
-        )
-
-    def _attention_backend(self) -> str:
-        value = self.attention_backend
-        source = "attention_backend"
-        if value is None:
-            value = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto")
-            source = "PAGEDLLM_ATTENTION_BACKEND"
-        value = value.strip().lower()
-        if value == "native":
-            value = "cpu_native"
-        if value not in ATTENTION_BACKENDS:
-            raise ValueError(f"{source} must be one of {', '.join(ATTENTION_BACKENDS)}, got {value!r}")
-        return value

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from pagedllm.config import ModelConfig, cache_dir
@@ -28,15 +29,23 @@ def _gguf_cache_path(gguf_path: str) -> str:
 
 
 def get_tokenizer(model_config: ModelConfig) -> Any:
+    """The model's tokenizer: from its folder, or from its GGUF file through the conversion cache."""
+    start = time.perf_counter()
+    tokenizer, source = _load_tokenizer(model_config)
+    logger.info("startup: tokenizer %.2f s (%s)", time.perf_counter() - start, source)
+    return tokenizer
+
+
+def _load_tokenizer(model_config: ModelConfig) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     if not model_config.gguf_file:
-        return AutoTokenizer.from_pretrained(model_config.tokenizer, local_files_only=True)
+        return AutoTokenizer.from_pretrained(model_config.tokenizer, local_files_only=True), "from the model folder"
     gguf_path = os.path.join(model_config.tokenizer, model_config.gguf_file)
     cached = _gguf_cache_path(gguf_path)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True), "GGUF conversion from the cache"
         except Exception as e:  # a damaged cache entry is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -50,7 +59,7 @@ def get_tokenizer(model_config: ModelConfig) -> Any:
         os.replace(tmp, cached)
     except OSError as e:  # a read-only home only costs the conversion next time
         logger.warning("could not cache the converted tokenizer at %s: %s", cached, e)
-    return tokenizer
+    return tokenizer, "converted from the GGUF"
 
 
 def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:

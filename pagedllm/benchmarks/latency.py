@@ -2,22 +2,28 @@
 
 Contract. One batch of ``--batch-size`` (8) requests, each ``--input-len`` (32) random token ids (uniform in
 ``[100, vocab_size)``, seeded) and ``--output-len`` (128) output tokens with ``ignore_eos`` and greedy
-sampling, is submitted at once to `LLM.generate`. Each iteration times two calls on the same prompts, with the
-prefix cache reset before each so neither reuses cached prompt KV:
+sampling, is submitted at once to `LLM.generate`, with the prefix cache reset first so no iteration reuses
+cached prompt KV. Each iteration is one call, and all three figures come from that same call:
 
-* prefill: the batch generating 1 token each (``max_tokens=1``): the time to the batch's first token;
-* full: the batch generating ``--output-len`` tokens each: the batch latency;
-* decode per token: ``(t_full - t_prefill) / (output_len - 1)``.
+* batch latency: wall time from submitting the batch until `generate` returns;
+* prefill: wall time from submitting the batch until its last request's first token (the latest
+  ``RequestOutput.metrics.first_token_time``), that is until the whole batch is past its prompt;
+* decode per token: ``(batch latency - prefill) / (output_len - 1)``.
+
+The first token of every request is stamped before `generate` returns, so prefill <= batch latency and decode
+per token >= 0 by construction (both are taken on the one wall clock, `time.time()`, that stamps the metrics).
 
 ``--num-iters-warmup`` (2) untimed iterations run first, then ``--num-iters`` (5) timed ones; the report gives the
 mean and the 50th/90th/99th percentiles of each over the timed iterations. ``--output-json PATH`` writes them,
-every iteration's numbers and all arguments. Engine flags are `pagedllm serve`'s (``[MODEL]``, ``--model``,
-``--max-model-len``, ``--kv-cache-memory``, ...). Bad input exits with status 2 and names the value.
+every iteration's numbers and all arguments. Engine flags are `pagedllm serve`'s, from `EngineArgs.add_cli_args`
+(``[MODEL]``, ``--model``, ``--max-model-len``, ``--kv-cache-memory-bytes``, ...). Bad input exits with status 2
+and names the value.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -31,9 +37,9 @@ PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.cli import add_engine_args
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    add_engine_args(parser, positional_model=True)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     add = parser.add_argument
     add("--batch-size", type=int, default=8, help="requests in the batch (default 8)")
     add("--input-len", type=int, default=32, help="prompt tokens per request (default 32)")
@@ -60,7 +66,7 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 class BatchTimer:
-    """Times the prefill call and the full call of one batch on an `LLM`."""
+    """Times one batch on an `LLM`: batch latency and prefill from the same `generate` call."""
 
     def __init__(self, llm: Any, args: argparse.Namespace) -> None:
         from pagedllm import SamplingParams
@@ -70,32 +76,34 @@ class BatchTimer:
         vocab = int(llm.config.model_config.vocab_size)
         work = make_workload(args.batch_size, (args.input_len,) * 2, (args.output_len,) * 2, vocab, args.seed)
         self.prompts = [{"prompt_token_ids": p} for p in work.prompts]
-        self.first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        self.full = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         self.output_len = args.output_len
 
-    def _time(self, params: Any, expected: int) -> float:
-        self.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = self.llm.generate(self.prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        lens = {len(o.outputs[0].token_ids) for o in outs}
-        assert lens == {expected}, f"expected {expected} output tokens per request, got {sorted(lens)}"
-        return elapsed
-
     def iteration(self) -> tuple[float, float]:
-        """(prefill s, full s) of one iteration."""
-        return self._time(self.first, 1), self._time(self.full, self.output_len)
+        """(prefill s, batch latency s) of one call; 0 <= prefill <= batch latency."""
+        self.llm.reset_prefix_cache()
+        # time.time(): the clock that stamps RequestOutput.metrics, so both figures are on one clock.
+        start = time.time()
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        end = time.time()
+        lens = {len(o.outputs[0].token_ids) for o in outs}
+        assert lens == {self.output_len}, f"expected {self.output_len} output tokens per request, got {sorted(lens)}"
+        first_tokens = [o.metrics.first_token_time for o in outs if o.metrics is not None]
+        assert len(first_tokens) == len(outs) and None not in first_tokens, "a request has no first-token time"
+        full = max(end - start, 0.0)
+        # Clamped: a wall-clock step back during the call must not produce a negative or inverted figure.
+        prefill = min(max(max(first_tokens) - start, 0.0), full)
+        return prefill, full
 
 
 def run(args: argparse.Namespace, command: str) -> int:
     from tqdm import tqdm
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     print(f"command: {command}", flush=True)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     try:
         max_len = llm.config.model_config.max_model_len
         if args.input_len + args.output_len > max_len:

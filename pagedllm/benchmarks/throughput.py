@@ -19,6 +19,10 @@ Each engine gets one small untimed warm-up call. pagedllm's prefix cache is rese
 no run reuses another's prompt KV. The table is printed with the command line that produced it; ``--json-out``
 appends one JSON record per run (JSON lines).
 
+pagedllm's engine flags are `pagedllm serve`'s (`EngineArgs.add_cli_args`: ``--model``, ``--max-num-seqs``,
+``--num-threads``, ...); ``--seed`` also seeds the workload, ``--num-threads`` applies to both engines, and
+``--dtype`` must stay float32.
+
 Usage: ``python -m bench.throughput [--mode throughput|decode] ...`` (``--help``, bench/README.md).
 ``main(argv)`` and ``add_arguments(parser)`` + ``run(args)`` let ``pagedllm bench throughput`` reuse it.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import gc
 import io
@@ -46,6 +51,7 @@ import numpy as np
 import torch
 
 from pagedllm.benchmarks.datasets import add_dataset_args
+from pagedllm.config import resolve_dtype
 
 # Ids below this are special/control tokens in SmolLM2 (ids < ~20); stay well clear of them.
 MIN_PROMPT_TOKEN_ID = 100
@@ -103,12 +109,9 @@ class OursRunner:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from pagedllm import LLM
+        from pagedllm.engine.arg_utils import EngineArgs
 
-        kwargs: dict[str, Any] = {"num_threads": args.num_threads, "dtype": "float32"}
-        for key in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(args, key) is not None:
-                kwargs[key] = getattr(args, key)
-        self.llm = LLM(model=args.model, **kwargs)
+        self.llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         self.temperature = args.temperature
         self.vocab_size = int(self.llm.config.model_config.vocab_size)
         self.stats: dict[str, Any] = {}
@@ -408,8 +411,10 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the benchmark's flags to `parser` (shared with `pagedllm bench throughput`)."""
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
     add = parser.add_argument
-    add("--model", default=None, help="GGUF file or HF folder (default: the SmolLM2-135M-Instruct GGUF)")
     add("--mode", choices=["throughput", "decode"], default="throughput")
     add("--num-prompts", type=int, default=64, help="throughput mode: number of requests (default 64)")
     add(
@@ -428,18 +433,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add("--input-len", type=int, default=None, help="fixed prompt length (overrides the range; decode: 128)")
     add("--output-len", type=int, default=None, help="fixed output length (overrides the range; decode: 128)")
-    add("--seed", type=int, default=0, help="workload seed: lengths and token ids (default 0)")
     add(
         "--temperature",
         type=float,
         default=0.0,
         help="0 (default): greedy for both engines (HF do_sample=False); >0: plain temperature sampling",
     )
-    add("--max-num-seqs", type=int, default=None, help="pagedllm: max running requests (engine default)")
-    add("--max-num-batched-tokens", type=int, default=None, help="pagedllm: token budget per step")
     add("--hf-batch-size", type=int, default=16, help="HF static batch size, arrival order (default 16)")
     add("--no-hf", action="store_true", help="skip the HF transformers peer")
-    add("--num-threads", type=int, default=2, help="torch threads for both engines (default 2)")
     add("--num-iters", type=int, default=1, help="timed repetitions per engine; the median is reported")
     add(
         "--warmup",
@@ -460,6 +461,8 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    if resolve_dtype(args.dtype) != torch.float32:
+        raise SystemExit(f"--dtype must be float32 (HF runs in float32 beside it), got {args.dtype!r}")
     if args.mode == "decode" and args.dataset_name != "random":
         raise SystemExit(f"--dataset {args.dataset_name} applies to --mode throughput only (decode uses random ids)")
     if args.dataset_name == "sharegpt" and not (args.dataset_path and os.path.isfile(args.dataset_path)):
@@ -486,10 +489,12 @@ def _default_command() -> str:
 
 def run(args: argparse.Namespace, command: str | None = None) -> int:
     """Run the benchmark described by parsed `args`; `command` is the command line to print and record."""
-    from pagedllm.config import default_model_path
+    from pagedllm.config import default_model_path, model_from_env, num_threads_default
 
     _validate(args)
-    args.model = args.model or default_model_path()
+    args.model = args.model or model_from_env() or default_model_path()
+    if args.num_threads is None:  # both engines get the same number of threads
+        args.num_threads = num_threads_default()
     command = command or _default_command()
     torch.set_num_threads(args.num_threads)
     load_avg = os.getloadavg()[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -94,14 +94,15 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs) -> None:
-        self.engine_args = engine_args
         self.config = engine_args.create_engine_config()
+        # The core process builds its config again from these: with the KV budget fixed here, it gets the same.
+        self.engine_args = engine_args.for_engine_core(self.config)
         mc = self.config.model_config
         self.model_config = mc
         self.tokenizer = get_tokenizer(mc)
         self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = AsyncMPClient(self.config, engine_args)
+        self.engine_core = AsyncMPClient(self.config, self.engine_args)
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []

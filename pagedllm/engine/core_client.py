@@ -32,7 +32,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (

@@ -20,6 +20,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -35,7 +36,8 @@ from pagedllm.engine.protocol import (
     UtilityRequest,
 )
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m`, this module is __main__, whose logger is not under "pagedllm".
+logger = logging.getLogger("pagedllm.engine.core_proc")
 
 _STOP = object()
 
@@ -59,12 +61,18 @@ class EngineCoreProc:
     # ---- start-up ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from pagedllm.config import EngineArgs
+        start = time.perf_counter()
+        from pagedllm.engine.arg_utils import EngineArgs
         from pagedllm.engine.core import EngineCore
+
+        logger.info("startup: engine core imports %.2f s", time.perf_counter() - start)
 
         try:
             args = EngineArgs(**msgspec.json.decode(self.engine_args_json))
-            self.engine_core = EngineCore(args.create_engine_config())
+            config_start = time.perf_counter()
+            config = args.create_engine_config()
+            logger.info("startup: engine config %.2f s", time.perf_counter() - config_start)
+            self.engine_core = EngineCore(config)
         except BaseException as e:  # report, then exit: the client raises with this message
             msg = HandshakeMessage(status="FAILED", error=f"{type(e).__name__}: {e}")
             self.dealer.send(self.encoder.encode(msg))

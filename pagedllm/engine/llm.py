@@ -13,7 +13,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs, EngineConfig, engine_client_default
+from pagedllm.config import EngineConfig, engine_client_default
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import EngineCoreRequest
@@ -40,8 +41,9 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        self.config = self.engine_args.create_engine_config()
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.config = engine_args.create_engine_config()
+        self.engine_args = engine_args.for_engine_core(self.config)
         mc = self.config.model_config
         self.tokenizer = get_tokenizer(mc)
         self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))

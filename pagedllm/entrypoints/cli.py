@@ -1,72 +1,23 @@
 """The `pagedllm` command: `serve`, `generate`, `chat`, `bench`.
 
-Engine flags are named as `vllm serve` names them. With no model the default model is used.
+The engine flags of every command are `EngineArgs.add_cli_args` (engine/arg_utils.py), named as `vllm serve`
+names them, and become `EngineArgs` through `EngineArgs.from_cli_args`; no flag of the engine is defined here.
+With no model the default model is used. A bad value exits with status 2 and names it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from typing import Any
+
+from pagedllm.engine.arg_utils import EngineArgs
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    if positional_model:
-        parser.add_argument(
-            "model_tag",
-            nargs="?",
-            default=None,
-            metavar="MODEL",
-            help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)",
-        )
-    parser.add_argument("--model", default=None, help="HF model folder or .gguf file")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--dtype", default="auto", help="auto (float32), float32, bfloat16, float16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 4GiB or 512MiB")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default 2)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--attention-backend",
-        choices=["auto", "native", "torch"],
-        default=None,
-        help="decode attention: native (C++ CPU kernel, built once per machine), torch (gather + SDPA), or auto "
-        "(native on the CPU in float32 where it builds; the default); also $PAGEDLLM_ATTENTION_BACKEND",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="accepted for vLLM compatibility; pagedllm captures no graphs, so runs are always eager",
-    )
-
-
-def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    model = getattr(ns, "model_tag", None) or ns.model
-    return dict(
-        model=model,
-        tokenizer=ns.tokenizer,
-        served_model_name=ns.served_model_name,
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        block_size=ns.block_size,
-        kv_cache_memory_bytes=ns.kv_cache_memory,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        scheduling_policy=ns.scheduling_policy,
-        num_threads=ns.num_threads,
-        seed=ns.seed,
-        enforce_eager=ns.enforce_eager,
-        attention_backend=ns.attention_backend,
-    )
+def _engine_kwargs(ns: argparse.Namespace) -> dict[str, object]:
+    """`LLM`'s keyword arguments from the parsed engine flags."""
+    return dataclasses.asdict(EngineArgs.from_cli_args(ns))
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +43,7 @@ def _sampling_params(ns: argparse.Namespace):
 def cmd_generate(ns: argparse.Namespace) -> int:
     from pagedllm import LLM
 
-    llm = LLM(**engine_kwargs(ns))
+    llm = LLM(**_engine_kwargs(ns))
     params = _sampling_params(ns)
     if ns.chat:
         outs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
@@ -105,7 +56,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from pagedllm import LLM
 
-    llm = LLM(**engine_kwargs(ns))
+    llm = LLM(**_engine_kwargs(ns))
     params = _sampling_params(ns)
     history: list[dict[str, str]] = []
     if ns.system:
@@ -143,13 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
     chat.add_argument("--system", default=None)
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -158,20 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible HTTP server", usage="pagedllm serve [MODEL] [options]"
     )
-    add_engine_args(serve, positional_model=True)
+    EngineArgs.add_cli_args(serve, positional_model=True)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `pagedllm bench {throughput,serve,latency} --help`",
-        usage="pagedllm bench {throughput,serve,latency} [options]",
+        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup} --help`",
+        usage="pagedllm bench {throughput,serve,latency,startup} [options]",
     )
     bench.add_argument(
         "bench_kind",
-        choices=["throughput", "serve", "latency"],
+        choices=["throughput", "serve", "latency", "startup"],
         help="throughput: offline vs HF transformers; serve: against a running OpenAI-compatible server; "
-        "latency: one batch through LLM",
+        "latency: one batch through LLM; startup: `pagedllm serve` launch -> first 200 on /health",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)

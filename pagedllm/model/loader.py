@@ -8,8 +8,10 @@ un-permuted here back to the HF layout (rotate-half), which the model's rotary e
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,6 +23,9 @@ from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.linear import prepare_for_inference
 from pagedllm.model.registry import get_model_class
+from pagedllm.model.weight_cache import gguf_weights
+
+logger = logging.getLogger(__name__)
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -99,11 +104,17 @@ def load_model(
 ) -> nn.Module:
     """Build the model class for the architecture with the kernels of `kernels` (None: plain torch) and load its
     weights onto `device`."""
+    start = time.perf_counter()
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config.hf_config, dtype=model_config.dtype, kernels=kernels)
     path = model_config.model
-    weights = iterate_gguf(path, model_config.hf_config) if path.endswith(".gguf") else iterate_safetensors(path)
+    if path.endswith(".gguf"):
+        weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
+    else:
+        weights = iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
+    loaded = time.perf_counter()
     prepare_for_inference(model)
+    logger.info("startup: weights %.2f s, packing %.2f s", loaded - start, time.perf_counter() - loaded)
     return model.eval()

@@ -7,6 +7,7 @@ core hands to the scheduler; the worker then allocates one key and one value ten
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -24,7 +25,9 @@ class Worker:
         if self.device.type == "cpu":
             torch.set_num_threads(config.device_config.num_threads)
         torch.manual_seed(config.model_config.seed)
+        start = time.perf_counter()
         self.model_runner = ModelRunner(config, self.device)
+        logger.info("startup: model runner %.2f s (kernels, model, weights)", time.perf_counter() - start)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -52,7 +55,9 @@ class Worker:
             num_blocks * per_block / 2**30,
             num_blocks * self.config.cache_config.block_size,
         )
+        start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
+        logger.info("startup: KV cache allocation %.2f s", time.perf_counter() - start)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)

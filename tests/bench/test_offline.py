@@ -89,8 +89,9 @@ def test_latency_reports_prefill_decode_and_batch_latency(tiny_llama, tmp_path, 
     assert rec["model"] == tiny_llama
     full, prefill, decode = rec["latencies"], rec["prefill_latencies"], rec["decode_per_token_latencies"]
     assert len(full) == len(prefill) == len(decode) == 3  # the warm-up iteration is not reported
+    # Structure, not timings: prefill and batch latency come from the same call, so these hold by construction.
     for f, p, d in zip(full, prefill, decode):
-        assert 0 < p < f and d == pytest.approx((f - p) / 4)
+        assert 0 <= p <= f and d >= 0 and d == pytest.approx((f - p) / 4)
     for key, values in (("latency_s", full), ("prefill_s", prefill), ("decode_per_token_s", decode)):
         stats = rec[key]
         assert stats["avg"] == pytest.approx(sum(values) / 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import DEFAULT_MODEL_INSTALL, EngineArgs, default_model_path, parse_size
+from pagedllm.config import DEFAULT_MODEL_INSTALL, default_model_path, parse_size
+from pagedllm.engine.arg_utils import EngineArgs
 from tests.model_utils import make_tiny_model, random_prompts
 
 
@@ -42,6 +44,13 @@ def test_parse_size(text, value):
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_model_len": 10**6}, "max_model_len"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"num_threads": 0}, "num_threads"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"device": "tpu:x"}, "device"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
     ],
 )
 def test_bad_engine_args(model_dir, kwargs, match):
@@ -51,7 +60,14 @@ def test_bad_engine_args(model_dir, kwargs, match):
 
 @pytest.mark.parametrize(
     "arg, env, expected",
-    [(None, None, "auto"), (None, "torch", "torch"), (None, " Native ", "native"), ("torch", "native", "torch")],
+    [
+        (None, None, "auto"),
+        (None, "torch", "torch"),
+        (None, " Native ", "cpu_native"),
+        ("torch", "native", "torch"),
+        ("native", None, "cpu_native"),
+        ("cpu_native", "torch", "cpu_native"),
+    ],
 )
 def test_attention_backend_from_argument_or_environment(model_dir, monkeypatch, arg, env, expected):
     if env is None:
@@ -72,10 +88,22 @@ def test_bad_attention_backend(model_dir, monkeypatch, arg, env, match):
         EngineArgs(model=model_dir, attention_backend=arg).create_engine_config()
 
 
-def test_enforce_eager_is_accepted(model_dir):
-    """vLLM scripts pass enforce_eager; it is accepted (pagedllm never captures graphs) and changes nothing."""
-    config = EngineArgs(model=model_dir, enforce_eager=True).create_engine_config()
-    assert config == EngineArgs(model=model_dir, enforce_eager=False).create_engine_config()
+@pytest.mark.parametrize("flags, value", [([], False), (["--enforce-eager"], True), (["--no-enforce-eager"], False)])
+def test_enforce_eager_flag_reaches_the_field_and_the_config_builds(model_dir, flags, value):
+    """vLLM scripts pass --enforce-eager: it parses to the field, and the engine config builds with it (pagedllm
+    captures no graphs, so it selects nothing else: the config equals the default one)."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--model", model_dir, *flags]))
+    assert args.enforce_eager is value
+    assert args.create_engine_config() == EngineArgs(model=model_dir).create_engine_config()
+
+
+def test_enforce_eager_refuses_a_non_boolean(model_dir):
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 'yes'"):
+        EngineArgs(model=model_dir, enforce_eager="yes").create_engine_config()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):  # a switch takes no value
+        parser.parse_args(["--enforce-eager=yes"])
 
 
 def test_unknown_engine_argument(model_dir):
@@ -117,8 +145,10 @@ def test_generate_cli_prints_completion(model_dir):
             "0",
             "--max-model-len",
             "256",
-            "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
             "8MiB",
+            "--no-enable-prefix-caching",
+            "--enforce-eager",
         ],
         capture_output=True,
         text=True,

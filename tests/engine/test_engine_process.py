@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
 from tests.model_utils import make_tiny_model, random_prompts

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedllm import RequestOutput, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutputs, SchedulerStats

@@ -167,7 +167,7 @@ def test_context_length_error_message(client, model_name):
         ({}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": "hello"}, "messages"),
-        ({"messages": [{"content": "no role"}]}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages[0].role"),
         ({"messages": MESSAGES, "temperature": -1}, "temperature"),
         ({"messages": MESSAGES, "top_p": 2}, "top_p"),
         ({"messages": MESSAGES, "n": 0}, "n"),
@@ -203,3 +203,52 @@ def test_non_text_content_part_is_400(server, model_name):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+
+
+USER = {"role": "user", "content": "Hi."}
+CALL = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": None}], "messages[0].content"),
+        ([{"role": "", "content": "empty role"}], "messages[0].role"),
+        ([{"role": "wizard", "content": "unknown role"}], "messages[0].role"),
+        ([{"role": "system"}, USER], "messages[0].content"),
+        ([{"role": "developer", "content": None}, USER], "messages[0].content"),
+        ([USER, {"role": "assistant"}, USER], "messages[1].content"),
+        ([USER, {"role": "assistant", "content": None, "tool_calls": []}, USER], "messages[1].content"),
+        (
+            [USER, {"role": "assistant", "tool_calls": CALL}, {"role": "tool", "content": "1"}],
+            "messages[2].tool_call_id",
+        ),
+        (
+            [USER, {"role": "assistant", "tool_calls": CALL}, {"role": "tool", "tool_call_id": "call_1"}],
+            "messages[2].content",
+        ),
+        ([USER, {"role": "function", "content": "1"}], "messages[1].name"),
+        ([USER, {"role": "function", "name": "f"}], "messages[1].content"),
+    ],
+)
+def test_messages_breaking_openai_role_rules_are_400(server, model_name, messages, param):
+    """OpenAI's per-role rules: a 400 naming the field, for /v1/chat/completions and for /tokenize alike."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, resp = server.request("POST", path, {"model": model_name, "messages": messages, "max_tokens": 2})
+        assert status == 400, (path, resp)
+        err = resp["error"]
+        assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param, (path, err)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [USER, {"role": "assistant", "tool_calls": CALL}, {"role": "tool", "content": "1", "tool_call_id": "call_1"}],
+        [USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+        [USER, {"role": "function", "name": "f", "content": None}],
+        [{"role": "developer", "content": ""}, USER],
+    ],
+)
+def test_messages_following_openai_role_rules_are_accepted(client, model_name, messages):
+    assert chat(client, model_name, messages, max_tokens=2).choices[0].message.role == "assistant"

@@ -1,4 +1,4 @@
-"""The HTTP-server flags of `pagedllm serve` (the engine flags come from `cli.add_engine_args`).
+"""The HTTP-server flags of `pagedllm serve` (the engine flags are `EngineArgs.add_cli_args`, engine/arg_utils.py).
 
 Contract: importing this module is cheap (argparse only), so `pagedllm --help` does not load FastAPI.
 Flag names follow `vllm serve` where vLLM has the same flag.

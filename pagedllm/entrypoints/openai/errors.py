@@ -86,8 +86,30 @@ def error_from_exception(exc: BaseException, fields: Iterable[str] = ()) -> Open
     return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
 
+# Names pydantic gives the members of a union in an error's location ("str" of `str | list[str]`); the other
+# member names it uses are not identifiers ("list[str]", "constrained-int", "function-after[...]").
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict"})
+
+
+def param_path(loc: Iterable[Any]) -> str | None:
+    """OpenAI's name of the field a validation error's location points at: ("body", "messages", 0, "role") ->
+    "messages[0].role"; union member names and dict keys that are not identifiers end the path."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int) and path:
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _UNION_MEMBER_NAMES:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path or None
+
+
 def format_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, str | None]:
-    """(message, param) for pydantic/FastAPI validation errors: one "field: problem" clause per error."""
+    """(message, param) for pydantic/FastAPI validation errors: one "field: problem" clause per error; param is
+    the first error's field in OpenAI's notation (`param_path`)."""
     clauses = []
     first_param = None
     for err in errors:
@@ -98,6 +120,6 @@ def format_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, str
             msg = f"the request body is not valid JSON ({err.get('ctx', {}).get('error', msg)})"
             loc, where = [], ""
         if first_param is None and loc:
-            first_param = loc[0]
+            first_param = param_path(err.get("loc", ()))
         clauses.append(f"{where}: {msg}" if where else msg)
     return "; ".join(clauses) or "invalid request", first_param

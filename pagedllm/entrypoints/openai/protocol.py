@@ -158,11 +158,25 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---- /v1/chat/completions ----------------------------------------------------------------------------------
 
 
+# OpenAI's message roles ("function" is deprecated by OpenAI but still accepted there). Any other role is a 400.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessageParam(OpenAIBaseModel):
-    role: str
+    """One message of a conversation. Besides these types, OpenAI's per-role rules hold (checked by the chat
+    handler, a 400 naming the field, e.g. `messages[0].content`): system, developer and user messages need
+    `content`; an assistant message may leave `content` out (or null) only when it has `tool_calls` (or the
+    deprecated `function_call`); a tool message needs `content` and `tool_call_id`; a function message needs
+    `name` and a `content` key, which may be null."""
+
+    role: ChatRole
     # A string or a list of content parts ({"type": "text", "text": ...}); parts are checked by the template.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Past turns of a tool-using conversation; they reach the chat template as given.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

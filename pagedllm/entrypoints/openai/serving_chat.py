@@ -1,10 +1,12 @@
 """POST /v1/chat/completions: OpenAI's chat API on top of `AsyncLLM.generate` and the model's chat template.
 
 Contract:
-* `messages` (system/user/assistant/..., content a string or a list of text parts) go through the model's
-  chat template (`add_generation_prompt` default true, `continue_final_message` as in vLLM; a request's own
-  `chat_template` only with --trust-request-chat-template); the templated text is tokenized without adding
-  special tokens again. A template that rejects the conversation is a 400.
+* `messages` (system/developer/user/assistant/tool/function, content a string or a list of text parts) must
+  follow OpenAI's per-role rules (`check_message`: an unknown role, a user message without content, a tool
+  message without tool_call_id, ... are a 400 naming the field, e.g. `messages[0].content`), then go through
+  the model's chat template (`add_generation_prompt` default true, `continue_final_message` as in vLLM; a
+  request's own `chat_template` only with --trust-request-chat-template); the templated text is tokenized
+  without adding special tokens again. A template that rejects the conversation is a 400.
 * `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context length.
 * `logprobs: true` + `top_logprobs: N` return OpenAI's chat format: `content` = [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}] * N}].
@@ -36,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    ChatMessageParam,
     DeltaMessage,
     UsageInfo,
     now_s,
@@ -56,11 +59,45 @@ from pagedllm.entrypoints.openai.serving_engine import (
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+# Roles whose messages must carry content (OpenAI's rules; see ChatMessageParam).
+CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
 
-def messages_to_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Pydantic messages -> the dicts a chat template expects (missing content becomes "")."""
+
+def check_message(index: int, message: ChatMessageParam) -> None:
+    """Raise a 400 naming the field (`messages[i].content`, ...) if `message` breaks OpenAI's per-role rules."""
+    where = f"messages[{index}]"
+    given = message.model_fields_set
+    if message.role in CONTENT_REQUIRED_ROLES and message.content is None:
+        if "content" not in given:
+            raise OpenAIError(f"Missing required parameter: '{where}.content'.", 400, f"{where}.content")
+        raise OpenAIError(
+            f"Invalid type for '{where}.content': a {message.role} message needs a string or an array of content "
+            "parts, got null.",
+            400,
+            f"{where}.content",
+        )
+    if message.role == "assistant" and message.content is None and not (message.tool_calls or message.function_call):
+        raise OpenAIError(
+            f"Missing required parameter: '{where}.content' (an assistant message needs content unless it has "
+            "tool_calls).",
+            400,
+            f"{where}.content",
+        )
+    if message.role == "tool" and message.tool_call_id is None:
+        raise OpenAIError(f"Missing required parameter: '{where}.tool_call_id'.", 400, f"{where}.tool_call_id")
+    if message.role == "function":
+        if message.name is None:
+            raise OpenAIError(f"Missing required parameter: '{where}.name'.", 400, f"{where}.name")
+        if "content" not in given:  # required, but may be null
+            raise OpenAIError(f"Missing required parameter: '{where}.content'.", 400, f"{where}.content")
+
+
+def messages_to_dicts(messages: Sequence[ChatMessageParam]) -> list[dict[str, Any]]:
+    """Pydantic messages -> the dicts a chat template expects, after OpenAI's per-role checks (`check_message`,
+    a 400 naming the field). Content that may be absent (an assistant's tool calls) becomes ""."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        check_message(i, m)
         d = m.model_dump(exclude_none=True)
         d.setdefault("content", "")
         out.append(d)

