@@ -82,7 +82,7 @@ static inline void values_tile(float* acc, const float* p, int64_t stride, const
 // passes (scores, softmax, values) over tiles of 16 tokens. A tile's 16 keys are read once for all query heads,
 // their dot products reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads
 // of one KV head at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's
-// work: blocks are scattered, which stops the hardware prefetcher (into L1, or one tile ahead, read ~35 % slower).
+// work: blocks are scattered, which stops the hardware prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
 template <int D>
 static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
                                const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,

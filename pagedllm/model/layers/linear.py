@@ -17,9 +17,9 @@ from torch import nn
 from pagedllm.model import hugepages
 from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
-# Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm):
-# MKL's own threading of skinny GEMMs leaves most of the memory bandwidth unused on this class of CPU
-# (measured 1.5-1.8x at one row, ~1.1x at 16-64 rows, a loss from ~512 rows). Used when oneDNN is missing.
+# Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm): MKL's own
+# threading of skinny GEMMs leaves most of the memory bandwidth unused on the CPUs we measure on (bench/RESULTS.md).
+# Used when oneDNN is missing.
 SPLIT_GEMM_MAX_ROWS = 64
 # Up to this many rows, the native ops (when the layer has them) run the product on the weight's panels: they stream
 # the weight once for all rows, where oneDNN's GEMM reads it well below the memory bandwidth for few rows on two
