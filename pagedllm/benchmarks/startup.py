@@ -418,7 +418,18 @@ def main(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> int:
     args, serve_args = parser.parse_known_args(argv)
     _validate(parser, args)
     command = shlex.join([*shlex.split(prog), *(sys.argv[1:] if argv is None else argv)])
-    return run(args, serve_args, command)
+    if threading.current_thread() is not threading.main_thread():
+        return run(args, serve_args, command)
+    # SIGTERM unwinds like Ctrl-C, so that the server being timed (in its own session) is stopped too.
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run(args, serve_args, command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

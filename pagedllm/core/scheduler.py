@@ -5,8 +5,10 @@ are served first, in order, then waiting ones. A request computes `num_tokens - 
 capped by what is left of the budget, so long prompts are split across steps (chunked prefill) and share
 steps with decodes. A prefix-cache hit starts a request at the end of its cached blocks.
 
-When the KV cache runs out, the lowest-priority request not yet scheduled this step (the newest, under FCFS)
-is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed.
+The waiting queue is one class per scheduling policy (`request_queue.py`): it orders admissions and picks
+preemption victims, so nothing here depends on the policy's name. When the KV cache runs out, the request
+the policy ranks lowest among those not yet scheduled this step (under FCFS the newest) is preempted: its
+blocks are freed and it goes back to the waiting queue ahead of later arrivals, to be recomputed.
 Requests already scheduled in a step are never preempted in it: blocks cached at their allocation might be
 hit by others before they are computed.
 
@@ -20,57 +22,14 @@ first), PREEMPTED when it is preempted. They travel with the request's next Engi
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import RequestQueue, create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-
-
-class WaitingQueue:
-    """FCFS: a deque where preempted requests return to the front. Priority: a heap on (priority, arrival)."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, req: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
-        else:
-            self._fcfs.append(req)
-
-    def add_front(self, req: Request) -> None:
-        if self.policy == "priority":
-            self.add(req)  # its (priority, arrival) key already puts it where it belongs
-        else:
-            self._fcfs.appendleft(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fcfs[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fcfs.popleft()
-
-    def remove(self, req: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-        else:
-            self._fcfs.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fcfs)
-
-    def __iter__(self):
-        return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fcfs)
 
 
 class Scheduler:
@@ -80,7 +39,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(scheduler_config.policy)
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         # Requests that left since the last SchedulerOutput: the worker forgets them.
         self._finished_req_ids: set[str] = set()
@@ -100,18 +59,19 @@ class Scheduler:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort); unknown or finished ids are ignored."""
         assert RequestStatus.is_finished(status)
-        done = []
+        found: dict[str, Request] = {}
         for req_id in request_ids:
             req = self.requests.get(req_id)
-            if req is None or req.is_finished:
-                continue
+            if req is not None and not req.is_finished:
+                found[req_id] = req
+        done = list(found.values())
+        # Waiting ones leave the queue together: one pass over it, however many are aborted.
+        self.waiting.remove_requests([r for r in done if r.status != RequestStatus.RUNNING])
+        for req in done:
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
-                self.waiting.remove(req)
             req.status = status
             self._free_request(req)
-            done.append(req)
         return done
 
     def has_unfinished_requests(self) -> bool:
@@ -212,10 +172,7 @@ class Scheduler:
         return n
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
-        candidates = self.running[first_unscheduled:]
-        if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        return self.waiting.pick_victim(self.running[first_unscheduled:])
 
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
@@ -226,7 +183,7 @@ class Scheduler:
         req.num_preemptions += 1
         self._num_preemptions += 1
         self.total_preemptions += 1
-        self.waiting.add_front(req)
+        self.waiting.prepend(req)
 
     # ---- after the model ran ---------------------------------------------------------------------
 

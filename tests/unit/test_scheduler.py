@@ -164,3 +164,33 @@ def test_abort_frees_blocks_and_reports_to_worker():
     out = s.schedule()
     assert "a" in out.finished_req_ids and list(out.num_scheduled_tokens) == ["b"]
     s.kv_cache_manager.check_invariants()
+
+
+def test_priority_policy_preempts_lowest_priority_not_newest():
+    # "low" runs alone first, then "high" joins: running order is [low, high], priority order the reverse.
+    for policy, victim in [("fcfs", "high"), ("priority", "low")]:
+        s = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False, policy=policy)
+        s.add_request(req("low", 8, max_tokens=12, priority=5, arrival=1.0))
+        step(s)
+        s.add_request(req("high", 8, max_tokens=12, priority=0, arrival=2.0, first=50))
+        preempted = set()
+        while not preempted:
+            out, _ = step(s)
+            preempted = out.preempted_req_ids
+        assert preempted == {victim}, policy
+        while s.has_unfinished_requests():
+            step(s)
+        assert s.kv_cache_manager.num_blocks_in_use() == 0
+
+
+def test_abort_running_and_waiting_requests_together():
+    s = make_scheduler(max_seqs=1)
+    for i, rid in enumerate("abcd"):
+        s.add_request(req(rid, 4, first=20 * (i + 1)))
+    step(s)
+    done = s.finish_requests(["b", "d", "b", "a"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in done] == ["b", "d", "a"]
+    assert [r.request_id for r in s.waiting] == ["c"] and s.running == []
+    out = s.schedule()
+    assert out.finished_req_ids == {"a", "b", "d"} and list(out.num_scheduled_tokens) == ["c"]
+    s.kv_cache_manager.check_invariants()

@@ -10,6 +10,8 @@ Contract:
   only for a bug. A rejected request never reaches the engine and never disturbs others.
 * With an API key (--api-key or $PAGEDLLM_API_KEY) every route but /health and /ping wants
   `Authorization: Bearer KEY`.
+* /openapi.json describes what each route answers, and only that: every status with its content type and body,
+  the statuses that depend on the flags (401, 429) only when they can happen, no 422 (openapi_spec.py).
 * /health answers 200 while the engine core lives and 503 once it died. In-flight requests then get an error
   at once (503 JSON, or an SSE error event); a watchdog stops uvicorn ENGINE_DEATH_GRACE_S later and
   `run_server` returns 1.
@@ -34,7 +36,7 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -50,13 +52,20 @@ from pagedllm.entrypoints.openai.errors import (
     error_response,
     format_validation_errors,
 )
+from pagedllm.entrypoints.openai.openapi_spec import empty_ok, errors, install_openapi, streamable
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -150,30 +159,36 @@ def _engine_alive(engine: AsyncLLM) -> bool:
     return not engine.dead and engine.errored is None
 
 
-@router.get("/health")
+# Each route declares every status it answers (openapi_spec.py; 401 and 429 are added there, per the flags).
+
+
+@router.get("/health", response_class=Response, responses={**empty_ok("The engine core is alive."), **errors(503)})
 async def health(raw_request: Request) -> Response:
     if not _engine_alive(_engine(raw_request)):
         return error_response(OpenAIError("The engine core process died.", 503))
     return Response(status_code=200)
 
 
-@router.get("/ping", operation_id="ping_get")
-@router.post("/ping", operation_id="ping_post")
+_PING_RESPONSES = {**empty_ok("The engine core is alive."), **errors(503)}
+
+
+@router.get("/ping", operation_id="ping_get", response_class=Response, responses=_PING_RESPONSES)
+@router.post("/ping", operation_id="ping_post", response_class=Response, responses=_PING_RESPONSES)
 async def ping(raw_request: Request) -> Response:
     return await health(raw_request)
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse)
 async def version() -> JSONResponse:
     return JSONResponse({"version": pagedllm.__version__})
 
 
-@router.get("/load")
+@router.get("/load", response_model=LoadResponse)
 async def load(raw_request: Request) -> JSONResponse:
     return JSONResponse({"server_load": raw_request.app.state.server_load.in_flight})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus' text format."}})
 async def metrics() -> Response:
     """Prometheus text format. Behind the API key like every route but /health and /ping (vLLM leaves it open):
     a scraper sends the key (`authorization: {credentials: KEY}` in Prometheus' scrape config)."""
@@ -182,7 +197,7 @@ async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def show_models(raw_request: Request) -> Response:
     state = raw_request.app.state
     mc = state.engine.model_config
@@ -190,7 +205,11 @@ async def show_models(raw_request: Request) -> Response:
     return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={**streamable("The completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
+)
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     try:
         return await raw_request.app.state.serving_completion.create_completion(request, raw_request)
@@ -198,7 +217,11 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
         return Response(status_code=499)  # nobody is listening; the generation was aborted
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**streamable("The chat completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
+)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     try:
         return await raw_request.app.state.serving_chat.create_chat_completion(request, raw_request)
@@ -206,19 +229,19 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         return Response(status_code=499)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     result = raw_request.app.state.serving_tokenization.tokenize(request)
     return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     result = raw_request.app.state.serving_tokenization.detokenize(request)
     return Response(result.model_dump_json(), media_type="application/json")
 
 
-@debug_router.get("/debug/kv_cache")
+@debug_router.get("/debug/kv_cache", response_model=dict[str, Any], responses=errors(503))
 async def debug_kv_cache(raw_request: Request) -> JSONResponse:
     """Block-pool counts from the engine core (`check_invariants`), the core's pid and the front end's view."""
     engine = _engine(raw_request)
@@ -317,6 +340,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(ServerLoadMiddleware, load=state.server_load)
     api_key = getattr(args, "api_key", None)
+    install_openapi(app, bool(api_key), state.server_load.limit is not None, GENERATION_PATHS)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # added last: runs first
     return app

@@ -51,6 +51,14 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+class VersionResponse(OpenAIBaseModel):
+    version: str
+
+
+class LoadResponse(OpenAIBaseModel):
+    server_load: int  # generation requests in flight
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -111,7 +119,28 @@ class SamplingFields(OpenAIBaseModel):
 # ---- /v1/completions ---------------------------------------------------------------------------------------
 
 
+# Request examples in the OpenAPI description (`json_schema_extra`): what a reader copies first, and the requests
+# a schema fuzzer sends before it invents its own. Short, so that trying one costs little.
+_USER_MESSAGE = {"role": "user", "content": "Name a primary color."}
+_SYSTEM_MESSAGE = {"role": "system", "content": "Be brief."}  # also keeps the template's long default one out
+
+
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+                {"prompt": ["Once upon a", "Hello"], "max_tokens": 3, "logprobs": 2, "echo": True},
+                {
+                    "prompt": "Once upon a time",
+                    "max_tokens": 3,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        }
+    )
+
     # A string, a list of strings, token ids, or a list of token-id lists: each prompt is one choice set.
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     max_tokens: Int64 | None = 16
@@ -180,6 +209,20 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "messages": [_SYSTEM_MESSAGE, _USER_MESSAGE],
+                    "max_completion_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                },
+                {"messages": [_SYSTEM_MESSAGE, _USER_MESSAGE], "max_tokens": 3, "n": 2, "stream": True},
+            ]
+        }
+    )
+
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Int64 | None = None
@@ -259,6 +302,10 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 class TokenizeRequest(OpenAIBaseModel):
     """Either {"prompt": str} (completion style) or {"messages": [...]} (chat style, the chat template)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"prompt": "Hello, world!"}, {"messages": [_USER_MESSAGE]}]}
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
@@ -277,6 +324,8 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [19556, 28, 905, 17]}]})
+
     model: str | None = None
     tokens: list[Int64]
 
