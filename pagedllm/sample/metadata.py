@@ -14,8 +14,10 @@ Contract:
   the logits' device.
 - `prompt_token_ids` is padded with `vocab_size`, so `vocab_size` must equal the logits' last dimension.
 
-`from_requests` builds all of this from per-row Python data; it runs every step for up to a few hundred
-rows, so it does one host->device copy per tensor and no per-row device work.
+The model runner gets it each step from `InputBatch.sampling_metadata`, which slices per-row arrays kept
+across steps. `from_requests` builds the same object from per-row Python data: the reference those slices are
+tested against, and the way tests build a batch by hand. Both do one host->device copy per tensor and no
+per-row device work.
 """
 
 from __future__ import annotations

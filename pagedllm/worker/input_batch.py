@@ -1,10 +1,19 @@
 """InputBatch: the worker's persistent per-request state, updated from SchedulerOutput diffs.
 
 Each request the worker knows keeps a `CachedRequestState` (its tokens, sampling settings, generator) until
-it finishes. Requests in the running set also own a row of the CPU-side arrays (token ids, block table),
-written once when the request arrives and then only extended: the block table gains the step's new block
-ids, the token row gains each sampled token. A preempted request gives up its row but keeps its state, so
-its seeded generator continues where it stopped when it resumes.
+it finishes. Requests in the running set also own a row of the CPU-side arrays, written once when the
+request takes the row (new, or resumed after preemption) and then only extended:
+- token ids and block table: the block table gains the step's new block ids, the token row each sampled token;
+- sampling state (temperature, top-k/top-p/min-p, penalties, logprobs, seeded generator, logit bias,
+  min_tokens, a reference to the output-token history that penalties read): filled from the request's
+  `SamplingParams` when it takes the row, so a step only slices it.
+A preempted request gives up its row but keeps its state, so its seeded generator continues where it stopped
+and its prompt logprobs are not reported twice when it recomputes its prompt.
+
+`sampling_metadata(rows, vocab_size)` is the one call the model runner makes per step: the `SamplingMetadata`
+of the given rows, in that order, built by indexing the row arrays (no Python work per field and request; the
+only per-row Python is gathering list references and the rows that use a seed, logit bias or min_tokens). It
+equals what `SamplingMetadata.from_requests` builds from the same requests.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -44,10 +54,31 @@ class InputBatch:
         self.device = device
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)  # [rows, max_model_len]
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)  # [rows, max_blocks]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+
+        # Sampling state per row. Greedy rows hold temperature 0 and neutral filters, as SamplingMetadata wants.
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)  # [rows] 0.0 = greedy
+        self.top_k = np.full(max_num_reqs, -1, dtype=np.int64)  # [rows] -1 = no top-k (vocab-free)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)  # [rows]
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)  # [rows]
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)  # [rows]
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)  # [rows]
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)  # [rows]
+        self.has_penalty = np.zeros(max_num_reqs, dtype=bool)  # [rows]
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # [rows] -1 = no logprobs
+        # True for a greedy row with no penalty, logit bias, min_tokens or logprobs: a batch of these is a plain
+        # argmax (the fast path of sampling_metadata).
+        self.plain = np.ones(max_num_reqs, dtype=bool)  # [rows]
+        # Per-row Python objects; the dicts hold only the rows that use the feature.
+        self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # the request's own list
+        self.logit_bias: dict[int, dict[int, float]] = {}  # rows with a logit bias
+        self.generators: dict[int, torch.Generator] = {}  # random rows with a seed
+        # Rows still below min_tokens: (min_tokens, ids forbidden until then); dropped once reached.
+        self.min_tokens: dict[int, tuple[int, set[int]]] = {}
 
     def update(self, sched: SchedulerOutput) -> None:
         """Apply one step's diff: drop finished, release preempted rows, add new, extend the rest."""
@@ -82,9 +113,98 @@ class InputBatch:
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         pos = state.num_tokens
-        state.output_token_ids.append(token_id)
+        state.output_token_ids.append(token_id)  # also the row's penalty history: the same list
         if pos < self.max_model_len:
             self.token_ids[state.row, pos] = token_id
+        entry = self.min_tokens.get(state.row)
+        if entry is not None and len(state.output_token_ids) >= entry[0]:
+            del self.min_tokens[state.row]
+            self._refresh_plain(state.row, state.sampling_params)
+
+    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """The SamplingMetadata of `rows` [num_reqs] (rows of running requests), row i of it being rows[i]."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        row_list = rows.tolist()
+        outputs = [self.output_token_ids[r] for r in row_list]
+        if self.plain[rows].all():
+            return SamplingMetadata(
+                temperature=torch.zeros(n, dtype=torch.float32, device=self.device),
+                all_greedy=True,
+                all_random=n == 0,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                generators={},
+                no_penalties=True,
+                presence_penalties=None,
+                frequency_penalties=None,
+                repetition_penalties=None,
+                prompt_token_ids=None,
+                output_token_ids=outputs,
+                min_tokens={},
+                logit_bias=[None] * n,
+                max_num_logprobs=None,
+            )
+
+        temperature = self.temperature[rows]
+        num_greedy = int(np.count_nonzero(temperature == 0.0))
+        top_k = self.top_k[rows]
+        top_k = np.where((top_k < 0) | (top_k > vocab_size), vocab_size, top_k)
+        top_p = self.top_p[rows]
+        min_p = self.min_p[rows]
+        no_penalties = not self.has_penalty[rows].any()
+        num_logprobs = int(self.num_logprobs[rows].max(initial=-1))
+
+        generators: dict[int, torch.Generator] = {}
+        min_tokens: dict[int, tuple[int, set[int]]] = {}
+        if self.generators or self.min_tokens:
+            for i, r in enumerate(row_list):
+                gen = self.generators.get(r)
+                if gen is not None:
+                    generators[i] = gen
+                entry = self.min_tokens.get(r)
+                if entry is not None:
+                    # Out-of-range ids cannot be produced anyway; dropping them keeps the index op in bounds.
+                    forbidden = {t for t in entry[1] if 0 <= t < vocab_size}
+                    if forbidden:
+                        min_tokens[i] = (entry[0], forbidden)
+        logit_bias: list[dict[int, float] | None] = [None] * n
+        if self.logit_bias:
+            for i, r in enumerate(row_list):
+                bias = self.logit_bias.get(r)
+                if bias is not None:
+                    # Out-of-range ids are dropped so a bad request cannot crash the whole batch with an index error.
+                    logit_bias[i] = {t: v for t, v in bias.items() if 0 <= t < vocab_size} or None
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device)
+
+        prompt_tensor = None
+        if not no_penalties:
+            lens = self.num_prompt_tokens[rows]
+            width = int(lens.max(initial=0))
+            # Rows of token_ids start with the prompt; everything past a row's own prompt becomes the pad id.
+            padded = np.where(np.arange(width) < lens[:, None], self.token_ids[rows, :width], vocab_size)
+            prompt_tensor = dev(padded)
+        return SamplingMetadata(
+            temperature=dev(temperature),
+            all_greedy=num_greedy == n,
+            all_random=num_greedy == 0,
+            top_k=dev(top_k) if (top_k < vocab_size).any() else None,
+            top_p=dev(top_p) if (top_p < 1.0).any() else None,
+            min_p=dev(min_p) if (min_p > 0.0).any() else None,
+            generators=generators,
+            no_penalties=no_penalties,
+            presence_penalties=None if no_penalties else dev(self.presence_penalty[rows]),
+            frequency_penalties=None if no_penalties else dev(self.frequency_penalty[rows]),
+            repetition_penalties=None if no_penalties else dev(self.repetition_penalty[rows]),
+            prompt_token_ids=prompt_tensor,
+            output_token_ids=outputs,
+            min_tokens=min_tokens,
+            logit_bias=logit_bias,
+            max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
+        )
 
     def _take_row(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if state.row < 0:
@@ -92,11 +212,48 @@ class InputBatch:
         row = state.row
         prompt = state.prompt_token_ids
         self.token_ids[row, : len(prompt)] = prompt
+        self.num_prompt_tokens[row] = len(prompt)
         if state.output_token_ids:
             self.token_ids[row, len(prompt) : state.num_tokens] = state.output_token_ids
         state.block_ids = list(block_ids)
         self.block_table[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
+        self._set_sampling_row(state)
+
+    def _set_sampling_row(self, state: CachedRequestState) -> None:
+        """Write the row's sampling state from the request's params (when it takes a row)."""
+        row, p = state.row, state.sampling_params
+        greedy = p.greedy
+        self.temperature[row] = 0.0 if greedy else p.temperature
+        self.top_k[row] = -1 if greedy else p.top_k
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.has_penalty[row] = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.output_token_ids[row] = state.output_token_ids
+        if p.logit_bias:
+            self.logit_bias[row] = p.logit_bias
+        # A greedy row's generator is deliberately left out so it is never advanced.
+        if state.generator is not None and not greedy:
+            self.generators[row] = state.generator
+        forbidden = set(p.stop_token_ids or ())
+        if state.eos_token_id is not None and not p.ignore_eos:
+            forbidden.add(state.eos_token_id)
+        if forbidden and len(state.output_token_ids) < p.min_tokens:
+            self.min_tokens[row] = (p.min_tokens, forbidden)
+        self._refresh_plain(row, p)
+
+    def _refresh_plain(self, row: int, p: SamplingParams) -> None:
+        self.plain[row] = (
+            p.greedy
+            and not self.has_penalty[row]
+            and p.logprobs is None
+            and row not in self.logit_bias
+            and row not in self.min_tokens
+        )
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if not block_ids:
@@ -108,6 +265,11 @@ class InputBatch:
         state.block_ids.extend(block_ids)
 
     def _release_row(self, state: CachedRequestState) -> None:
-        if state.row >= 0:
-            self.free_rows.append(state.row)
+        row = state.row
+        if row >= 0:
+            self.free_rows.append(row)
+            self.generators.pop(row, None)
+            self.min_tokens.pop(row, None)
+            self.logit_bias.pop(row, None)
+            self.output_token_ids[row] = []
             state.row = -1

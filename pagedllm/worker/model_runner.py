@@ -22,7 +22,6 @@ from pagedllm.model.attention.backends.base import CommonAttentionMetadata
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.loader import load_model
-from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
 from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -136,16 +135,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows_to_sample)
             if logits.dtype != torch.float32:
                 logits = logits.float()
-            sampling_states = [states[i] for i in sample_rows]
-            md = SamplingMetadata.from_requests(
-                [s.sampling_params for s in sampling_states],
-                [s.prompt_token_ids for s in sampling_states],
-                [s.output_token_ids for s in sampling_states],
-                [s.generator for s in sampling_states],
-                [s.eos_token_id for s in sampling_states],
-                self.vocab_size,
-                self.device,
-            )
+            md = batch.sampling_metadata(rows[sample_rows], self.vocab_size)
             out = self.sampler(logits, md)
             token_ids = out.sampled_token_ids.tolist()
             lp_lists = out.logprobs.tolists() if out.logprobs is not None else None

@@ -132,6 +132,7 @@ def test_startup_cold_and_warm_report(tmp_path: Path, capsys: pytest.CaptureFixt
     cold, warm = (record["median"]["pagedllm"][m] for m in ("cold", "warm"))
     assert cold["notes"]["tokenizer"] == "converted from the GGUF"
     assert warm["notes"]["tokenizer"] == "GGUF conversion from the cache"
+    assert (cold["notes"]["weight_cache"], warm["notes"]["weight_cache"]) == ("miss", "hit")
     assert "peer" not in record["median"]
     for label in ("time to first 200", *(label for _, label in startup.PHASES)):
         assert label in text

@@ -274,9 +274,5 @@ def test_logprobs_under_preemption_match_hf(model_dir: str) -> None:
     refs = [hf_logprobs(model_dir, p + list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
     for prompt, out, ref in zip(prompts, outs, refs):
         check_sample_logprobs(ref, prompt, out, k=3)
-    if any(len(o.prompt_logprobs or []) > len(p) for p, o in zip(prompts, outs)):
-        # Known engine bug: ModelRunner._prompt_logprobs emits the prompt positions again when a preempted
-        # request recomputes its prompt, and OutputProcessor appends them (one extra copy per preemption).
-        pytest.xfail("prompt logprobs are emitted again after preemption (duplicated entries)")
     for prompt, out, ref in zip(prompts, outs, refs):
         check_prompt_logprobs(ref, prompt, out, k=3)
