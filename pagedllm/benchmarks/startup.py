@@ -66,7 +66,7 @@ PHASES = (
     ("core_process", "engine core: process start + imports"),
     ("core_config", "engine core: model config"),
     ("kernels", "engine core: CPU kernels + model runner"),
-    ("weights", "engine core: weights (GGUF de-quantize or cache)"),
+    ("weights", "engine core: weights (de-quantize or cache)"),
     ("packing", "engine core: weight packing"),
     ("kv_cache", "engine core: KV cache allocation"),
     ("core_rest", "engine core: scheduler + handshake"),
