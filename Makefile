@@ -31,8 +31,8 @@ test: setup
 	$(PY) -m pytest tests
 
 lint: setup
-	$(VENV)/bin/ruff check pagedllm tests bench
-	$(VENV)/bin/ruff format --check pagedllm tests bench
+	$(VENV)/bin/ruff check pagedllm tests bench setup.py
+	$(VENV)/bin/ruff format --check pagedllm tests bench setup.py
 
 serve: setup
 	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)

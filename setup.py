@@ -16,6 +16,7 @@ import ctypes.util
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 
 from setuptools import Extension, setup
@@ -59,6 +60,10 @@ def _kernel_extensions() -> list[Extension]:
     if x86 and sys.platform.startswith("linux") and ctypes.util.find_library("mvec"):
         cflags.append("-DPAGEDLLM_LIBMVEC")
         ldflags.append("-lmvec")
+    if x86:
+        # Scheduling tuned for the CPU that builds (the install builds on the machine that runs): the instruction
+        # sets stay those of each ISA build, so a build runs on any CPU that has its ISA.
+        cflags.append("-mtune=native")
     isas = list(ISA_FLAGS) if x86 else ["generic"]
     return [
         Extension(
@@ -75,18 +80,29 @@ def _kernel_extensions() -> list[Extension]:
 
 class BuildKernels(build_ext):
     """build_ext for the kernel libraries (each ISA's objects in their own temp folder: they share sources) and the
-    torch bindings; a failing compiler leaves the package without kernels instead of failing the install."""
+    torch bindings. No compiler, or one that cannot build them, leaves the package without kernels (pagedllm then
+    runs on plain torch) instead of failing the install."""
+
+    def build_extensions(self) -> None:
+        cxx = getattr(self.compiler, "compiler_cxx", None) or ["c++"]
+        if shutil.which(cxx[0]) is None:
+            print(f"pagedllm: no C++ compiler ({cxx[0]}): installing without native kernels", file=sys.stderr)
+            self.extensions = []
+            return
+        self._failed: list[Extension] = []
+        self.force = True  # flags live in this file, which the timestamps of the sources do not cover
+        super().build_extensions()
+        # Whatever failed is not installed (an in-place build would otherwise copy a file that does not exist).
+        self.extensions = [ext for ext in self.extensions if ext not in self._failed]
 
     def build_extension(self, ext: Extension) -> None:
         temp = self.build_temp
         self.build_temp = os.path.join(temp, ext.name)
         try:
             super().build_extension(ext)
-        except Exception as exc:  # no compiler, or one that cannot build this: pagedllm runs on plain torch
-            print(
-                f"pagedllm: could not build {ext.name} ({exc}); pagedllm will run without native kernels",
-                file=sys.stderr,
-            )
+        except Exception as exc:  # a compiler that cannot build this: pagedllm runs on plain torch
+            print(f"pagedllm: could not build {ext.name} ({exc}); it will run without it", file=sys.stderr)
+            self._failed.append(ext)
         finally:
             self.build_temp = temp
 

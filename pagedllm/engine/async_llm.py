@@ -99,10 +99,16 @@ class AsyncLLM:
         self.engine_args = engine_args.for_engine_core(self.config)
         mc = self.config.model_config
         self.model_config = mc
-        self.tokenizer = get_tokenizer(mc)
-        self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = AsyncMPClient(self.config, self.engine_args)
+        # The core process starts first: it loads the model while this process loads the tokenizer.
+        self.engine_core = AsyncMPClient(self.config, self.engine_args, connect=False)
+        try:
+            self.tokenizer = get_tokenizer(mc)
+            self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.connect()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []

@@ -51,8 +51,11 @@ _DEAD = object()
 
 
 class InprocClient:
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None, connect: bool = True) -> None:
         self.engine_core = EngineCore(config)
+
+    def connect(self) -> None:
+        """Nothing to wait for: the core was built in the constructor."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -164,19 +167,25 @@ def _cleanup(core: _CoreProcess, ctx: zmq.Context, stop: threading.Event, reader
 class SyncMPClient:
     """Blocking client: requests go out on the ROUTER, an output thread drains the PULL into a queue."""
 
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs, connect: bool = True) -> None:
+        """Starts the core process; with `connect` (else call `connect()`) waits until it is ready."""
         self.ctx = zmq.Context()
         self.core = _CoreProcess(engine_args, self.ctx)
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._output_loop, daemon=True, name="engine-output")
         self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, self._stop, self._reader)
-        self.ready = self.core.wait_ready(self.core.input_socket)
         self.outputs: queue.Queue[Any] = queue.Queue()
         self.utility_results: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
         self.dead = False
         self._encoder = msgspec.msgpack.Encoder()
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Wait for the core's READY (raising its start-up error), then start reading its outputs."""
+        self.ready = self.core.wait_ready(self.core.input_socket)
         self._reader.start()
         self.core.watch(self._on_core_death)
 
@@ -241,13 +250,11 @@ class SyncMPClient:
 class AsyncMPClient:
     """asyncio client: sends are awaited, one task drains the PULL socket into an asyncio queue."""
 
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs, connect: bool = True) -> None:
+        """Starts the core process; with `connect` (else call `connect()`) waits until it is ready."""
         self.ctx = zmq.asyncio.Context()
         self.core = _CoreProcess(engine_args, self.ctx)
         self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, threading.Event(), None)
-        # The handshake is read with a plain (blocking) socket on the same address family; the async
-        # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
-        self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
         self.outputs: asyncio.Queue[Any] | None = None
         self.utility_results: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -256,6 +263,14 @@ class AsyncMPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending_sends: set[asyncio.Future] = set()
         self.dead = False
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Wait for the core's READY (raising its start-up error), then watch the process."""
+        # The handshake is read with a plain (blocking) socket on the same address family; the async
+        # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
+        self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
         self.core.watch(self._on_core_death)
 
     def _ensure_started(self) -> None:

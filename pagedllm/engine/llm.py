@@ -23,14 +23,15 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
 
-def make_client(config: EngineConfig, engine_args: EngineArgs, kind: str) -> Any:
-    """'mp' (default): the engine core in its own process; 'inproc': in this process (tests, debugging)."""
+def make_client(config: EngineConfig, engine_args: EngineArgs, kind: str, connect: bool = True) -> Any:
+    """'mp' (default): the engine core in its own process; 'inproc': in this process (tests, debugging). Without
+    `connect` an 'mp' core is started but not waited for: call the client's `connect()`."""
     from pagedllm.engine.core_client import InprocClient, SyncMPClient
 
     if kind == "inproc":
         return InprocClient(config, engine_args)
     if kind == "mp":
-        return SyncMPClient(config, engine_args)
+        return SyncMPClient(config, engine_args, connect=connect)
     raise ValueError(f"engine_client must be 'mp' or 'inproc', got {kind!r}")
 
 
@@ -45,10 +46,16 @@ class LLM:
         self.config = engine_args.create_engine_config()
         self.engine_args = engine_args.for_engine_core(self.config)
         mc = self.config.model_config
-        self.tokenizer = get_tokenizer(mc)
-        self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = make_client(self.config, self.engine_args, engine_client or engine_client_default())
+        # The core process starts first: it loads the model while this process loads the tokenizer.
+        self.engine_core = make_client(self.config, self.engine_args, engine_client or engine_client_default(), False)
+        try:
+            self.tokenizer = get_tokenizer(mc)
+            self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.connect()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -7,15 +7,24 @@ ever fetched from a model hub.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import logging
 import os
+import tempfile
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, cache_dir
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
+
+logger = logging.getLogger(__name__)
+# Bumped when what the config cache holds changes.
+_CONFIG_CACHE_FORMAT = 1
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -36,6 +45,48 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
         except Exception:  # unusual field types are not needed for the config
             continue
     meta["__tensor_names__"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def _config_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """The part of a GGUF file's metadata that `gguf_to_hf_config` reads (small, JSON-serialisable)."""
+    arch = meta.get("general.architecture")
+    keep = {"general.architecture", "tokenizer.ggml.tokens.len", "tokenizer.ggml.bos_token_id"}
+    keep.add("tokenizer.ggml.eos_token_id")
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key in keep or (arch and key.startswith(f"{arch}.")):
+            if isinstance(value, (str, int, float, bool)) or value is None:
+                out[key] = value
+    out["__tensor_names__"] = [n for n in meta["__tensor_names__"] if n == "output.weight"]
+    return out
+
+
+def gguf_config_metadata(path: str) -> dict[str, Any]:
+    """The config metadata of the GGUF file at `path`, from the config cache when the file is unchanged (a stat, no
+    parse: parsing the metadata takes seconds for a large vocabulary), else parsed and cached. The cache is keyed by
+    the file's path, size, mtime and inode; an unreadable entry is parsed again, never fatal."""
+    st = os.stat(path)
+    version = importlib.metadata.version("pagedllm")
+    key = f"{_CONFIG_CACHE_FORMAT}|{version}|{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    folder = os.path.join(cache_dir(), "configs")
+    file = os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+    try:
+        with open(file) as f:
+            cached = json.load(f)
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("metadata"), dict):
+            return cached["metadata"]
+    except (OSError, ValueError):
+        pass
+    meta = _config_metadata(read_gguf_metadata(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "metadata": meta}, f)
+        os.replace(tmp, file)
+    except OSError as e:  # a read-only cache only costs the parse next time
+        logger.warning("could not cache the GGUF config at %s: %s", file, e)
     return meta
 
 
@@ -104,7 +155,7 @@ def load_model_config(
     path = os.path.abspath(os.path.expanduser(model))
     gguf_file = None
     if os.path.isfile(path) and path.endswith(".gguf"):
-        hf_config = gguf_to_hf_config(read_gguf_metadata(path))
+        hf_config = gguf_to_hf_config(gguf_config_metadata(path))
         tok_dir, gguf_file = os.path.split(path)
         default_name = os.path.splitext(gguf_file)[0]
     elif os.path.isdir(path):

@@ -40,7 +40,7 @@ def _library(isa: str) -> str | None:
 
 def _bindings() -> Any:
     try:
-        from pagedllm import _C
+        import pagedllm._C as _C
     except ImportError as exc:
         raise KernelsUnavailable(
             f"the native CPU kernels are not built ({exc}); build them with `make setup` or `pip install -e .`"

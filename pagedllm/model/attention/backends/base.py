@@ -16,13 +16,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from pagedllm.model.layers.attention import Attention
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it attends for (pagedllm.model.layers.attention.Attention)."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    scale: float
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None  # [num_blocks, block_size, num_kv_heads, head_dim] each
 
 
 @dataclass(slots=True)
@@ -65,12 +72,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] of the step's tokens -> [T, Hq * D], the new k and v cached."""
 
     @staticmethod
-    def write_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the step's keys and values at their slots of the layer's cache."""
         assert layer.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = layer.kv_cache

@@ -8,15 +8,17 @@ float32 on the CPU only (the selector checks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from pagedllm.model.attention.backends.base import AttentionBackend, CommonAttentionMetadata, to_device
-
-if TYPE_CHECKING:
-    from pagedllm.model.layers.attention import Attention
+from pagedllm.model.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayer,
+    CommonAttentionMetadata,
+    to_device,
+)
 
 
 @dataclass(slots=True)
@@ -53,7 +55,12 @@ class CpuNativeAttentionBackend(AttentionBackend):
         )
 
     def forward(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: CpuNativeAttentionMetadata
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: CpuNativeAttentionMetadata,
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, metadata.slot_mapping)
         k_cache, v_cache = layer.kv_cache

@@ -10,16 +10,18 @@ Per layer, after the new keys and values are cached:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.attention.backends.base import AttentionBackend, CommonAttentionMetadata, to_device
-
-if TYPE_CHECKING:
-    from pagedllm.model.layers.attention import Attention
+from pagedllm.model.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayer,
+    CommonAttentionMetadata,
+    to_device,
+)
 
 # Padding a decode group may waste, as a fraction of its padded size: fewer wasted key reads than one padded
 # batch, far fewer calls than one per request (the trade-off measured in bench/RESULTS.md).
@@ -124,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
         return meta
 
     def forward(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchAttentionMetadata
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchAttentionMetadata
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
@@ -138,7 +140,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
         return self.workspace.gather(cache, blocks, slot)
 
-    def _decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, layer: AttentionLayer, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         k_cache, v_cache = layer.kv_cache
         n, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced indexing
@@ -159,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.view(n, layer.num_heads, d)
 
     def _prefill(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
     ) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if seg.context_len == 0:
