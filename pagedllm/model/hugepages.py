@@ -58,7 +58,10 @@ def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
     # starts on the first 2 MiB boundary inside: the advice comes before any page is faulted in, and untouched pages
     # read as zeros. The tensor keeps the mapping alive (torch.frombuffer holds a reference to it).
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.frombuffer(mmap.mmap(-1, span + HUGE_PAGE), dtype=torch.uint8)
+    # Private, not Python's default MAP_SHARED: shared anonymous memory is shmem, which transparent huge pages do
+    # not back unless shmem_enabled allows it (usually "never").
+    mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     base = raw.data_ptr()
     start = -base % HUGE_PAGE
     _advise(base + start, span)

@@ -57,3 +57,19 @@ def test_consolidate_refuses_mixed_dtypes() -> None:
         return
     with pytest.raises(ValueError, match="one dtype"):
         hugepages.consolidate(params)
+
+
+@linux
+def test_large_tensors_are_private_mappings() -> None:
+    """Shared anonymous memory (Python's mmap default) is shmem, which transparent huge pages do not back: the
+    mapping must be private."""
+    t = hugepages.zeros((4, 1 << 20), torch.float32)
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                assert perms.endswith("p"), line
+                return
+    raise AssertionError("the tensor's mapping is not in /proc/self/maps")
