@@ -25,12 +25,12 @@ import msgspec
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import IterationStats, OutputProcessor
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm import start_front_end
+from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +101,7 @@ class AsyncLLM:
         self.model_config = mc
         # The core process starts first: it loads the model while this process loads the tokenizer.
         self.engine_core = AsyncMPClient(self.config, self.engine_args, connect=False)
-        try:
-            self.tokenizer = get_tokenizer(mc)
-            self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.connect()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []

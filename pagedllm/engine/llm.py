@@ -35,6 +35,19 @@ def make_client(config: EngineConfig, engine_args: EngineArgs, kind: str, connec
     raise ValueError(f"engine_client must be 'mp' or 'inproc', got {kind!r}")
 
 
+def start_front_end(mc: Any, client: Any) -> tuple[Any, InputProcessor, OutputProcessor]:
+    """The front end's tokenizer and processors, loaded while the core process (started, not yet connected) loads
+    the model; then the client connects. A failure stops the core."""
+    try:
+        tokenizer = get_tokenizer(mc)
+        processors = InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config)), OutputProcessor(tokenizer)
+        client.connect()
+    except BaseException:
+        client.shutdown()
+        raise
+    return tokenizer, *processors
+
+
 class LLM:
     """An offline engine: `LLM().generate("Hello")` runs the default model."""
 
@@ -48,14 +61,7 @@ class LLM:
         mc = self.config.model_config
         # The core process starts first: it loads the model while this process loads the tokenizer.
         self.engine_core = make_client(self.config, self.engine_args, engine_client or engine_client_default(), False)
-        try:
-            self.tokenizer = get_tokenizer(mc)
-            self.input_processor = InputProcessor(mc, self.tokenizer, eos_token_id(self.tokenizer, mc.hf_config))
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.connect()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
