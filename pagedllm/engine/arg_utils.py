@@ -24,8 +24,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pagedllm.config import (
     ATTENTION_BACKEND_ALIASES,
     ATTENTION_BACKENDS,
@@ -33,6 +31,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     attention_backend_from_env,
@@ -44,9 +43,7 @@ from pagedllm.config import (
     normalise_attention_backend,
     num_threads_default,
     parse_size,
-    resolve_dtype,
 )
-from pagedllm.model.config_loader import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -150,15 +147,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it), load the model's config, return the frozen config."""
-        self._validate()
-        model_config = load_model_config(
-            self.model or model_from_env() or default_model_path(),
-            tokenizer=self.tokenizer,
-            dtype=resolve_dtype(self.dtype),
-            max_model_len=self.max_model_len,
-            served_model_name=self.served_model_name,
-            seed=self.seed,
-        )
+        model_config = self.create_model_config()
         device = self._device()
         batched = self.max_num_batched_tokens
         return EngineConfig(
@@ -186,11 +175,32 @@ class EngineArgs:
             ),
         )
 
-    def for_engine_core(self, config: EngineConfig) -> EngineArgs:
-        """These arguments with the KV budget that built `config` fixed, so that the engine-core process, which
-        builds its config again from them, gets the same budget (free memory, read for --gpu-memory-utilization,
-        changes from one moment to the next)."""
-        return dataclasses.replace(self, kv_cache_memory_bytes=config.cache_config.kv_cache_memory_bytes)
+    def create_model_config(self) -> ModelConfig:
+        """Validate every argument and load the model's config: all the front end needs (its tokenizer, limits and
+        name). Imports no torch for a GGUF model (transformers' AutoConfig for an HF folder)."""
+        # Imported here, not with the module: the CLI parses its flags and starts the engine-core process before
+        # anything imports torch or transformers.
+        from pagedllm.model.config_loader import load_model_config
+
+        self._validate()
+        return load_model_config(
+            self.model or model_from_env() or default_model_path(),
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            served_model_name=self.served_model_name,
+            seed=self.seed,
+        )
+
+    def for_engine_core(self) -> EngineArgs:
+        """These arguments, validated, for the engine-core process, which builds its config from them while the
+        front end builds its own from the same. With --gpu-memory-utilization the KV budget is fixed here (the free
+        memory changes from one moment to the next) so that both get the same; otherwise they compute the same
+        budget anyway. Reads no model file, and imports torch only to resolve device auto for that flag."""
+        self._validate()
+        if self.kv_cache_memory_bytes is None and self.gpu_memory_utilization is not None:
+            return dataclasses.replace(self, kv_cache_memory_bytes=self._kv_cache_bytes(self._device()))
+        return self
 
     def _validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -213,6 +223,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {util}")
 
     def _device(self) -> str:
+        import torch
+
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -259,7 +271,9 @@ def _flag_type(name: str, hint: Any) -> type:
 
 def available_memory_bytes(device: str) -> int:
     """Bytes free for new allocations now: MemAvailable on the CPU, free device memory on CUDA."""
-    if torch.device(device).type == "cuda":
+    if device.startswith("cuda"):
+        import torch
+
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         with open("/proc/meminfo", encoding="ascii") as f:

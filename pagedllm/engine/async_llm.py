@@ -24,6 +24,7 @@ import msgspec
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.core_process import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm import start_front_end
@@ -93,14 +94,21 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.config = engine_args.create_engine_config()
-        # The core process builds its config again from these: with the KV budget fixed here, it gets the same.
-        self.engine_args = engine_args.for_engine_core(self.config)
-        mc = self.config.model_config
+    def __init__(self, engine_args: EngineArgs, core: CoreProcess | None = None) -> None:
+        """`core`: the engine-core process, if already started from `engine_args.for_engine_core()` (as
+        `pagedllm serve` does, before its imports); else it is started here. It is stopped if this fails."""
+        # The core process builds its config from the same arguments (with the KV budget fixed in them).
+        self.engine_args = engine_args.for_engine_core()
+        # The front end needs only the model's config (tokenizer, limits, name): no torch is imported for it.
+        try:
+            mc = self.engine_args.create_model_config()
+        except BaseException:
+            if core is not None:
+                core.close()
+            raise
         self.model_config = mc
         # The core process starts first: it loads the model while this process loads the tokenizer.
-        self.engine_core = AsyncMPClient(self.config, self.engine_args, connect=False)
+        self.engine_core = AsyncMPClient(self.engine_args, connect=False, core=core)
         self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None

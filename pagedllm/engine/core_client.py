@@ -4,54 +4,49 @@
 - `SyncMPClient`: blocking client of an EngineCoreProc (used by `LLM`).
 - `AsyncMPClient`: asyncio client of an EngineCoreProc (used by `AsyncLLM`).
 
-The multiprocess clients start the core as `python -m pagedllm.engine.core_proc` (no fork of this process,
-no re-import of the caller's `__main__`), bind a ROUTER for requests and a PULL for outputs on IPC sockets
-in a private temporary folder, and wait for the core's READY. A monitor thread watches the child: if it
-dies, every pending and future call raises `EngineDeadError` instead of hanging.
+The multiprocess clients start the core (core_process.py: `python -m pagedllm.engine.core_proc`, a ROUTER for
+requests and a PULL for outputs on IPC sockets), or take one started earlier, and wait for the core's READY. A
+monitor thread watches the child: if it dies, every pending and future call raises `EngineDeadError` instead of
+hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core_process import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    HandshakeMessage,
     UtilityRequest,
 )
 
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.arg_utils import EngineArgs
+
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 900.0
 _DEAD = object()
 
 
 class InprocClient:
     def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None, connect: bool = True) -> None:
+        from pagedllm.engine.core import EngineCore
+
         self.engine_core = EngineCore(config)
 
     def connect(self) -> None:
@@ -74,84 +69,7 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-class _CoreProcess:
-    """The child process and its sockets; shared by the sync and async clients."""
-
-    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
-        self.tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
-        self.input_addr = f"ipc://{self.tmpdir}/input"
-        self.output_addr = f"ipc://{self.tmpdir}/output"
-        self.identity = b"engine-core-0"
-        self.ctx = ctx
-        self.input_socket = ctx.socket(zmq.ROUTER)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(self.input_addr)
-        self.output_socket = ctx.socket(zmq.PULL)
-        self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(self.output_addr)
-        args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedllm.engine.core_proc",
-                self.input_addr,
-                self.output_addr,
-                self.identity.decode(),
-            ],
-            stdin=subprocess.PIPE,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(args_json)
-        self.proc.stdin.close()
-        self.shutting_down = False
-
-    def wait_ready(self, sync_socket: zmq.Socket) -> HandshakeMessage:
-        """Block until the core reports READY; raise its error if it failed or died."""
-        poller = zmq.Poller()
-        poller.register(sync_socket, zmq.POLLIN)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            exited = self.proc.poll() is not None  # checked before the poll: a report sent just before exit wins
-            if poller.poll(500):
-                _, payload = sync_socket.recv_multipart()
-                msg = msgspec.msgpack.decode(payload, type=HandshakeMessage)
-                if msg.status == "READY":
-                    return msg
-                error = msg.error or "unknown error"
-                self.terminate()
-                if error.startswith("ValueError: "):
-                    raise ValueError(error.removeprefix("ValueError: "))
-                raise RuntimeError(f"engine core failed to start: {error}")
-            if exited:
-                raise EngineDeadError(f"engine core exited with status {self.proc.returncode} during start-up")
-        self.terminate()
-        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
-
-    def watch(self, on_death: Callable[[], None]) -> None:
-        """Call `on_death` (from a watcher thread) if the child exits while we are not shutting it down."""
-
-        def wait() -> None:
-            self.proc.wait()
-            if not self.shutting_down:
-                logger.error("engine core process died (exit status %s)", self.proc.returncode)
-                on_death()
-
-        threading.Thread(target=wait, daemon=True, name="engine-monitor").start()
-
-    def terminate(self) -> None:
-        self.shutting_down = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def _cleanup(core: _CoreProcess, ctx: zmq.Context, stop: threading.Event, reader: threading.Thread | None) -> None:
+def _cleanup(core: CoreProcess, ctx: zmq.Context, stop: threading.Event, reader: threading.Thread | None) -> None:
     """Stop the child, then close each socket from a thread that no longer uses it (ZMQ sockets are not
     thread-safe: closing one another thread is blocked on aborts the process)."""
     core.terminate()
@@ -167,10 +85,17 @@ def _cleanup(core: _CoreProcess, ctx: zmq.Context, stop: threading.Event, reader
 class SyncMPClient:
     """Blocking client: requests go out on the ROUTER, an output thread drains the PULL into a queue."""
 
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs, connect: bool = True) -> None:
-        """Starts the core process; with `connect` (else call `connect()`) waits until it is ready."""
-        self.ctx = zmq.Context()
-        self.core = _CoreProcess(engine_args, self.ctx)
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        engine_args: EngineArgs,
+        connect: bool = True,
+        core: CoreProcess | None = None,
+    ) -> None:
+        """Starts the core process (or takes `core`, started with a plain zmq.Context); with `connect` (else call
+        `connect()`) waits until it is ready. `config` is not needed (the core builds its own from the args)."""
+        self.core = core or CoreProcess(engine_args, zmq.Context())
+        self.ctx = self.core.ctx
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._output_loop, daemon=True, name="engine-output")
         self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, self._stop, self._reader)
@@ -250,10 +175,11 @@ class SyncMPClient:
 class AsyncMPClient:
     """asyncio client: sends are awaited, one task drains the PULL socket into an asyncio queue."""
 
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs, connect: bool = True) -> None:
-        """Starts the core process; with `connect` (else call `connect()`) waits until it is ready."""
-        self.ctx = zmq.asyncio.Context()
-        self.core = _CoreProcess(engine_args, self.ctx)
+    def __init__(self, engine_args: EngineArgs, connect: bool = True, core: CoreProcess | None = None) -> None:
+        """Starts the core process (or takes `core`, started with a zmq.asyncio.Context); with `connect` (else call
+        `connect()`) waits until it is ready."""
+        self.core = core or CoreProcess(engine_args, zmq.asyncio.Context())
+        self.ctx = self.core.ctx
         self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, threading.Event(), None)
         self.outputs: asyncio.Queue[Any] | None = None
         self.utility_results: dict[int, asyncio.Future] = {}

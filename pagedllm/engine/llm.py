@@ -23,16 +23,24 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
 
-def make_client(config: EngineConfig, engine_args: EngineArgs, kind: str, connect: bool = True) -> Any:
-    """'mp' (default): the engine core in its own process; 'inproc': in this process (tests, debugging). Without
-    `connect` an 'mp' core is started but not waited for: call the client's `connect()`."""
+def make_client(engine_args: EngineArgs, kind: str) -> tuple[EngineConfig, Any]:
+    """The engine config and a client of the engine core, not yet connected (call its `connect()`): 'mp' (the
+    default) starts the core in its own process first, which loads the model while this process builds the config
+    (and then the tokenizer); 'inproc' builds the core in this process (tests, debugging). A failure stops the
+    core."""
     from pagedllm.engine.core_client import InprocClient, SyncMPClient
 
     if kind == "inproc":
-        return InprocClient(config, engine_args)
-    if kind == "mp":
-        return SyncMPClient(config, engine_args, connect=connect)
-    raise ValueError(f"engine_client must be 'mp' or 'inproc', got {kind!r}")
+        config = engine_args.create_engine_config()
+        return config, InprocClient(config, engine_args)
+    if kind != "mp":
+        raise ValueError(f"engine_client must be 'mp' or 'inproc', got {kind!r}")
+    client = SyncMPClient(None, engine_args, connect=False)
+    try:
+        return engine_args.create_engine_config(), client
+    except BaseException:
+        client.shutdown()
+        raise
 
 
 def start_front_end(mc: Any, client: Any) -> tuple[Any, InputProcessor, OutputProcessor]:
@@ -55,12 +63,10 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        engine_args = EngineArgs(model=model, **kwargs)
-        self.config = engine_args.create_engine_config()
-        self.engine_args = engine_args.for_engine_core(self.config)
+        # The core process builds its config from the same arguments (with the KV budget fixed in them).
+        self.engine_args = EngineArgs(model=model, **kwargs).for_engine_core()
+        self.config, self.engine_core = make_client(self.engine_args, engine_client or engine_client_default())
         mc = self.config.model_config
-        # The core process starts first: it loads the model while this process loads the tokenizer.
-        self.engine_core = make_client(self.config, self.engine_args, engine_client or engine_client_default(), False)
         self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
         self._counter = itertools.count()
 

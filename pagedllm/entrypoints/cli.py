@@ -74,9 +74,20 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import run_server
+    import zmq.asyncio
 
-    return run_server(ns)
+    from pagedllm.engine.core_process import CoreProcess
+
+    # The engine core starts loading the model now, before this process imports torch, transformers and the
+    # server (seconds of imports): the two load in parallel. Nothing imported so far pulls in torch.
+    engine_args = EngineArgs.from_cli_args(ns).for_engine_core()
+    core = CoreProcess(engine_args, zmq.asyncio.Context())
+    try:
+        from pagedllm.entrypoints.openai.api_server import run_server
+    except BaseException:
+        core.close()
+        raise
+    return run_server(ns, engine_args, core=core)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

@@ -15,10 +15,7 @@ import os
 import tempfile
 from typing import Any
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
-
-from pagedllm.config import ModelConfig, cache_dir
+from pagedllm.config import ModelConfig, cache_dir, dtype_name
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
 
@@ -90,7 +87,25 @@ def gguf_config_metadata(path: str) -> dict[str, Any]:
     return meta
 
 
-def gguf_to_hf_config(meta: dict[str, Any]) -> PretrainedConfig:
+class GgufConfig:
+    """A model config built from a GGUF file's metadata: its fields as attributes, under the names transformers'
+    configs give them (the models read only these, with getattr defaults for the optional ones). Not transformers'
+    PretrainedConfig: importing transformers cost about a second in the engine-core process at every start."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GgufConfig) and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        return f"GgufConfig({self.__dict__!r})"
+
+
+def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPES:
         raise ValueError(
@@ -125,14 +140,7 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> PretrainedConfig:
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
-    # A plain PretrainedConfig with the architecture's fields: the models read only these, and importing
-    # transformers' own config class for the architecture (what AutoConfig.for_model does) took seconds at startup
-    # in each of the two processes.
-    cfg = PretrainedConfig(**kwargs)
-    cfg.model_type = arch
-    cfg.rope_theta = theta
-    cfg.rope_parameters = rope
-    return cfg
+    return GgufConfig(**kwargs, model_type=arch, rope_theta=theta, rope_parameters=rope)
 
 
 def _max_len(hf_config: Any, requested: int | None) -> int:
@@ -151,7 +159,7 @@ def _max_len(hf_config: Any, requested: int | None) -> int:
 def load_model_config(
     model: str,
     tokenizer: str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
     max_model_len: int | None = None,
     served_model_name: str | None = None,
     seed: int = 0,
@@ -170,6 +178,8 @@ def load_model_config(
                     os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len, served_model_name, seed
                 )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
+        from transformers import AutoConfig
+
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         tok_dir = path
         default_name = os.path.basename(path.rstrip("/"))
@@ -185,7 +195,7 @@ def load_model_config(
         gguf_file=None if tokenizer else gguf_file,
         hf_config=hf_config,
         architecture=arch,
-        dtype=dtype,
+        dtype=dtype_name(dtype),
         max_model_len=_max_len(hf_config, max_model_len),
         served_model_name=served_model_name or default_name,
         seed=seed,

@@ -107,7 +107,7 @@ def load_model(
     start = time.perf_counter()
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        model = cls(model_config.hf_config, dtype=model_config.dtype, kernels=kernels)
+        model = cls(model_config.hf_config, dtype=model_config.torch_dtype, kernels=kernels)
     path = model_config.model
     if path.endswith(".gguf"):
         weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))

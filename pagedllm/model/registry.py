@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the front end reads this table without importing torch
+    from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),

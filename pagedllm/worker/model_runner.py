@@ -40,7 +40,7 @@ class ModelRunner:
         # they are built (RMSNorm, SiLU-and-mul, rotary, few-row linears on panels) and the fused decoder.
         cpu_ops = self._cpu_ops()
         self.attn_backend = select_attention_backend(
-            config.device_config.attention_backend, device, config.model_config.dtype, cpu_ops
+            config.device_config.attention_backend, device, config.model_config.torch_dtype, cpu_ops
         )
         if self.attn_backend.name != "cpu_native":
             cpu_ops = None  # the torch backend is the reference path: plain torch throughout
@@ -56,7 +56,7 @@ class ModelRunner:
     def _cpu_ops(self):
         """The native CPU ops where they can apply (the CPU in float32, not turned off), else None; logged once."""
         dc = self.config.device_config
-        if not native_applies(self.device, self.config.model_config.dtype) or dc.attention_backend == "torch":
+        if not native_applies(self.device, self.config.model_config.torch_dtype) or dc.attention_backend == "torch":
             return None
         if not dc.cpu_kernels:
             logger.info("native CPU kernels turned off (PAGEDLLM_CPU_KERNELS=0): running on plain torch")
@@ -73,10 +73,10 @@ class ModelRunner:
         per_token = 0
         for attn in self.model.attention_layers():
             per_token += 2 * attn.num_kv_heads * attn.head_dim
-        return per_token * self.block_size * torch.finfo(self.config.model_config.dtype).bits // 8
+        return per_token * self.block_size * torch.finfo(self.config.model_config.torch_dtype).bits // 8
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        dtype = self.config.model_config.dtype
+        dtype = self.config.model_config.torch_dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Huge pages on the CPU: decode reads every running request's blocks, scattered over the cache.

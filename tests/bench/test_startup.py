@@ -35,13 +35,12 @@ def test_parse_items_reads_every_item_of_a_line() -> None:
 
 def test_breakdown_rows_add_up_to_the_total() -> None:
     rows, notes = startup.breakdown(LINES, total=10.0)
-    assert list(rows) == [key for key, _ in startup.PHASES]
+    assert list(rows) == [key for key, _ in startup.PHASES + startup.FRONT_PHASES]
+    assert sum(rows[key] for key, _ in startup.PHASES) == pytest.approx(10.0)
     assert rows == pytest.approx(
         {
-            "front_imports": 1.0,
-            "front_config": 2.0,  # 3.5 - 0.5 (tokenizer) - 1.0
-            "tokenizer": 0.5,
-            "core_process": 1.5,  # 5.0 - 3.5
+            "core_launch": 4.75,  # 5.0 - 0.25 (imports)
+            "core_imports": 0.25,
             "core_config": 0.5,
             "kernels": 0.25,  # 2.5 - 1.5 - 0.75
             "weights": 1.5,
@@ -50,6 +49,9 @@ def test_breakdown_rows_add_up_to_the_total() -> None:
             "core_rest": 0.75,  # (9.0 - 5.0) - 0.5 - 2.5 - 0.25
             "server": 1.0,
             "other": 0.0,
+            "front_imports": 1.0,  # the front end's track, in parallel: not in the sum
+            "front_config": 2.0,  # 3.5 - 0.5 (tokenizer) - 1.0
+            "tokenizer": 0.5,
         }
     )
     assert notes == {"tokenizer": "GGUF conversion from the cache", "weights": "weight cache", "weight_cache": "hit"}
@@ -59,6 +61,7 @@ def test_breakdown_without_the_lines_leaves_rows_unknown() -> None:
     rows, _ = startup.breakdown([], total=3.0)
     assert rows["other"] == 3.0
     assert all(v is None for k, v in rows.items() if k != "other")
+    assert list(rows) == [key for key, _ in startup.PHASES + startup.FRONT_PHASES]
 
 
 # A stand-in server: says hello, waits, then answers 200 on /health (and 404 elsewhere) until it is stopped.
@@ -125,15 +128,16 @@ def test_startup_cold_and_warm_report(tmp_path: Path, capsys: pytest.CaptureFixt
     ]
     for run in record["runs"]:
         assert run["total_s"] > 0
-        assert set(run["phases"]) == {key for key, _ in startup.PHASES}
-        # Every phase line was logged (no row unknown) and the rows add up to the total.
+        assert set(run["phases"]) == {key for key, _ in startup.PHASES + startup.FRONT_PHASES}
+        # Every phase line was logged (no row unknown) and the engine core's path adds up to the total (the front
+        # end's rows run beside it).
         assert all(v is not None for v in run["phases"].values()), run["phases"]
-        assert sum(run["phases"].values()) == pytest.approx(run["total_s"])
+        assert sum(run["phases"][key] for key, _ in startup.PHASES) == pytest.approx(run["total_s"])
     cold, warm = (record["median"]["pagedllm"][m] for m in ("cold", "warm"))
     assert cold["notes"]["tokenizer"] == "converted from the GGUF"
     assert warm["notes"]["tokenizer"] == "GGUF conversion from the cache"
     assert (cold["notes"]["weight_cache"], warm["notes"]["weight_cache"]) == ("miss", "hit")
     assert "peer" not in record["median"]
-    for label in ("time to first 200", *(label for _, label in startup.PHASES)):
+    for label in ("time to first 200", *(label for _, label in startup.PHASES + startup.FRONT_PHASES)):
         assert label in text
     assert "AMD" in text or "Intel" in text or "CPU:" in text

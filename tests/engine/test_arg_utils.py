@@ -176,7 +176,7 @@ def test_the_engine_core_gets_the_budget_sized_in_the_front_end(model_dir, monke
     free = iter([1000 << 20, 600 << 20])
     monkeypatch.setattr(arg_utils, "available_memory_bytes", lambda device: next(free))
     args = parse("--model", model_dir, "--gpu-memory-utilization", "0.5")
-    config = args.create_engine_config()
-    core_args = args.for_engine_core(config)
-    assert core_args.create_engine_config() == config
+    core_args = args.for_engine_core()  # reads the free memory once, before either process builds its config
     assert core_args.kv_cache_memory_bytes == 500 << 20
+    assert core_args.create_engine_config() == core_args.create_engine_config()
+    assert core_args.create_engine_config().cache_config.kv_cache_memory_bytes == 500 << 20

@@ -45,6 +45,7 @@ import pagedllm
 from pagedllm.config import api_key_from_env
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_process import CoreProcess
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     error_bytes,
@@ -379,27 +380,32 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) -> int:
-    """Start the engine, serve until SIGINT/SIGTERM (0) or until the engine dies (1); returns the exit status."""
-    if engine_args is None:
-        engine_args = EngineArgs.from_cli_args(args)
-    if not getattr(args, "api_key", None):
-        args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
-    sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
-    # so that the engine-core child is terminated by its client rather than left behind.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, core: CoreProcess | None = None) -> int:
+    """Start the engine, serve until SIGINT/SIGTERM (0) or until the engine dies (1); returns the exit status.
+    `core`: an engine-core process already started from `engine_args` (the CLI starts it before importing this
+    module); it is stopped here if the server fails before the engine takes it over."""
     engine = None
+    sock = None
+    previous = None
     try:
+        if engine_args is None:
+            engine_args = EngineArgs.from_cli_args(args)
+        if not getattr(args, "api_key", None):
+            args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
+        if args.max_queued_requests is not None and args.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
+        # so that the engine-core child is terminated by its client rather than left behind.
+        previous = signal.signal(signal.SIGTERM, _interrupt)
         from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger, stats_log_interval
 
         stats_interval = stats_log_interval()  # a bad $PAGEDLLM_STATS_LOG_INTERVAL fails before the model loads
         logger.info("starting the engine for the API server on %s:%d", host, port)
         engine_start = time.perf_counter()
-        engine = AsyncLLM(engine_args)
+        engine = AsyncLLM(engine_args, core=core)
+        core = None  # the engine owns it now
         logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
         engine.stat_loggers += [
             PrometheusStatLogger(engine.model_config.served_model_name, engine.model_config.max_model_len),
@@ -422,10 +428,14 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None) 
         logger.info("interrupted")
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if engine is not None:
             engine.shutdown()
-        sock.close()
+        if core is not None:
+            core.close()
+        if sock is not None:
+            sock.close()
 
 
 __all__ = ["build_app", "run_server"]
