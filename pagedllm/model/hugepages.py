@@ -5,8 +5,10 @@ least one huge page, its memory is a fresh anonymous mapping of its own (zero-fi
 touch, so `zeros` costs nothing up front, however large), starts on a 2 MiB boundary and is advised `MADV_HUGEPAGE`
 before its first touch, so the kernel backs it with huge pages where transparent huge pages are enabled ("always"
 or "madvise"). Anywhere else (other devices, other systems, THP off or refused) they are plain `torch.empty` /
-`torch.zeros`: the advice is only ever a hint. `consolidate(tensors)` moves several tensors (parameters or not)
-into one such arena, in the order given, and rebinds each one's data to its view there (values unchanged).
+`torch.zeros`: the advice is only ever a hint. `arena(shapes, dtype)` is one such allocation cut into uninitialised
+tensors of the given shapes, back to back in that order, each on a 64-byte boundary. `consolidate(tensors)` moves
+several tensors (parameters or not) into an arena, in the order given, and rebinds each one's data to its view there
+(values unchanged).
 
 Why: single-request decode reads every weight once per token, and with 4 KiB pages every 4 KiB of a streamed
 weight costs a TLB miss and restarts the hardware prefetcher; the paged KV cache, read in small blocks scattered
@@ -77,6 +79,22 @@ def zeros(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
     return empty(shape, dtype, device)
 
 
+def arena(
+    shapes: Sequence[Sequence[int] | torch.Size], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One allocation from `empty` (1-D) and uninitialised contiguous views of it of the given shapes, back to back in
+    that order. Each view starts on a 64-byte boundary (a cache line), as a fresh allocation would."""
+    align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+    sizes = [int(torch.Size(tuple(shape)).numel()) for shape in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // align) * align
+    block = empty((total,), dtype, device)
+    views = [block[offset : offset + size].view(tuple(shape)) for shape, offset, size in zip(shapes, offsets, sizes)]
+    return block, views
+
+
 def consolidate(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Move `params` (tensors of one dtype, on the CPU) into one huge-page arena, back to back in the given order,
     and rebind each one's data to its view there. Returns the arena, or None where nothing moved."""
@@ -86,15 +104,8 @@ def consolidate(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     dtype = params[0].dtype
     if any(p.dtype != dtype or not applies(p.device) for p in params):
         raise ValueError("consolidate() needs parameters of one dtype, all on the CPU")
-    # Each parameter starts on a 64-byte boundary (a cache line), as a fresh allocation would.
-    align = max(1, 64 // params[0].element_size())
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += -(-p.numel() // align) * align
-    arena = empty((total,), dtype)
-    for p, offset in zip(params, offsets, strict=True):
-        view = arena[offset : offset + p.numel()].view(p.shape)
+    block, views = arena([p.shape for p in params], dtype)
+    for p, view in zip(params, views, strict=True):
         view.copy_(p.data)
         p.data = view
-    return arena
+    return block

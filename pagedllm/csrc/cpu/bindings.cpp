@@ -6,6 +6,7 @@
 // shapes, dtypes, contiguity and index ranges here (a RuntimeError naming what is wrong), then passes raw pointers
 // and torch's thread count. `DecodeModel` is the fused one-token decoder over a model's weights and KV caches, checked
 // once when it is built.
+#include <ATen/MemoryOverlap.h>
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -131,13 +132,22 @@ class CpuOps {
                at::get_num_threads());
   }
 
-  // A weight W [O, I] in panels: [ceil(O / w), I, w], zero past O.
-  torch::Tensor pack_panels(torch::Tensor weight) const {
+  // A weight W [O, I] in panels: [ceil(O / w), I, w], zero past O; written into `out` when given (e.g. a view of
+  // the huge-page arena the panels live in, so they need no second copy), else into a new tensor.
+  torch::Tensor pack_panels(torch::Tensor weight, std::optional<torch::Tensor> out) const {
     check_float(weight, "weight");
     TORCH_CHECK(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0, "weight must be a non-empty [O, I]");
-    const int64_t out = weight.size(0), in = weight.size(1), w = t_->panel_width;
-    auto panels = torch::empty({(out + w - 1) / w, in, w}, weight.options());
-    t_->pack_panels(panels.data_ptr<float>(), weight.data_ptr<float>(), out, in);
+    const int64_t rows = weight.size(0), in = weight.size(1), w = t_->panel_width;
+    torch::Tensor panels;
+    if (out.has_value()) {
+      panels = *out;
+      check_panels(panels, rows, in, "out");
+      TORCH_CHECK(at::get_overlap_status(panels, weight) == at::MemOverlapStatus::No,
+                  "out must not overlap the weight");
+    } else {
+      panels = torch::empty({(rows + w - 1) / w, in, w}, weight.options());
+    }
+    t_->pack_panels(panels.data_ptr<float>(), weight.data_ptr<float>(), rows, in, at::get_num_threads());
     return panels;
   }
 
@@ -336,7 +346,7 @@ PYBIND11_MODULE(_C, m) {
       .def("rms_norm", &CpuOps::rms_norm)
       .def("fused_add_rms_norm", &CpuOps::fused_add_rms_norm)
       .def("rotary_inplace", &CpuOps::rotary_inplace)
-      .def("pack_panels", &CpuOps::pack_panels)
+      .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())
       .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
            py::arg("out_features"))
       .def("paged_decode_attention", &CpuOps::paged_decode_attention)

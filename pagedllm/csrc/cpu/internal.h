@@ -30,7 +30,7 @@ void rms_norm(float* out, const float* x, const float* w, int64_t rows, int64_t 
 void fused_add_rms_norm(float* x, float* residual, const float* w, int64_t rows, int64_t h, float eps, int threads);
 void rotary(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d, int64_t heads,
             int64_t rot, int threads);
-void pack_panels(float* dst, const float* w, int64_t out, int64_t in);
+void pack_panels(float* dst, const float* w, int64_t out, int64_t in, int threads);
 void panel_linear(float* y, const float* x, const float* panels, const float* bias, int64_t rows, int64_t in,
                   int64_t out, int threads);
 void* decoder_create(const DecoderSpec* spec);

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 1
+#define PAGEDLLM_CPU_ABI 2
 
 // A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous float32.
 struct PagedCache {
@@ -92,8 +92,9 @@ struct PagedllmCpuOps {
   // the first rot dims); cache [max_position, rot] holds cos | sin.
   void (*rotary)(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d,
                  int64_t heads, int64_t rot, int threads);
-  // dst [ceil(out / panel_width), in, panel_width] = w [out, in] transposed in strips, zero past `out`.
-  void (*pack_panels)(float* dst, const float* w, int64_t out, int64_t in);
+  // dst [ceil(out / panel_width), in, panel_width] = w [out, in] transposed in strips, zero past `out` (dst and w
+  // must not overlap).
+  void (*pack_panels)(float* dst, const float* w, int64_t out, int64_t in, int threads);
   // y [rows, out] = x [rows, in] W^T (+ bias) from W's panels.
   void (*panel_linear)(float* y, const float* x, const float* panels, const float* bias, int64_t rows, int64_t in,
                        int64_t out, int threads);

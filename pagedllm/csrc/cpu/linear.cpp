@@ -6,6 +6,7 @@
 // x[m][i] into 2 M register accumulators. Each weight is read from memory once for all the rows, with no horizontal
 // sums; rows beyond what the registers hold go in blocks over the same panel, which is then in L2. oneDNN's GEMM
 // reads a weight well below the memory bandwidth for 1-16 rows on two cores: this is why (bench/RESULTS.md).
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -82,14 +83,26 @@ void gemv_panels(const float* wp, const float* x, const float* bias, float* y, i
   }
 }
 
-void pack_panels(float* dst, const float* w, int64_t out, int64_t in) {
+// The threads split the panels in contiguous runs, so each first-touches its own part of a fresh destination (the OS
+// then zeroes those pages on every core, not one). Within a panel the loop runs along the input and writes the panel
+// in order: the kPanel source rows are kPanel sequential streams whose current cache lines stay in L1 until all
+// their columns are used, and each destination line is written whole once (row by row, each would be revisited
+// kPanel times, after it may have left the cache).
+void pack_panels(float* dst, const float* w, int64_t out, int64_t in, int threads) {
   const int64_t np = (out + kPanel - 1) / kPanel;
+  const int nt = team_for_grain(threads, np * in * kPanel, int64_t{1} << 16);  // a small weight: one thread
+#pragma omp parallel for schedule(guided) num_threads(nt)
   for (int64_t p = 0; p < np; ++p) {
-    float* panel = dst + p * in * kPanel;
-    for (int64_t n = 0; n < kPanel; ++n) {
-      const int64_t o = p * kPanel + n;
-      const float* src = o < out ? w + o * in : nullptr;
-      for (int64_t i = 0; i < in; ++i) panel[i * kPanel + n] = src ? src[i] : 0.f;
+    float* __restrict panel = dst + p * in * kPanel;
+    const float* __restrict src = w + p * kPanel * in;
+    const int64_t rows = std::min<int64_t>(kPanel, out - p * kPanel);
+    if (rows == kPanel) {
+      for (int64_t i = 0; i < in; ++i)
+#pragma GCC unroll 32
+        for (int64_t n = 0; n < kPanel; ++n) panel[i * kPanel + n] = src[n * in + i];
+    } else {  // the last panel of a weight whose outputs are not a multiple of kPanel: zeros past them
+      for (int64_t i = 0; i < in; ++i)
+        for (int64_t n = 0; n < kPanel; ++n) panel[i * kPanel + n] = n < rows ? src[n * in + i] : 0.f;
     }
   }
 }

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight
+from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight, panel_shape
 from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 
@@ -56,9 +56,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_weights(self) -> bool:  # the plain weight may be the embedding's: kept
+    def panel_shape(self) -> tuple[int, int, int] | None:
+        return panel_shape(self.weight, self.ops)
+
+    def pack_weights(self, panels_out: torch.Tensor | None = None) -> bool:
+        """Build oneDNN's copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`); the plain
+        weight, which may be the embedding's, is kept."""
         self.packed_weight = pack_weight(self.weight)
-        self.panels = pack_panels(self.weight, self.ops)
+        self.panels = pack_panels(self.weight, self.ops, panels_out)
         return self.packed_weight is not None or self.panels is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

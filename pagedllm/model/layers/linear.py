@@ -52,13 +52,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def pack_panels(weight: torch.Tensor, ops: Any) -> Panels | None:
-    """The native ops' panel layout of a float32 CPU weight, or None where they do not apply."""
+def panel_shape(weight: torch.Tensor, ops: Any) -> tuple[int, int, int] | None:
+    """The shape of a weight's panels for the native ops, [ceil(O / w), I, w], or None where they do not apply (no
+    ops, or not a non-empty float32 CPU matrix)."""
     if ops is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     if not weight.numel():
         return None
-    return Panels(ops.pack_panels(weight.detach().contiguous()), weight.shape[0])
+    width = ops.panel_width()
+    return -(-weight.shape[0] // width), weight.shape[1], width
+
+
+def pack_panels(weight: torch.Tensor, ops: Any, out: torch.Tensor | None = None) -> Panels | None:
+    """The native ops' panel layout of a float32 CPU weight, written into `out` when given (a contiguous tensor of
+    `panel_shape`'s shape), or None where they do not apply."""
+    if panel_shape(weight, ops) is None:
+        return None
+    return Panels(ops.pack_panels(weight.detach().contiguous(), out), weight.shape[0])
 
 
 def linear(
@@ -95,28 +105,33 @@ def linear(
 
 def prepare_for_inference(model: nn.Module) -> int:
     """Prepack the weights of every layer that supports it (call after loading); returns how many. Layers built with
-    the native CPU ops also get their weights' panels, laid out in one huge-page arena in the order a forward pass
-    reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and the panels cover every
-    batch size."""
+    the native CPU ops also get their weights' panels, packed straight into one huge-page arena laid out in the order
+    a forward pass reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and the panels
+    cover every batch size."""
+    modules = [module for module in model.modules() if getattr(module, "pack_weights", None) is not None]
+    arena = panel_arena(modules)
     count = 0
-    for module in model.modules():
-        prepare = getattr(module, "pack_weights", None)
-        if prepare is not None and prepare():
+    for module in modules:
+        if module.pack_weights(arena.get(module)):
             count += 1
-    consolidate_panels(model)
     return count
 
 
-def consolidate_panels(model: nn.Module) -> None:
-    """Lay the panels the few-row kernels stream out back to back in one huge-page arena: the linear layers' in
-    module order (the order of a forward pass), then the LM head's (read last)."""
-    linears: list[torch.Tensor] = []
-    tail: list[torch.Tensor] = []
-    for module in model.modules():
-        panels = getattr(module, "panels", None)
-        if isinstance(panels, Panels):
-            (linears if isinstance(module, LinearBase) else tail).append(panels.data)
-    hugepages.consolidate(linears + tail)
+def panel_arena(modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
+    """Where each of these modules' panels go (the modules whose `panel_shape()` is not None): views of one huge-page
+    arena, back to back, the linear layers' in the order given (a forward pass's, for model.modules()), then the
+    others' (the LM head's, read last). Packing into them directly spares a second copy of every weight."""
+    shapes: dict[nn.Module, tuple[int, int, int]] = {}
+    for module in modules:
+        shape_of = getattr(module, "panel_shape", None)
+        shape = shape_of() if shape_of is not None else None
+        if shape is not None:
+            shapes[module] = shape
+    order = [m for m in shapes if isinstance(m, LinearBase)] + [m for m in shapes if not isinstance(m, LinearBase)]
+    if not order:
+        return {}
+    _, views = hugepages.arena([shapes[m] for m in order], torch.float32)
+    return dict(zip(order, views, strict=True))
 
 
 def _set_loader(param: nn.Parameter, loader) -> None:
@@ -143,9 +158,13 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.panels: Panels | None = None
 
-    def pack_weights(self) -> bool:
+    def panel_shape(self) -> tuple[int, int, int] | None:
+        return panel_shape(self.weight, self.ops)
+
+    def pack_weights(self, panels_out: torch.Tensor | None = None) -> bool:
+        """Build oneDNN's copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`)."""
         self.packed_weight = pack_weight(self.weight)
-        self.panels = pack_panels(self.weight, self.ops)
+        self.panels = pack_panels(self.weight, self.ops, panels_out)
         if self.packed_weight is None:
             return self.panels is not None
         # oneDNN's copy serves every batch size (the panels the few-row ones): the plain weight is not read again.
