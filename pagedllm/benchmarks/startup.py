@@ -63,21 +63,21 @@ _FRONT_START = "starting the engine for the API server"
 # (key, label) of the breakdown rows, in the order the server goes through them: the engine core's path to the
 # first 200 (adds up to the total), then what the front end does meanwhile.
 PHASES = (
-    ("core_launch", "engine core: launch (interpreter, CLI, process start)"),
-    ("core_imports", "engine core: imports"),
-    ("core_config", "engine core: model config"),
-    ("kernels", "engine core: CPU kernels + model runner"),
-    ("weights", "engine core: weights (de-quantize or cache)"),
-    ("packing", "engine core: weight packing"),
-    ("kv_cache", "engine core: KV cache allocation"),
-    ("core_rest", "engine core: scheduler, handshake, waiting on the front end"),
+    ("core_launch", "core: launch (interpreter, CLI, spawn)"),
+    ("core_imports", "core: imports"),
+    ("core_config", "core: model config"),
+    ("kernels", "core: CPU kernels + model runner"),
+    ("weights", "core: weights (de-quantize or cache)"),
+    ("packing", "core: weight packing"),
+    ("kv_cache", "core: KV cache allocation"),
+    ("core_rest", "core: scheduler, handshake, front end wait"),
     ("server", "server start (app, uvicorn, first 200)"),
     ("other", "other"),
 )
 FRONT_PHASES = (
-    ("front_imports", "meanwhile, front end: interpreter + imports"),
-    ("front_config", "meanwhile, front end: model config"),
-    ("tokenizer", "meanwhile, front end: tokenizer"),
+    ("front_imports", "(beside it) front end: interpreter + imports"),
+    ("front_config", "(beside it) front end: model config"),
+    ("tokenizer", "(beside it) front end: tokenizer"),
 )
 
 
