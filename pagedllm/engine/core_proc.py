@@ -62,6 +62,8 @@ class EngineCoreProc:
 
     def start(self) -> None:
         start = time.perf_counter()
+        import torch  # noqa: F401  (imported by the config and the model anyway: timed here, with the imports)
+
         from pagedllm.engine.arg_utils import EngineArgs
         from pagedllm.engine.core import EngineCore
 
