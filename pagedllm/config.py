@@ -218,6 +218,30 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # "uni" (one worker, in the engine-core process), "mp" (one worker process per rank on this machine) or "ray"
+    # (one Ray actor per rank, across a cluster): resolved from the arguments, never None here.
+    distributed_executor_backend: str = "uni"
+    ray_cpus_per_worker: float = 1.0  # each rank's Ray bundle
+
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+def ray_placement_timeout() -> float:
+    """$PAGEDLLM_RAY_PLACEMENT_TIMEOUT: seconds the Ray executor waits for its bundles to be placed (default 60)."""
+    raw = os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PAGEDLLM_RAY_PLACEMENT_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def ray_address_from_env() -> str | None:
+    """$RAY_ADDRESS: a Ray cluster to join (it makes "ray" the default executor backend for more than one rank)."""
+    return os.environ.get("RAY_ADDRESS") or None
 
 
 # The attention backends a user may name; "native" is the older name of "cpu_native" (normalised away).
@@ -246,3 +270,6 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # The EngineArgs this was built from, as plain data: a worker process or Ray actor builds the same config
+    # from them (the model's config object does not cross a process boundary).
+    engine_args: dict[str, Any] | None = field(default=None, compare=False, repr=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -53,5 +54,5 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty for a request still in its prompt
-    logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> LogprobsLists of the sampled token
-    prompt_logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> LogprobsLists for a chunk
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> of the sampled token
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> for a chunk of the prompt

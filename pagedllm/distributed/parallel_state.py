@@ -1,43 +1,124 @@
-"""Tensor-parallel group state seen by the layers: rank, world size and the all-reduce/all-gather they need.
+"""The tensor-parallel group of one worker, and how a model's heads and rows are split across its ranks.
 
-With no process group initialised (the only mode today) the world size is 1 and the collectives are
-identities, so the layers run unchanged on one device. Initialising `torch.distributed` with a world size
-above one makes the same layers shard themselves.
+Contract.
+* `TensorParallelGroup(rank, world_size, group, shm)`: what a layer needs to shard itself and combine the shards:
+  its rank and the group's size, `all_reduce` (sum, in place), `all_gather` (concatenate along a dimension) and
+  `broadcast` (from rank 0). With `world_size == 1` (the default, `TensorParallelGroup()`) every collective is the
+  identity and nothing touches `torch.distributed`. Above one, `group` is the worker's torch.distributed process
+  group (gloo on the CPU, nccl on CUDA) and `shm`, when given, a shared-memory all-reduce between the ranks of one
+  machine (distributed/shm_allreduce.py) that float32 CPU sums go through instead of gloo.
+* The loader hands the group to the model through `KernelDispatch.tp`; each layer keeps the one it was built
+  with. Nothing here is module-level state: one process may hold several groups (tests build several models).
+* `attention_shard(num_heads, num_kv_heads, world_size, rank)`: which query and KV heads a rank holds. With at least
+  as many KV heads as ranks, each rank holds whole KV groups (a KV head and its query heads), as evenly as they go
+  (9 heads in 3 groups on 2 ranks: 6 + 3). With fewer KV heads than ranks, each KV head is replicated on
+  `world_size / num_kv_heads` ranks, which split its query heads. Any other split is a `ValueError` naming the
+  sizes: `check_tensor_parallel` runs it for a model's config at startup.
+* `even_shard(size, world_size, rank)`: a contiguous (first, count) range of `size` rows, the first ranks taking
+  one more when it does not divide.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # imported where used: the CLI checks a model's split (check_tensor_parallel) before torch loads
+    import torch
 
 
-def get_tp_world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup (world_size > 1)
+    shm: Any = None  # ShmAllReduce between the ranks of one machine, or None (gloo)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place; returns it."""
+        if self.world_size == 1:
+            return x
+        import torch
 
-def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self.shm is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+            self.shm.all_reduce(x)
+            return x
+        import torch.distributed as dist
 
-
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum partial results across the tensor-parallel group (identity on one device)."""
-    if get_tp_world_size() == 1:
+        dist.all_reduce(x, group=self.group)
         return x
-    dist.all_reduce(x)
-    return x
 
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' `x` (equal shapes) concatenated along `dim`, in rank order."""
+        if self.world_size == 1:
+            return x
+        import torch
+        import torch.distributed as dist
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate shards along `dim` across the tensor-parallel group (identity on one device)."""
-    world = get_tp_world_size()
-    if world == 1:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place; returns it."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
         return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+
+    def shard(self, size: int) -> Shard:
+        """This rank's part of `size` rows split as evenly as possible (see `even_shard`)."""
+        return even_shard(size, self.world_size, self.rank)
 
 
-def divide(numerator: int, denominator: int) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
-    return numerator // denominator
+class Shard(NamedTuple):
+    first: int
+    count: int
+
+
+class AttentionShard(NamedTuple):
+    first_head: int  # first query head of this rank
+    num_heads: int
+    first_kv_head: int
+    num_kv_heads: int
+
+
+def even_shard(size: int, world_size: int, rank: int) -> Shard:
+    """Rows [first, first + count) of `size` for `rank`: contiguous, the first `size % world_size` ranks one more."""
+    base, extra = divmod(size, world_size)
+    return Shard(rank * base + min(rank, extra), base + (rank < extra))
+
+
+def attention_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> AttentionShard:
+    """The query and KV heads `rank` holds (see the module docstring); ValueError naming the sizes if none fits."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads do not form groups over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world_size:
+        kv = even_shard(num_kv_heads, world_size, rank)
+        return AttentionShard(kv.first * group, kv.count * group, kv.first, kv.count)
+    replicas, rest = divmod(world_size, num_kv_heads)
+    if rest or group % replicas:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} cannot split this model's attention: {num_heads} query heads over "
+            f"{num_kv_heads} KV heads (with fewer KV heads than ranks, the size must be a multiple of the KV heads "
+            f"and divide each KV head's {group} query heads evenly); choose a size at most {num_kv_heads}"
+        )
+    kv = rank // replicas
+    per = group // replicas
+    return AttentionShard(kv * group + (rank % replicas) * per, per, kv, 1)
+
+
+def check_tensor_parallel(hf_config: Any, world_size: int) -> None:
+    """ValueError naming the value if a model with this config cannot run on `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {world_size}")
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if world_size > heads:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} is larger than the model's {heads} attention heads; use at most {heads}"
+        )
+    attention_shard(heads, kv_heads, world_size, 0)

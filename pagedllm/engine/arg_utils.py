@@ -27,6 +27,7 @@ from typing import Any
 from pagedllm.config import (
     ATTENTION_BACKEND_ALIASES,
     ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_NAMES,
     CacheConfig,
     DeviceConfig,
@@ -43,7 +44,9 @@ from pagedllm.config import (
     normalise_attention_backend,
     num_threads_default,
     parse_size,
+    ray_address_from_env,
 )
+from pagedllm.distributed.parallel_state import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,15 @@ class EngineArgs:
     max_num_seqs: int = _arg(128, "most requests running in one step")
     scheduling_policy: str = _arg("fcfs", "order of the waiting queue", choices=SCHEDULING_POLICIES)
     long_prefill_token_threshold: int = _arg(0, "split prefill chunks longer than this; 0: no limit")
-    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks; only 1 for now", aliases=("-tp",))
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (worker processes or Ray actors)", aliases=("-tp",))
+    distributed_executor_backend: str | None = _arg(
+        None,
+        "how the ranks run: uni (in the engine-core process; one rank), mp (a process per rank on this machine) or "
+        "ray (a Ray actor per rank, across a cluster); default uni for one rank, else ray when $RAY_ADDRESS names a "
+        "cluster, else mp",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
+    ray_cpus_per_worker: float = _arg(1.0, "CPUs each rank's Ray bundle asks for")
     device: str = _arg("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads (default: $PAGEDLLM_NUM_THREADS, else 2)")
     attention_backend: str | None = _arg(
@@ -151,6 +162,7 @@ class EngineArgs:
         device = self._device()
         batched = self.max_num_batched_tokens
         return EngineConfig(
+            engine_args=dataclasses.asdict(self),
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -165,7 +177,9 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self._executor_backend(), self.ray_cpus_per_worker
+            ),
             device_config=DeviceConfig(
                 device=device,
                 num_threads=num_threads_default() if self.num_threads is None else self.num_threads,
@@ -183,7 +197,7 @@ class EngineArgs:
         from pagedllm.model.config_loader import load_model_config
 
         self._validate()
-        return load_model_config(
+        model_config = load_model_config(
             self.model or model_from_env() or default_model_path(),
             tokenizer=self.tokenizer,
             dtype=self.dtype,
@@ -191,6 +205,8 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             seed=self.seed,
         )
+        check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
+        return model_config
 
     def for_engine_core(self) -> EngineArgs:
         """These arguments, validated, for the engine-core process, which builds its config from them while the
@@ -216,8 +232,11 @@ class EngineArgs:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        self._executor_backend()
+        if not self.ray_cpus_per_worker > 0:
+            raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}")
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {util}")
@@ -253,6 +272,29 @@ class EngineArgs:
         if kv_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {kv_bytes}")
         return kv_bytes
+
+    def _executor_backend(self) -> str:
+        backend = self.distributed_executor_backend
+        if backend is None:
+            if self.tensor_parallel_size == 1:
+                return "uni"
+            return "ray" if ray_address_from_env() else "mp"
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            choices = ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS)
+            raise ValueError(f"distributed_executor_backend must be one of {choices}, got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
+                "needs mp or ray"
+            )
+        if backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "distributed_executor_backend 'ray' needs Ray, which is not installed: pip install 'pagedllm[ray]'"
+                )
+        return backend
 
     def _attention_backend(self) -> str:
         if self.attention_backend is None:

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from pagedllm.executor.executor import UniProcExecutor
+from pagedllm.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class EngineCore:
             str(mc.dtype).removeprefix("torch."),
             mc.max_model_len,
         )
-        self.executor = UniProcExecutor(config)
+        self.executor = Executor.get_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
@@ -65,6 +65,10 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         stats.num_scheduled_tokens = 0
         return stats
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        """A Worker method run on every rank (through the executor); the results in rank order."""
+        return self.executor.collective_rpc(method, tuple(args or ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

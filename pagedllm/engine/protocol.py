@@ -142,3 +142,27 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     call_id: int
     failure_message: str | None = None
     result: Any = None
+
+
+# ---- executor <-> worker processes (executor/multiproc.py, worker/worker_proc.py) ----------------------------------
+
+
+class WorkerRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One call broadcast to every worker: `method` of the Worker with `args` (msgpack of the method's arguments:
+    a SchedulerOutput for execute_model, a list of plain values otherwise). `reply`: "all" ranks answer, or only
+    "driver" (rank 0), or "none"."""
+
+    call_id: int
+    method: str
+    args: bytes = b""
+    reply: str = "all"
+
+
+class WorkerResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A worker's answer to a WorkerRequest (call_id -1: its start-up report). `result` is msgpack of the method's
+    return value; `error` the exception's type and message when it raised."""
+
+    call_id: int
+    rank: int
+    result: bytes = b""
+    error: str | None = None

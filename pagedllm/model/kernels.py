@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedllm.csrc.source_hash import source_hash
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 
 if TYPE_CHECKING:
     from pagedllm.model.attention.backends.base import AttentionBackend
@@ -88,10 +89,12 @@ def load_cpu_ops(isa: str = "auto") -> Any:
 @dataclass(frozen=True)
 class KernelDispatch:
     """What the layers of one model run: `cpu` the native CPU ops (None: plain torch; they apply to float32 CPU
-    tensors only, so the loader gives them only to such a model) and `attention` the attention backend."""
+    tensors only, so the loader gives them only to such a model), `attention` the attention backend, and `tp` the
+    tensor-parallel group the layers shard themselves over (one rank by default)."""
 
     attention: AttentionBackend
     cpu: Any = None
+    tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
 
     def cpu_for(self, dtype: torch.dtype) -> Any:
         """The native ops for a layer whose tensors are `dtype`, or None."""

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.model import hugepages
 from pagedllm.model.attention.backends.base import CommonAttentionMetadata
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
         self.device = device
+        self.tp = tp or TensorParallelGroup()
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
@@ -47,7 +49,7 @@ class ModelRunner:
         logger.info(
             "attention backend %s, native CPU ops %s", self.attn_backend.name, cpu_ops.isa if cpu_ops else "off"
         )
-        kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops)
+        kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp)
         self.model = load_model(config.model_config, device, kernels)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops)
         self.sampler = Sampler()
@@ -135,10 +137,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows_to_sample)
             if logits.dtype != torch.float32:
                 logits = logits.float()
-            md = batch.sampling_metadata(rows[sample_rows], self.vocab_size)
-            out = self.sampler(logits, md)
-            token_ids = out.sampled_token_ids.tolist()
-            lp_lists = out.logprobs.tolists() if out.logprobs is not None else None
+            token_ids, lp_lists = self._sample(logits, rows[sample_rows])
             for j, i in enumerate(sample_rows):
                 state = states[i]
                 batch.append_token(state, token_ids[j])
@@ -148,6 +147,21 @@ class ModelRunner:
                     logprobs[state.req_id] = _slice_lists(lp_lists, j, k)
         prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
         return ModelRunnerOutput(order, sampled, logprobs, prompt_lp)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], LogprobsLists | None]:
+        """The sampled token of each row of `logits` (and the batch's logprobs lists, or None). With tensor
+        parallelism every rank holds the same full logits (the LM head gathers them), but only rank 0 samples:
+        its tokens are broadcast to the others, so that the ranks never disagree (a sampler run on each rank could
+        differ in the last bit between CPUs, and with it a sampled token); rank 0 alone reports logprobs."""
+        if self.tp.rank == 0:
+            out = self.sampler(logits, self.input_batch.sampling_metadata(rows, self.vocab_size))
+            ids = out.sampled_token_ids
+            lp_lists = out.logprobs.tolists() if out.logprobs is not None else None
+        else:
+            ids, lp_lists = torch.empty(len(rows), dtype=torch.int64, device=self.device), None
+        if self.tp.world_size > 1:
+            ids = self.tp.broadcast(ids.to(torch.int64).contiguous())
+        return ids.tolist(), lp_lists
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)

@@ -1,32 +1,40 @@
-"""Worker: owns one device: its torch threads, the model runner, and the KV cache memory budget.
+"""Worker: owns one device (one tensor-parallel rank): its torch threads, the model runner, and the KV cache memory
+budget.
 
 The budget (`kv_cache_memory_bytes`) becomes a number of blocks of `block_size` tokens, which the engine
-core hands to the scheduler; the worker then allocates one key and one value tensor per layer.
+core hands to the scheduler; the worker then allocates one key and one value tensor per layer. With tensor
+parallelism each rank holds its share of the KV heads, so each rank's budget holds as many blocks as any other's;
+the executor still takes the smallest count. `--num-threads` is the total of the ranks on one machine: each rank
+runs `num_threads // tensor_parallel_size` torch threads (at least one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
+        self.tp = tp or TensorParallelGroup()
+        self.rank = self.tp.rank
         self.device = torch.device(config.device_config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.device_config.num_threads)
+            torch.set_num_threads(max(1, config.device_config.num_threads // self.tp.world_size))
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
-        self.model_runner = ModelRunner(config, self.device)
+        self.model_runner = ModelRunner(config, self.device, self.tp)
         logger.info("startup: model runner %.2f s (kernels, model, weights)", time.perf_counter() - start)
 
     def determine_num_blocks(self) -> int:
@@ -58,6 +66,10 @@ class Worker:
         start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
         logger.info("startup: KV cache allocation %.2f s", time.perf_counter() - start)
+
+    def process_id(self) -> int:
+        """The worker's process id (tests stop ranks by it)."""
+        return os.getpid()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)

@@ -12,15 +12,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight, panel_shape
-from pagedllm.model.layers.parallel_state import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.tp_size = get_tp_world_size()
-        self.tp_rank = get_tp_rank()
+        self.tp = tp or TensorParallelGroup()
+        self.tp_size = self.tp.world_size
+        self.tp_rank = self.tp.rank
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
@@ -38,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (local < 0) | (local >= self.shard_size)
         out = F.embedding(local.masked_fill(mask, 0), self.weight)
         out.masked_fill_(mask.unsqueeze(-1), 0)
-        return tp_all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -48,9 +55,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     panels: Panels | None = None
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32, ops: Any = None
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        ops: Any = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim, dtype)
+        super().__init__(num_embeddings, embedding_dim, dtype, tp)
         self.ops = ops  # the native CPU ops (few-row logits on panels), or None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -69,5 +81,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.packed_weight, self.panels, self.ops)
         if self.tp_size > 1:
-            logits = tp_all_gather(logits, dim=-1)
+            logits = self.tp.all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]

@@ -3,7 +3,9 @@
 Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies in the slice this
 rank owns of a full checkpoint tensor: column-parallel layers split the output dimension, row-parallel
 layers the input dimension (and all-reduce their partial sums). Merged layers (gate+up, q+k+v) hold several
-checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pass over the activations.
+checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pass over the activations. Each layer
+is built with the worker's `TensorParallelGroup` (distributed/parallel_state.py; by default one rank): rows split as
+evenly as they go (`even_shard`), attention heads by `attention_shard` (KV heads replicated when fewer than ranks).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import Shard, TensorParallelGroup, attention_shard
 from pagedllm.model import hugepages
-from pagedllm.model.layers.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_all_reduce
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm): MKL's own
 # threading of skinny GEMMs leaves most of the memory bandwidth unused on the CPUs we measure on (bench/RESULTS.md).
@@ -146,13 +148,22 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, ops: Any = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        ops: Any = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.ops = ops  # the native CPU ops (few-row products on panels), or None
-        self.input_size = input_size
-        self.output_size = output_size
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_world_size()
+        self.tp = tp or TensorParallelGroup()
+        self.input_size = input_size  # this rank's
+        self.output_size = output_size  # this rank's
+        self.tp_rank = self.tp.rank
+        self.tp_size = self.tp.world_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
@@ -192,21 +203,30 @@ class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by columns (the output dimension); each rank keeps its slice of Y."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        ops: Any = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
-        tp = get_tp_world_size()
-        super().__init__(input_size, divide(output_size, tp), bias, dtype, ops)
+        tp = tp or TensorParallelGroup()
+        super().__init__(input_size, self._local_output_size(output_size, tp), bias, dtype, ops, tp)
         _set_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, self.weight_loader)
 
+    def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
+        return tp.shard(output_size).count
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        shard = param.shape[0]
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        shard = self.tp.shard(loaded_weight.shape[0])
+        param.data.copy_(loaded_weight.narrow(0, shard.first, shard.count))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel matrices stacked along the output (e.g. gate_proj and up_proj)."""
+    """Several column-parallel matrices stacked along the output (e.g. gate_proj and up_proj), each split alike."""
 
     def __init__(
         self,
@@ -215,19 +235,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
         ops: Any = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, dtype, ops)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, ops, tp)
+
+    def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
+        return sum(tp.shard(size).count for size in self.output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
-        shard_size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        part = loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size)
-        param.data.narrow(0, offset, shard_size).copy_(part)
+        offset = sum(self.tp.shard(size).count for size in self.output_sizes[:shard_id])
+        part = self.tp.shard(self.output_sizes[shard_id])
+        param.data.narrow(0, offset, part.count).copy_(loaded_weight.narrow(0, part.first, part.count))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The q, k and v projections in one matrix; heads split across ranks (KV heads replicated if fewer)."""
+    """The q, k and v projections in one matrix; heads split across ranks by `attention_shard` (KV heads replicated
+    when there are fewer of them than ranks)."""
 
     def __init__(
         self,
@@ -238,46 +262,57 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
         ops: Any = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
-        tp = get_tp_world_size()
+        tp = tp or TensorParallelGroup()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp)
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias, dtype, ops)
+        self.heads = attention_shard(num_heads, num_kv_heads, tp.world_size, tp.rank)
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, dtype, ops, tp)
+
+    def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str = "q") -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        d, h = self.head_dim, self.heads
+        q_size, kv_size = h.num_heads * d, h.num_kv_heads * d
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
+            offset, size, first = 0, q_size, h.first_head * d
         elif shard_id == "k":
-            offset, size, rank = q_size, kv_size, self.tp_rank // self.kv_replicas
+            offset, size, first = q_size, kv_size, h.first_kv_head * d
         elif shard_id == "v":
-            offset, size, rank = q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas
+            offset, size, first = q_size + kv_size, kv_size, h.first_kv_head * d
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, first, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Y = X A with A split by rows (the input dimension); partial sums are all-reduced."""
+    """Y = X A with A split by rows (the input dimension); partial sums are all-reduced. `input_shard` gives this
+    rank's input rows where they follow another split (the attention heads'), else they split evenly."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        ops: Any = None,
+        tp: TensorParallelGroup | None = None,
+        input_shard: Shard | None = None,
     ) -> None:
-        tp = get_tp_world_size()
-        super().__init__(divide(input_size, tp), output_size, bias, dtype, ops)
+        tp = tp or TensorParallelGroup()
+        self.input_shard = input_shard or tp.shard(input_size)
+        super().__init__(self.input_shard.count, output_size, bias, dtype, ops, tp)
         _set_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        shard = param.shape[1]
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
+        param.data.copy_(loaded_weight.narrow(1, self.input_shard.first, self.input_shard.count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops))
         return y + self.bias if self.bias is not None else y

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import Shard
 from pagedllm.model.kernels import KernelDispatch, torch_dispatch
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.attention import Attention
@@ -28,7 +29,6 @@ from pagedllm.model.layers.linear import (
     default_weight_loader,
 )
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.parallel_state import divide, get_tp_world_size
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
 
@@ -44,18 +44,19 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
         super().__init__()
-        ops = kernels.cpu_for(dtype)
-        tp = get_tp_world_size()
+        ops, tp = kernels.cpu_for(dtype), kernels.tp
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        self.num_heads = divide(total_heads, tp)
-        self.num_kv_heads = max(1, total_kv // tp)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias, dtype, ops)
-        # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v biases do not.
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias, dtype, ops, tp)
+        heads = self.qkv_proj.heads  # this rank's query and KV heads
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v biases do not. Its input rows are the
+        # attention output of this rank's query heads.
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, dtype, ops)
+        o_rows = Shard(heads.first_head * self.head_dim, heads.num_heads * self.head_dim)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, dtype, ops, tp, o_rows)
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling, ops=ops)
         scale = self.head_dim**-0.5
@@ -86,11 +87,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
         super().__init__()
-        ops = kernels.cpu_for(dtype)
+        ops, tp = kernels.cpu_for(dtype), kernels.tp
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, ops)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, ops)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, ops, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, ops, tp)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels) for _ in range(config.num_hidden_layers)
         )
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         bias = self.attention_bias or bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, dtype, bias, self.qk_norm, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, kernels.cpu_for(dtype))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, kernels.cpu_for(dtype), kernels.tp)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

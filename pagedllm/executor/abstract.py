@@ -1,0 +1,55 @@
+"""Executor: the engine core's handle on compute, whatever runs it.
+
+Contract. `Executor.get_class(config)` is the class for `parallel_config.distributed_executor_backend`: "uni"
+(`UniProcExecutor`: one worker in the engine-core process), "mp" (`MultiprocExecutor`: one worker process per
+tensor-parallel rank on this machine) or "ray" (`RayDistributedExecutor`: one Ray actor per rank, anywhere in a
+cluster). Every executor offers the same calls: `determine_num_blocks()` (the smallest count any rank can hold),
+`initialize_cache(num_blocks)`, `execute_model(scheduler_output)` (rank 0's ModelRunnerOutput; every rank runs the
+step), `collective_rpc(method, args)` (a Worker method on every rank, their results in rank order) and
+`shutdown()` (idempotent; no process or actor is left). A rank that dies or fails raises `RuntimeError` naming it
+from the call that was waiting on it (the engine core then dies, and its client raises `EngineDeadError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from pagedllm.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        if backend == "mp":
+            from pagedllm.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
+        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass

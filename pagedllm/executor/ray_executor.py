@@ -1,0 +1,176 @@
+"""RayDistributedExecutor: one Ray actor per tensor-parallel rank, anywhere in a Ray cluster.
+
+Contract (beyond executor/abstract.py).
+* Ray is an optional extra (`pip install 'pagedllm[ray]'`); without it the engine arguments already refuse the
+  "ray" backend with that command. The executor joins the cluster named by $RAY_ADDRESS (read in config.py), or
+  starts a local Ray when there is none.
+* A placement group holds one bundle per rank of `ray_cpus_per_worker` CPUs (1 by default, so a cluster of one-CPU
+  nodes can hold it; strategy PACK: on one node where they fit, spread where they do not). If the bundles are not
+  placed within `PLACEMENT_TIMEOUT_S` (or $PAGEDLLM_RAY_PLACEMENT_TIMEOUT), the group is removed and a
+  `RuntimeError` says what was asked and what the cluster has: never a hang.
+* Each actor is a `WorkerProc` (worker/worker_proc.py) built in the actor: the same `WorkerRequest` /
+  `WorkerResponse` bytes as the multiprocess executor's, handed over as actor-call arguments instead of through
+  the shared-memory ring (ranks may be on different machines). The ranks' gloo group meets at rank 0's node
+  address and a free port there.
+* A dead actor makes the waiting call raise `RuntimeError` naming the rank. `shutdown()` kills the actors and
+  removes the placement group (and stops Ray if this executor started it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from pagedllm.config import EngineConfig, ray_address_from_env, ray_placement_timeout
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.protocol import WorkerRequest, WorkerResponse
+from pagedllm.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class _RankActor:
+    """The body of each Ray actor: a WorkerProc without sockets."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.proc: Any = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it (rank 0's: where the gloo group meets)."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def start(self, init: dict[str, Any]) -> bytes:
+        from pagedllm.logger import configure_logging
+        from pagedllm.worker.worker_proc import WorkerProc
+
+        configure_logging()
+        self.proc = WorkerProc(init, connect=False)
+        try:
+            self.proc.start()
+        except BaseException as e:
+            return msgspec.msgpack.encode(WorkerResponse(-1, self.rank, error=f"{type(e).__name__}: {e}"))
+        return msgspec.msgpack.encode(WorkerResponse(-1, self.rank))
+
+    def handle(self, request: bytes) -> bytes | None:
+        resp = self.proc.handle(msgspec.msgpack.decode(request, type=WorkerRequest))
+        return None if resp is None else msgspec.msgpack.encode(resp)
+
+
+class RayDistributedExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if config.engine_args is None:
+            raise ValueError("the Ray executor needs a config built by EngineArgs.create_engine_config()")
+        self._ray = ray
+        self._remove_pg = remove_placement_group
+        self.world_size = config.parallel_config.tensor_parallel_size
+        cpus = config.parallel_config.ray_cpus_per_worker
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=ray_address_from_env(), log_to_driver=False, include_dashboard=False)
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self._response_decoder = msgspec.msgpack.Decoder(WorkerResponse)
+        self.actors: list[Any] = []
+        self._stopped = False
+        self.pg = placement_group([{"CPU": cpus}] * self.world_size, strategy="PACK")
+        try:
+            timeout = ray_placement_timeout()
+            ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+            if not ready:
+                raise RuntimeError(
+                    f"Ray could not place {self.world_size} bundles of {cpus:g} CPU (tensor_parallel_size "
+                    f"{self.world_size}, ray_cpus_per_worker {cpus:g}) within {timeout:g} s; the cluster has "
+                    f"{ray.cluster_resources().get('CPU', 0):g} CPUs, {ray.available_resources().get('CPU', 0):g} "
+                    "free"
+                )
+            actor_cls = ray.remote(_RankActor)
+            for rank in range(self.world_size):
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+                self.actors.append(actor_cls.options(num_cpus=cpus, scheduling_strategy=strategy).remote(rank))
+            host, port = ray.get(self.actors[0].node_address.remote())
+            starts = [
+                actor.start.remote(
+                    {
+                        "rank": rank,
+                        "world_size": self.world_size,
+                        "dist_host": host,
+                        "dist_port": port,
+                        "engine_args": config.engine_args,
+                    }
+                )
+                for rank, actor in enumerate(self.actors)
+            ]
+            for raw in ray.get(starts):
+                resp = self._response_decoder.decode(raw)
+                if resp.error is not None:
+                    if resp.error.startswith("ValueError: "):
+                        raise ValueError(resp.error.removeprefix("ValueError: "))
+                    raise RuntimeError(f"Ray worker rank {resp.rank} failed to start: {resp.error}")
+            logger.info("started %d Ray workers (gloo at %s:%d)", self.world_size, host, port)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _call(self, method: str, args: bytes, reply: str) -> list[WorkerResponse]:
+        request = self._encoder.encode(WorkerRequest(next(self._call_ids), method, args, reply))
+        refs = [actor.handle.remote(request) for actor in self.actors]
+        answers: list[WorkerResponse] = []
+        pending = list(refs)
+        while pending:
+            done, pending = self._ray.wait(pending, num_returns=1)
+            rank = refs.index(done[0])
+            try:
+                raw = self._ray.get(done[0])
+            except self._ray.exceptions.RayError as e:
+                raise RuntimeError(f"Ray worker rank {rank} died in {method}: {type(e).__name__}") from e
+            if raw is None:
+                continue
+            resp = self._response_decoder.decode(raw)
+            if resp.error is not None:
+                raise RuntimeError(f"Ray worker rank {resp.rank} failed in {method}: {resp.error}")
+            answers.append(resp)
+        return sorted(answers, key=lambda r: r.rank)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        answers = self._call(method, self._encoder.encode(list(args)), "all")
+        return [msgspec.msgpack.decode(a.result) if a.result else None for a in answers]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        (answer,) = self._call("execute_model", self._encoder.encode(scheduler_output), "driver")
+        return self._output_decoder.decode(answer.result)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for actor in self.actors:
+            try:
+                self._ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        try:
+            self._remove_pg(self.pg)
+        except Exception:
+            pass
+        if self._started_ray:
+            deadline = time.monotonic() + 10
+            while self._ray.is_initialized() and time.monotonic() < deadline:
+                self._ray.shutdown()

@@ -1,0 +1,187 @@
+"""Tensor parallelism: the head and row splits, and TP=2 / TP=3 engines (one worker process per rank, gloo on
+127.0.0.1) giving the greedy tokens of TP=1 and of HF transformers on tiny random models (KV heads that divide,
+fewer KV heads than ranks, uneven KV groups, qkv bias, q/k norm) and on the real SmolLM2 at TP=3; a killed rank
+surfaces as EngineDeadError with no process left; a split the model cannot take is a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.parallel_state import AttentionShard, attention_shard, check_tensor_parallel, even_shard
+from pagedllm.engine.exceptions import EngineDeadError
+from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
+
+MAX_TOKENS = 12
+ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=2, kv_cache_memory_bytes=32 << 20)
+
+
+def test_even_shard_covers_every_row_once() -> None:
+    for size in (1, 5, 9, 64, 1536):
+        for world in (1, 2, 3, 4):
+            shards = [even_shard(size, world, r) for r in range(world)]
+            assert shards[0].first == 0 and sum(s.count for s in shards) == size
+            assert all(a.first + a.count == b.first for a, b in zip(shards, shards[1:]))
+            assert max(s.count for s in shards) - min(s.count for s in shards) <= 1
+
+
+def test_attention_shard_groups_replicas_and_refusals() -> None:
+    # KV heads divide: whole groups.
+    assert [attention_shard(8, 4, 2, r) for r in range(2)] == [AttentionShard(0, 4, 0, 2), AttentionShard(4, 4, 2, 2)]
+    # More KV heads than ranks, not dividing (SmolLM2 at TP=2: 9 heads over 3 KV heads): 2 groups + 1 group.
+    assert [attention_shard(9, 3, 2, r) for r in range(2)] == [AttentionShard(0, 6, 0, 2), AttentionShard(6, 3, 2, 1)]
+    # Fewer KV heads than ranks: each replicated, its query heads split.
+    assert [attention_shard(4, 1, 2, r) for r in range(2)] == [AttentionShard(0, 2, 0, 1), AttentionShard(2, 2, 0, 1)]
+    assert [attention_shard(8, 2, 4, r) for r in range(4)] == [
+        AttentionShard(0, 2, 0, 1),
+        AttentionShard(2, 2, 0, 1),
+        AttentionShard(4, 2, 1, 1),
+        AttentionShard(6, 2, 1, 1),
+    ]
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        attention_shard(4, 2, 3, 0)  # 3 ranks over 2 KV heads
+
+
+def test_check_tensor_parallel_names_the_value() -> None:
+    class Config:
+        num_attention_heads = 9
+        num_key_value_heads = 3
+
+    check_tensor_parallel(Config(), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 16 is larger than the model's 9 attention heads"):
+        check_tensor_parallel(Config(), 16)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4"):
+        check_tensor_parallel(Config(), 4)
+
+
+# id -> (architecture, make_tiny_model kwargs, tensor-parallel size)
+TP_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "llama-kv-divides-tp2": ("LlamaForCausalLM", dict(seed=11), 2),
+    "llama-uneven-groups-tp2": (
+        "LlamaForCausalLM",
+        dict(seed=12, num_attention_heads=6, num_key_value_heads=3, hidden_size=96, tie_word_embeddings=True),
+        2,
+    ),
+    "llama-kv-divides-tp3": (
+        "LlamaForCausalLM",
+        dict(seed=13, num_attention_heads=6, num_key_value_heads=3, hidden_size=96),
+        3,
+    ),
+    "llama-kv-replicated-tp3": (
+        "LlamaForCausalLM",
+        dict(seed=14, num_attention_heads=6, num_key_value_heads=1, hidden_size=96),
+        3,
+    ),
+    "qwen2-qkv-bias-kv-replicated-tp2": ("Qwen2ForCausalLM", dict(seed=15, num_key_value_heads=1), 2),
+    "qwen3-qk-norm-tp2": ("Qwen3ForCausalLM", dict(seed=16, head_dim=32, intermediate_size=96), 2),
+}
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_matches_tp1_and_hf(case: str, tiny_model_dir: Path) -> None:
+    arch, kwargs, tp = TP_CASES[case]
+    folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
+    prompts = random_prompts([3, 17, 40, 9], seed=len(case))
+    single = LLM(model=folder, engine_client="inproc", **ENGINE)
+    want = _greedy(single, prompts)
+    del single
+    assert want == hf_greedy(folder, prompts, MAX_TOKENS)
+    llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE)
+    try:
+        assert len(llm.engine_core.call_utility("collective_rpc", "process_id")) == tp
+        assert _greedy(llm, prompts) == want
+        stats = llm.engine_core.call_utility("check_invariants")
+        assert stats["in_use"] == 0 and stats["unfinished"] == 0
+    finally:
+        llm.engine_core.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_tp3_gives_tp1_tokens() -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    single = LLM(**ENGINE | {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024})
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    single.engine_core.shutdown()
+    llm = LLM(tensor_parallel_size=3, **ENGINE | {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024})
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine_core.shutdown()
+    assert got == want
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_engine_dead_and_leaves_no_process(tiny_model_dir: Path) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=11)
+    llm = LLM(model=folder, tensor_parallel_size=2, **ENGINE)
+    try:
+        pids = llm.engine_core.call_utility("collective_rpc", "process_id")
+        core_pid = llm.engine_core.core.proc.pid
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            for _ in range(50):
+                _greedy(llm, random_prompts([5], seed=1))
+        assert time.monotonic() - start < 30
+        assert _wait_gone([core_pid, *pids]) == []
+    finally:
+        llm.engine_core.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_shutdown_and_kill_of_the_core_leave_no_worker(tiny_model_dir: Path) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=11)
+    llm = LLM(model=folder, tensor_parallel_size=2, **ENGINE)
+    pids = llm.engine_core.call_utility("collective_rpc", "process_id")
+    llm.engine_core.shutdown()
+    assert _wait_gone(pids) == []
+
+    llm = LLM(model=folder, tensor_parallel_size=2, **ENGINE)
+    try:
+        pids = llm.engine_core.call_utility("collective_rpc", "process_id")
+        os.kill(llm.engine_core.core.proc.pid, signal.SIGKILL)
+        assert _wait_gone(pids) == []
+    finally:
+        llm.engine_core.shutdown()
+
+
+def test_a_split_the_model_cannot_take_is_a_clear_error(tiny_model_dir: Path) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=11)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 is larger than the model's 4 attention heads"):
+        LLM(model=folder, tensor_parallel_size=8, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        LLM(model=folder, tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        LLM(model=folder, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
