@@ -66,6 +66,10 @@ class EngineCore:
         stats.num_scheduled_tokens = 0
         return stats
 
+    def check_health(self) -> None:
+        """Raise if the executor lost a worker."""
+        self.executor.check_health()
+
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """A Worker method run on every rank (through the executor); the results in rank order."""
         return self.executor.collective_rpc(method, tuple(args or ()))

@@ -40,6 +40,7 @@ from pagedllm.engine.protocol import (
 logger = logging.getLogger("pagedllm.engine.core_proc")
 
 _STOP = object()
+HEALTH_CHECK_INTERVAL_S = 1.0
 
 
 class EngineCoreProc:
@@ -127,12 +128,21 @@ class EngineCoreProc:
 
     # ---- busy loop -------------------------------------------------------------------------------
 
+    def _wait_for_input(self, core: Any) -> tuple[EngineCoreRequestType, Any]:
+        """Block until a request arrives, checking every second that the executor's workers are alive (a rank
+        that died while the engine was idle takes the core down now, not at the next request)."""
+        while True:
+            try:
+                return self.input_queue.get(timeout=HEALTH_CHECK_INTERVAL_S)
+            except queue.Empty:
+                core.check_health()
+
     def run_busy_loop(self) -> None:
         core = self.engine_core
         assert core is not None
         while True:
             if not core.has_unfinished_requests():
-                self._handle(*self.input_queue.get())  # block: nothing to do until a request arrives
+                self._handle(*self._wait_for_input(core))  # nothing to do until a request arrives
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
             if core.has_unfinished_requests():

@@ -6,6 +6,7 @@ tensor-parallel rank on this machine) or "ray" (`RayDistributedExecutor`: one Ra
 cluster). Every executor offers the same calls: `determine_num_blocks()` (the smallest count any rank can hold),
 `initialize_cache(num_blocks)`, `execute_model(scheduler_output)` (rank 0's ModelRunnerOutput; every rank runs the
 step), `collective_rpc(method, args)` (a Worker method on every rank, their results in rank order) and
+`check_health()` (raises if a rank is known to be gone; the engine-core process checks while idle) and
 `shutdown()` (idempotent; no process or actor is left). A rank that dies or fails raises `RuntimeError` naming it
 from the call that was waiting on it (the engine core then dies, and its client raises `EngineDeadError`).
 """
@@ -50,6 +51,9 @@ class Executor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise RuntimeError naming the rank if a worker is gone (cheap: no call to the workers)."""
 
     def shutdown(self) -> None:
         pass

@@ -130,6 +130,9 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise RuntimeError(self._dead)
 
+    def check_health(self) -> None:
+        self._alive()
+
     def _call(self, method: str, args: bytes, reply: str) -> list[WorkerResponse]:
         if self._dead is not None:
             raise RuntimeError(self._dead)
