@@ -120,9 +120,14 @@ def _extensions_and_cmdclass():
 
     bindings = CppExtension(
         "pagedllm._C",
-        sources=[os.path.join(CSRC, "bindings.cpp")],
+        # shm_allreduce.cpp: the tensor-parallel all-reduce through shared memory (no ISA-specific code: it lives
+        # here, not in the kernel libraries; the fused decoder reaches it through a function pointer).
+        sources=[os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "shm_allreduce.cpp")],
         depends=ALL_SOURCES,
-        extra_compile_args=["-O2", "-g0", "-std=c++17"],
+        # The same source hash as the kernel libraries, so that a stale _C is noticed too (_C.source_hash).
+        extra_compile_args=["-O2", "-g0", "-std=c++17", f'-DPAGEDLLM_SOURCE_HASH="{_source_hash()}"'],
+        # shm_open lives in librt before glibc 2.34 (an empty stub after)
+        libraries=["rt"] if sys.platform.startswith("linux") else [],
     )
     return [bindings, *_kernel_extensions()], {"build_ext": Build.with_options(use_ninja=False)}
 

@@ -5,7 +5,8 @@
 // it was built against another interface version, and exposes its kernels on torch tensors: every call checks
 // shapes, dtypes, contiguity and index ranges here (a RuntimeError naming what is wrong), then passes raw pointers
 // and torch's thread count. `DecodeModel` is the fused one-token decoder over a model's weights and KV caches, checked
-// once when it is built.
+// once when it is built. `ShmAllReduce` is the tensor-parallel sum between the processes of one machine through
+// shared memory (shm_allreduce.h): `all_reduce(t)` on tensors, `hook()` for the fused decoder.
 #include <ATen/MemoryOverlap.h>
 #include <torch/extension.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "shm_allreduce.h"
 
 namespace {
 
@@ -331,6 +333,24 @@ class DecodeModel {
   void* handle_ = nullptr;
 };
 
+// t += the other ranks' t, in place, for the Python side; the GIL is released while the ranks meet.
+torch::Tensor shm_all_reduce(pagedllm::ShmAllReduce& self, torch::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu(), "all_reduce needs a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "all_reduce needs a dense tensor, got layout ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "all_reduce needs a float32 tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "all_reduce needs a contiguous tensor (it sums in place): call .contiguous() first");
+  TORCH_CHECK(!t.requires_grad(), "all_reduce works in place outside autograd: the tensor must not require grad");
+  float* data = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = self.run(data, n);
+  }
+  if (!ok) throw std::runtime_error(self.error());
+  return t;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -364,4 +384,48 @@ PYBIND11_MODULE(_C, m) {
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_table"), py::arg("seq_lens"));
+#ifdef PAGEDLLM_SOURCE_HASH
+  m.attr("source_hash") = PAGEDLLM_SOURCE_HASH;  // of the sources this module was built from (setup.py)
+#endif
+  using pagedllm::ShmAllReduce;
+  py::class_<ShmAllReduce>(m, "ShmAllReduce",
+                           "sum all-reduce of float32 vectors between the processes of one machine, through the "
+                           "POSIX shared-memory segment `name` (created by the rank with create=True)")
+      .def(py::init([](const std::string& name, int rank, int world_size, int64_t max_floats, bool create,
+                       double timeout_s) {
+             py::gil_scoped_release nogil;  // a peer may wait for its creator up to timeout_s
+             return std::make_unique<ShmAllReduce>(name, rank, world_size, max_floats, create, timeout_s);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("max_floats"), py::arg("create"),
+           py::arg("timeout_s") = 30.0)
+      .def("wait_for_peers", &ShmAllReduce::wait_for_peers, py::call_guard<py::gil_scoped_release>(),
+           "wait until every rank opened the segment; the creator then unlinks its name")
+      .def("all_reduce", &shm_all_reduce, py::arg("tensor"),
+           "sum a contiguous float32 CPU tensor over the ranks, in place; returns it")
+      .def("close", &ShmAllReduce::close, "leave the group (peers still waiting for this rank fail at once)")
+      .def(
+          "hook",
+          [](ShmAllReduce& self) {
+            return py::make_tuple(reinterpret_cast<uintptr_t>(&pagedllm_shm_all_reduce),
+                                  reinterpret_cast<uintptr_t>(&self));
+          },
+          "(fn, ctx) as integers: the fused decoder's AllReduceFn and its context (valid while this object lives)")
+      .def(
+          "check",
+          [](const ShmAllReduce& self) {
+            if (self.broken()) throw std::runtime_error(self.error());
+          },
+          "after calls through hook(): raise the error of one that failed (or that this object is closed)")
+      .def_property_readonly("error",
+                             [](const ShmAllReduce& self) -> std::optional<std::string> {
+                               if (!self.broken()) return std::nullopt;
+                               return self.error();
+                             })
+      .def_property_readonly("closed", &ShmAllReduce::closed)
+      .def_property_readonly("name", &ShmAllReduce::name)
+      .def_property_readonly("rank", &ShmAllReduce::rank)
+      .def_property_readonly("world_size", &ShmAllReduce::world_size)
+      .def_property_readonly("max_floats", &ShmAllReduce::max_floats)
+      .def_property_readonly("timeout_s", &ShmAllReduce::timeout_s)
+      .def_property_readonly("calls", &ShmAllReduce::calls);
 }
