@@ -105,7 +105,10 @@ class RayDistributedExecutor(Executor):
             for rank in range(self.world_size):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
                 self.actors.append(actor_cls.options(num_cpus=cpus, scheduling_strategy=strategy).remote(rank))
-            host, port = ray.get(self.actors[0].node_address.remote())
+            addresses = ray.get([actor.node_address.remote() for actor in self.actors])
+            host, port = addresses[0]
+            # Ranks on one machine (one address) also share a shared-memory all-reduce.
+            one_machine = len({a[0] for a in addresses}) == 1
             starts = [
                 actor.start.remote(
                     {
@@ -114,6 +117,7 @@ class RayDistributedExecutor(Executor):
                         "dist_host": host,
                         "dist_port": port,
                         "engine_args": config.engine_args,
+                        "one_machine": one_machine,
                     }
                 )
                 for rank, actor in enumerate(self.actors)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+
 # What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -33,20 +35,26 @@ def _get(module: nn.Module, path: str) -> Any:
 
 
 class CpuDecodeRunner:
-    def __init__(self, model: nn.Module, ops: Any) -> None:
+    def __init__(self, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.ops = ops
+        self.tp = tp or TensorParallelGroup()
         self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
 
     @classmethod
-    def create(cls, model: nn.Module, ops: Any) -> CpuDecodeRunner | None:
-        """A runner for `model`, or None where the fused path does not apply."""
-        if ops is None or not cls._applies(model):
+    def create(cls, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> CpuDecodeRunner | None:
+        """A runner for `model`, or None where the fused path does not apply. With tensor parallelism (`tp` above
+        one rank) it applies when the ranks share a native all-reduce (the shared-memory one), whose C hook the
+        decoder calls after the output and down projections."""
+        tp = tp or TensorParallelGroup()
+        if ops is None or not cls._applies(model, tp.world_size):
             return None
-        return cls(model, ops)
+        if tp.world_size > 1 and tp.shm is None:
+            return None
+        return cls(model, ops, tp)
 
     @staticmethod
-    def _applies(model: nn.Module) -> bool:
+    def _applies(model: nn.Module, world_size: int = 1) -> bool:
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if inner is None or not layers or getattr(inner, "norm", None) is None:
@@ -56,7 +64,7 @@ class CpuDecodeRunner:
             attn = _get(layer, "self_attn")
             for path in _LINEARS:
                 lin = _get(layer, path)
-                if lin is None or getattr(lin, "panels", None) is None or getattr(lin, "tp_size", 1) != 1:
+                if lin is None or getattr(lin, "panels", None) is None or getattr(lin, "tp_size", 1) != world_size:
                     return False
             rope = _get(layer, "self_attn.rotary_emb")
             if rope is None or rope.cos_sin_cache.dtype != torch.float32:
@@ -99,10 +107,13 @@ class CpuDecodeRunner:
             decoder = self.ops.decode_model(
                 self._layer_weights(), [a.attn.kv_cache[0] for a in attns],
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
-                self.model.model.norm.eps, self.model.model.norm.weight,
+                self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]
+
+    def _all_reduce_hook(self) -> tuple[int, int]:
+        return self.tp.shm.hook() if self.tp.world_size > 1 else (0, 0)
 
     def __call__(
         self,
@@ -116,4 +127,6 @@ class CpuDecodeRunner:
         decoder = self._decoder()
         x = self.model.model.embed_tokens(input_ids).contiguous()
         decoder(x, positions, slot_mapping, block_table, seq_lens)
+        if self.tp.world_size > 1:
+            self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there
         return x

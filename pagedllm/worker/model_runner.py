@@ -51,7 +51,7 @@ class ModelRunner:
         )
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp)
         self.model = load_model(config.model_config, device, kernels)
-        self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops)
+        self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         self.sampler = Sampler()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
 

@@ -67,6 +67,19 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         logger.info("startup: KV cache allocation %.2f s", time.perf_counter() - start)
 
+    def describe(self) -> dict[str, object]:
+        """What this rank runs: its attention backend, native ops, whether decode uses the fused decoder, and how
+        its tensor-parallel sums travel ("shm", "gloo", or "none" on one rank)."""
+        runner = self.model_runner
+        tp = self.tp
+        return {
+            "rank": tp.rank,
+            "attention_backend": runner.attn_backend.name,
+            "fused_decoder": runner.decode_runner is not None,
+            "all_reduce": "none" if tp.world_size == 1 else ("shm" if tp.shm is not None else "gloo"),
+            "threads": torch.get_num_threads(),
+        }
+
     def process_id(self) -> int:
         """The worker's process id (tests stop ranks by it)."""
         return os.getpid()

@@ -50,9 +50,10 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def init_tensor_parallel(rank: int, world_size: int, host: str, port: int, device: str) -> Any:
+def init_tensor_parallel(rank: int, world_size: int, host: str, port: int, device: str, one_machine: bool) -> Any:
     """Join the ranks' process group (gloo on the CPU, nccl on CUDA) at `host`:`port` (rank 0's machine; 127.0.0.1
-    for ranks on one machine); the rank's TensorParallelGroup."""
+    for ranks on one machine); the rank's TensorParallelGroup. CPU ranks on `one_machine` also share a
+    shared-memory all-reduce (float32 sums go through it, and the fused decoder calls it), where it is built."""
     import torch.distributed as dist
 
     from pagedllm.distributed.parallel_state import TensorParallelGroup
@@ -65,7 +66,16 @@ def init_tensor_parallel(rank: int, world_size: int, host: str, port: int, devic
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
-    return TensorParallelGroup(rank, world_size, dist.group.WORLD)
+    group = dist.group.WORLD
+    shm = None
+    if device == "cpu" and one_machine:
+        from pagedllm.distributed import shm_allreduce
+
+        if shm_allreduce.available():
+            shm = shm_allreduce.ShmAllReduce.create(f"tp{port}", rank, world_size, group=group)
+        elif rank == 0:
+            logger.warning("all-reduce through gloo: %s", shm_allreduce.unavailable_reason())
+    return TensorParallelGroup(rank, world_size, group, shm)
 
 
 class WorkerProc:
@@ -94,7 +104,9 @@ class WorkerProc:
         config = EngineArgs(**init["engine_args"]).create_engine_config()
         device = config.device_config.device
         host = init.get("dist_host", "127.0.0.1")
-        tp = init_tensor_parallel(self.rank, int(init["world_size"]), host, int(init["dist_port"]), device)
+        one_machine = bool(init.get("one_machine", True))
+        world = int(init["world_size"])
+        tp = init_tensor_parallel(self.rank, world, host, int(init["dist_port"]), device, one_machine)
         self.worker = Worker(config, tp)
 
     def handle(self, req: WorkerRequest) -> WorkerResponse | None:

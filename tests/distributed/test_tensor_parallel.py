@@ -6,6 +6,7 @@ surfaces as EngineDeadError with no process left; a split the model cannot take 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -119,9 +120,13 @@ def test_smollm2_tp3_gives_tp1_tokens() -> None:
     llm = LLM(tensor_parallel_size=3, **ENGINE | {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024})
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ranks = llm.engine_core.call_utility("collective_rpc", "describe")
     finally:
         llm.engine_core.shutdown()
     assert got == want
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    if shutil.which("c++") is not None:  # where the native kernels could be built, every rank runs them
+        assert all(r["fused_decoder"] and r["all_reduce"] == "shm" for r in ranks), ranks
 
 
 def _gone(pid: int) -> bool:

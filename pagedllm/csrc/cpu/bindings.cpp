@@ -245,7 +245,7 @@ class DecodeModel {
 
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
-              torch::Tensor final_norm)
+              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx)
       : ops_(std::move(ops)), t_(ops_->table()) {
     const size_t layers = k_caches.size();
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
@@ -291,8 +291,10 @@ class DecodeModel {
     s.final_norm = final_norm.data_ptr<float>();
     s.scale = static_cast<float>(scale);
     s.eps = static_cast<float>(eps);
-    s.all_reduce = nullptr;
-    s.reduce_ctx = nullptr;
+    // Tensor parallelism: a C function summing a vector over the ranks (e.g. the shared-memory all-reduce's hook),
+    // called by one thread between barriers; 0 on one rank.
+    s.all_reduce = reinterpret_cast<AllReduceFn>(all_reduce_fn);
+    s.reduce_ctx = reinterpret_cast<void*>(all_reduce_ctx);
     handle_ = t_->decoder_create(&s);
     // Keep every tensor alive as long as the pointers above are in use.
     keep_ = std::move(layer_w);
@@ -375,12 +377,15 @@ PYBIND11_MODULE(_C, m) {
           "decode_model",
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
-             torch::Tensor final_norm) {
+             torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
-                                                 std::move(v_caches), std::move(cos_sin), scale, eps, final_norm);
+                                                 std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
+                                                 all_reduce_fn, all_reduce_ctx);
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
-          py::arg("eps"), py::arg("final_norm"), "the fused one-token decoder over these weights and caches");
+          py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
+          "the fused one-token decoder over these weights and caches; with tensor parallelism, the all-reduce "
+          "hook (a C AllReduceFn and its context, as integers)");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_table"), py::arg("seq_lens"));
