@@ -3,10 +3,12 @@
 Contract.
 * `TensorParallelGroup(rank, world_size, group, shm)`: what a layer needs to shard itself and combine the shards:
   its rank and the group's size, `all_reduce` (sum, in place), `all_gather` (concatenate along a dimension) and
-  `broadcast` (from rank 0). With `world_size == 1` (the default, `TensorParallelGroup()`) every collective is the
-  identity and nothing touches `torch.distributed`. Above one, `group` is the worker's torch.distributed process
-  group (gloo on the CPU, nccl on CUDA) and `shm`, when given, a shared-memory all-reduce between the ranks of one
-  machine (distributed/shm_allreduce.py) that float32 CPU sums go through instead of gloo.
+  `broadcast` (from rank 0; `broadcast_token_ids` for sampled tokens). With `world_size == 1` (the default,
+  `TensorParallelGroup()`) every collective is the identity and nothing touches `torch.distributed`. Above one,
+  `group` is the worker's torch.distributed process group (gloo on the CPU, nccl on CUDA) and `shm`, when given,
+  a shared-memory all-reduce between the ranks of one machine (distributed/shm_allreduce.py) that float32 CPU
+  sums, gathers (a sum of zero-padded parts) and token broadcasts (float32 below 2**24, added to zeros) go
+  through instead of gloo.
 * The loader hands the group to the model through `KernelDispatch.tp`; each layer keeps the one it was built
   with. Nothing here is module-level state: one process may hold several groups (tests build several models).
 * `attention_shard(num_heads, num_kv_heads, world_size, rank)`: which query and KV heads a rank holds. With at least
@@ -38,9 +40,7 @@ class TensorParallelGroup:
         """Sum `x` over the group, in place; returns it."""
         if self.world_size == 1:
             return x
-        import torch
-
-        if self.shm is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+        if self._shm_applies(x) and x.is_contiguous():
             self.shm.all_reduce(x)
             return x
         import torch.distributed as dist
@@ -53,11 +53,24 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return x
         import torch
+
+        if self._shm_applies(x):
+            # Through the shared-memory sum: each rank places its part in zeros, the sum is the concatenation (and
+            # exact: x + 0 is x). Tens of microseconds where gloo's all_gather takes a millisecond or more.
+            parts = torch.zeros((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+            parts[self.rank].copy_(x)
+            self.shm.all_reduce(parts)
+            return torch.cat(parts.unbind(0), dim=dim)
         import torch.distributed as dist
 
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        gathered = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(gathered, x.contiguous(), group=self.group)
+        return torch.cat(gathered, dim=dim)
+
+    def _shm_applies(self, x: torch.Tensor) -> bool:
+        import torch
+
+        return self.shm is not None and x.device.type == "cpu" and x.dtype == torch.float32
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place; returns it."""
@@ -67,6 +80,21 @@ class TensorParallelGroup:
 
         dist.broadcast(x, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
         return x
+
+    def broadcast_token_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's token ids (a 1-D int64 CPU tensor, every value below 2**24) on every rank, in place. With the
+        shared-memory sum they travel as float32 (exact below 2**24) added to the other ranks' zeros, in
+        microseconds; else through `broadcast`."""
+        if self.world_size == 1:
+            return ids
+        import torch
+
+        if self.shm is None or ids.device.type != "cpu":
+            return self.broadcast(ids)
+        carrier = ids.to(torch.float32) if self.rank == 0 else torch.zeros(ids.shape, dtype=torch.float32)
+        self.shm.all_reduce(carrier)
+        ids.copy_(carrier.to(torch.int64))
+        return ids
 
     def shard(self, size: int) -> Shard:
         """This rank's part of `size` rows split as evenly as possible (see `even_shard`)."""

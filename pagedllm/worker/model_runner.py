@@ -160,7 +160,9 @@ class ModelRunner:
         else:
             ids, lp_lists = torch.empty(len(rows), dtype=torch.int64, device=self.device), None
         if self.tp.world_size > 1:
-            ids = self.tp.broadcast(ids.to(torch.int64).contiguous())
+            ids = ids.to(torch.int64).contiguous()
+            # Token ids travel as float32 through the shared-memory sum: exact below 2**24.
+            ids = self.tp.broadcast_token_ids(ids) if self.vocab_size < 1 << 24 else self.tp.broadcast(ids)
         return ids.tolist(), lp_lists
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
