@@ -10,8 +10,9 @@ Contract.
   writer never overwrites a slot that some reader has not read yet: it waits (`timeout` seconds, then
   `TimeoutError`), so a slow reader slows the writer rather than losing messages.
 * Waiting never spins for long: a waiter polls for about 50 microseconds, then sleeps in steps growing to
-  `max_sleep` (1 ms), so idle readers cost next to no CPU (two cores: no thread may steal one from the model),
-  and a message written after an idle spell is seen within about a millisecond. `read(timeout=None)` waits for ever;
+  `max_sleep` (1 ms), and to 20 ms once it has waited a second (an idle engine), so idle readers cost next to no
+  CPU (two cores: no thread may steal one from the model); a message is seen within a millisecond while the
+  engine is busy, within 20 ms after an idle spell. `read(timeout=None)` waits for ever;
   its `alive` callback, checked every ~0.1 s while waiting, may raise to stop the wait (e.g. when the writer died).
 * `close()` unmaps; the writer's also removes the file (readers that attached keep their mapping). Linux and x86
   store order are assumed (a reader that sees a slot's sequence number sees the payload written before it).
@@ -35,6 +36,8 @@ import numpy as np
 _LINE = 64
 _SPIN_S = 50e-6
 _CHECK_EVERY_S = 0.1
+_IDLE_AFTER_S = 1.0
+_IDLE_SLEEP_S = 0.02
 
 
 def _shm_dir() -> str:
@@ -116,8 +119,10 @@ class ShmRing:
         next_check = start + _CHECK_EVERY_S
         while not ready():
             time.sleep(sleep)
-            sleep = min(sleep * 2, self.max_sleep)
             now = time.monotonic()
+            # Busy engines send a step every few ms: 1 ms sleeps at most. After a second with nothing, the engine
+            # is idle: longer sleeps, so that idle ranks cost next to no CPU (the first step after costs <= 20 ms).
+            sleep = min(sleep * 2, self.max_sleep if now - start < _IDLE_AFTER_S else _IDLE_SLEEP_S)
             if now >= next_check:
                 next_check = now + _CHECK_EVERY_S
                 if alive is not None:
