@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.protocol import WorkerResponse
 
 
 class Executor:
@@ -57,3 +60,25 @@ class Executor:
 
     def shutdown(self) -> None:
         pass
+
+
+class RemoteWorkersExecutor(Executor):
+    """An executor whose ranks live elsewhere (processes, Ray actors) and speak `WorkerRequest` / `WorkerResponse`:
+    subclasses deliver a call with `_call`, this turns the engine's calls into them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+    def _call(self, method: str, args: bytes, reply: str) -> list[WorkerResponse]:
+        """Run `method` on every rank; the answers asked for by `reply` ("all" or "driver"), in rank order."""
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        answers = self._call(method, self._encoder.encode(list(args)), "all")
+        return [msgspec.msgpack.decode(a.result) if a.result else None for a in answers]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        (answer,) = self._call("execute_model", self._encoder.encode(scheduler_output), "driver")
+        return self._output_decoder.decode(answer.result)

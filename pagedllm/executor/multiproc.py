@@ -33,10 +33,9 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.shm_ring import ShmRing
 from pagedllm.engine.protocol import WorkerRequest, WorkerResponse
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import RemoteWorkersExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +50,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteWorkersExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         if config.engine_args is None:
             raise ValueError("the multiprocess executor needs a config built by EngineArgs.create_engine_config()")
         self.world_size = config.parallel_config.tensor_parallel_size
         self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
         self._response_decoder = msgspec.msgpack.Decoder(WorkerResponse)
-        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._stopping = False
         self._dead: str | None = None
         self.procs: list[subprocess.Popen] = []
@@ -148,14 +145,6 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(f"worker rank {resp.rank} failed in {method}: {resp.error}")
             answers[resp.rank] = resp
         return [answers[r] for r in sorted(expected)]
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        answers = self._call(method, self._encoder.encode(list(args)), "all")
-        return [msgspec.msgpack.decode(a.result) if a.result else None for a in answers]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        (answer,) = self._call("execute_model", self._encoder.encode(scheduler_output), "driver")
-        return self._output_decoder.decode(answer.result)
 
     # ---- shutdown -------------------------------------------------------------------------------------------
 

@@ -26,9 +26,8 @@ from typing import Any
 import msgspec
 
 from pagedllm.config import EngineConfig, ray_address_from_env, ray_placement_timeout
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import WorkerRequest, WorkerResponse
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import RemoteWorkersExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class _RankActor:
         return None if resp is None else msgspec.msgpack.encode(resp)
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(RemoteWorkersExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         import ray
@@ -85,8 +84,6 @@ class RayDistributedExecutor(Executor):
         if self._started_ray:
             ray.init(address=ray_address_from_env(), log_to_driver=False, include_dashboard=False)
         self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._response_decoder = msgspec.msgpack.Decoder(WorkerResponse)
         self.actors: list[Any] = []
         self._stopped = False
@@ -152,14 +149,6 @@ class RayDistributedExecutor(Executor):
                 raise RuntimeError(f"Ray worker rank {resp.rank} failed in {method}: {resp.error}")
             answers.append(resp)
         return sorted(answers, key=lambda r: r.rank)
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        answers = self._call(method, self._encoder.encode(list(args)), "all")
-        return [msgspec.msgpack.decode(a.result) if a.result else None for a in answers]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        (answer,) = self._call("execute_model", self._encoder.encode(scheduler_output), "driver")
-        return self._output_decoder.decode(answer.result)
 
     def shutdown(self) -> None:
         if self._stopped:
