@@ -13,6 +13,7 @@ from the call that was waiting on it (the engine core then dies, and its client 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import msgspec
@@ -21,6 +22,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import WorkerResponse
 
+# distributed_executor_backend -> (module, class)
+_EXECUTORS: dict[str, tuple[str, str]] = {
+    "uni": ("pagedllm.executor.uniproc", "UniProcExecutor"),
+    "mp": ("pagedllm.executor.multiproc", "MultiprocExecutor"),
+    "ray": ("pagedllm.executor.ray_executor", "RayDistributedExecutor"),
+}
+
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
@@ -28,20 +36,13 @@ class Executor:
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor class of `parallel_config.distributed_executor_backend`, imported on demand (by name, as
+        model/registry.py imports models: Ray's module is only loaded when asked for)."""
         backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from pagedllm.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from pagedllm.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from pagedllm.executor.ray_executor import RayDistributedExecutor
-
-            return RayDistributedExecutor
-        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+        if backend not in _EXECUTORS:
+            raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+        module, name = _EXECUTORS[backend]
+        return getattr(importlib.import_module(module), name)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         raise NotImplementedError

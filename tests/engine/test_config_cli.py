@@ -48,7 +48,8 @@ def test_parse_size(text, value):
         ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
         ({"num_threads": 0}, "num_threads"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size 3"),  # 4 heads over 2 KV heads: no split into 3
         ({"device": "tpu:x"}, "device"),
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
     ],
