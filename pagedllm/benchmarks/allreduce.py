@@ -147,7 +147,7 @@ def _run_rank(rank: int, world: int, port: int, config: dict[str, Any]) -> list[
 
 def run_ranks(world: int, config: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """Every rank's rows, in rank order; RuntimeError with a failed rank's traceback. All ranks are stopped."""
-    from pagedllm.benchmarks.startup import free_port
+    from pagedllm.distributed.net import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -43,7 +43,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.distributed.net import free_port
 
 DEFAULT_PROG = "pagedllm bench startup"
 MODES = ("cold", "warm")
@@ -154,12 +155,6 @@ def breakdown(lines: list[tuple[float, str]], total: float) -> tuple[dict[str, f
 
 
 # ---- running one server ------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _health_ok(port: int) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.net import free_port
 from pagedllm.distributed.shm_ring import ShmRing
 from pagedllm.engine.protocol import WorkerRequest, WorkerResponse
 from pagedllm.executor.abstract import RemoteWorkersExecutor
@@ -42,12 +42,6 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 5.0
 _POLL_MS = 100
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MultiprocExecutor(RemoteWorkersExecutor):

@@ -16,7 +16,6 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import shutil
-import socket
 import time
 import traceback
 import uuid
@@ -28,17 +27,12 @@ import pytest
 import torch
 
 from pagedllm.distributed import shm_allreduce
+from pagedllm.distributed.net import free_port
 from pagedllm.distributed.shm_allreduce import ShmAllReduce, segment_name
 
 needs_build = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler, so no native extension")
 SPAWN = mp.get_context("spawn")
 MAX_FLOATS = 1000  # small slots, so that lengths past them are cheap to test
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def unique_name() -> str:
