@@ -222,6 +222,15 @@ class ParallelConfig:
     # (one Ray actor per rank, across a cluster): resolved from the arguments, never None here.
     distributed_executor_backend: str = "uni"
     ray_cpus_per_worker: float = 1.0  # each rank's Ray bundle
+    # Data parallelism: this many engine cores, each with its own executor, ranks and KV cache; this config is
+    # engine `data_parallel_rank`'s.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Ranks of every engine together: how many ways the machine's threads are shared."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -4,9 +4,9 @@ The engine core reports `SchedulerStats` with its outputs, and per-request event
 each request's outputs; the front end adds what it sees per request (`IterationStats`: first tokens,
 inter-token gaps, finished requests; see output_processor.py for the definitions and clocks of every
 interval) and owns the registry. Names follow vLLM's, under the `pagedllm:` prefix, each with a `model_name`
-label (prometheus_client exports counters with a `_total` suffix and histograms as `_bucket`, `_sum` and
-`_count`). A stat logger is anything with `record(scheduler_stats, iteration_stats)`; `AsyncLLM.stat_loggers`
-holds them.
+and an `engine` label (prometheus_client exports counters with a `_total` suffix and histograms as `_bucket`, `_sum` and
+`_count`). A stat logger is anything with `record(scheduler_stats, iteration_stats, engine_idx=0)`, called once
+per engine step with the index of the data-parallel engine that ran it; `AsyncLLM.stat_loggers` holds them.
 
 The stats line is logged every `stats_log_interval()` seconds while the engine is busy: 5 s, or the value of
 $PAGEDLLM_STATS_LOG_INTERVAL (read here, once, by the server at start-up).
@@ -106,125 +106,146 @@ def _token_buckets(max_len: int) -> list[int]:
 
 
 class PrometheusStatLogger:
-    """Owns the `pagedllm:` metrics in `registry` (one logger per registry: names cannot be registered twice)."""
+    """Owns the `pagedllm:` metrics in `registry` (one logger per registry: names cannot be registered twice).
+    Every series has the labels `model_name` and `engine` (the data-parallel engine's index, "0" without data
+    parallelism, as vLLM's); the series of engines 0 .. num_engines-1 exist from the start."""
 
-    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry = REGISTRY) -> None:
-        labels = ["model_name"]
+    def __init__(
+        self, model_name: str, max_model_len: int, registry: CollectorRegistry = REGISTRY, num_engines: int = 1
+    ) -> None:
+        labels = ["model_name", "engine"]
         self.model_name = model_name
+        families: dict[str, Any] = {}
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"pagedllm:{name}", doc, labels, registry=registry).labels(model_name)
+        def gauge(name: str, doc: str) -> None:
+            families[name] = Gauge(f"pagedllm:{name}", doc, labels, registry=registry)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(f"pagedllm:{name}", doc, labels, registry=registry).labels(model_name)
+        def counter(name: str, doc: str) -> None:
+            families[name] = Counter(f"pagedllm:{name}", doc, labels, registry=registry)
 
-        def histogram(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=registry).labels(model_name)
+        def histogram(name: str, doc: str, buckets: Any) -> None:
+            families[name] = Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=registry)
 
-        self.running = gauge("num_requests_running", "Requests in the running set")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = 100%)")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.preemptions = counter("num_preemptions", "Preemptions by the scheduler")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        gauge("num_requests_running", "Requests in the running set")
+        gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        gauge("kv_cache_usage_perc", "KV cache usage (1 = 100%)")
+        counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        counter("num_preemptions", "Preemptions by the scheduler")
+        counter("prompt_tokens", "Prompt tokens of requests that started generating")
+        counter("generation_tokens", "Generated tokens")
+        tokens = _token_buckets(max_model_len)
+        histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        histogram("inter_token_latency_seconds", "Time between tokens of a request", _LATENCY_BUCKETS)
+        histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        histogram("request_queue_time_seconds", "Engine core received the request to first scheduled", _REQUEST_BUCKETS)
+        histogram(
+            "request_prefill_time_seconds", "First scheduled to first token (engine-core clock)", _REQUEST_BUCKETS
+        )
+        histogram("request_decode_time_seconds", "First token to last token (engine-core clock)", _REQUEST_BUCKETS)
+        histogram("request_prompt_tokens", "Prompt tokens per finished request", tokens)
+        histogram("request_generation_tokens", "Generated tokens per finished request", tokens)
+        histogram(
+            "iteration_tokens",
+            "Tokens scheduled per engine step",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+        )
+        self._families = families
         self._success = Counter(
             "pagedllm:request_success",
             "Finished requests by finish reason",
             labels + ["finished_reason"],
             registry=registry,
         )
-        for reason in _SUCCESS_REASONS:
-            self._success.labels(model_name, reason)
-        tokens = _token_buckets(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a request", _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
-        self.queue = histogram(
-            "request_queue_time_seconds", "Engine core received the request to first scheduled", _REQUEST_BUCKETS
-        )
-        self.prefill = histogram(
-            "request_prefill_time_seconds", "First scheduled to first token (engine-core clock)", _REQUEST_BUCKETS
-        )
-        self.decode = histogram(
-            "request_decode_time_seconds", "First token to last token (engine-core clock)", _REQUEST_BUCKETS
-        )
-        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished request", tokens)
-        self.req_gen = histogram("request_generation_tokens", "Generated tokens per finished request", tokens)
-        self.iteration_tokens = histogram(
-            "iteration_tokens",
-            "Tokens scheduled per engine step",
-            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
-        )
+        self._engines: dict[int, dict[str, Any]] = {}
+        for engine_idx in range(num_engines):
+            self._engine(engine_idx)
 
-    def record(self, sched: SchedulerStats | None, stats: IterationStats) -> None:
+    def _engine(self, engine_idx: int) -> dict[str, Any]:
+        """The series of one engine, by metric name (made on first use)."""
+        series = self._engines.get(engine_idx)
+        if series is None:
+            engine = str(engine_idx)
+            series = {name: family.labels(self.model_name, engine) for name, family in self._families.items()}
+            for reason in _SUCCESS_REASONS:
+                self._success.labels(self.model_name, engine, reason)
+            self._engines[engine_idx] = series
+        return series
+
+    def record(self, sched: SchedulerStats | None, stats: IterationStats, engine_idx: int = 0) -> None:
+        m = self._engine(engine_idx)
         if sched is not None:
-            self.running.set(sched.num_running_reqs)
-            self.waiting.set(sched.num_waiting_reqs)
-            self.kv_usage.set(sched.kv_cache_usage)
-            self.prefix_queries.inc(sched.prefix_cache_queries)
-            self.prefix_hits.inc(sched.prefix_cache_hits)
-            self.preemptions.inc(sched.num_preemptions)
+            m["num_requests_running"].set(sched.num_running_reqs)
+            m["num_requests_waiting"].set(sched.num_waiting_reqs)
+            m["kv_cache_usage_perc"].set(sched.kv_cache_usage)
+            m["prefix_cache_queries"].inc(sched.prefix_cache_queries)
+            m["prefix_cache_hits"].inc(sched.prefix_cache_hits)
+            m["num_preemptions"].inc(sched.num_preemptions)
             if sched.num_scheduled_tokens:
-                self.iteration_tokens.observe(sched.num_scheduled_tokens)
-        self.prompt_tokens.inc(stats.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
+                m["iteration_tokens"].observe(sched.num_scheduled_tokens)
+        m["prompt_tokens"].inc(stats.num_prompt_tokens)
+        m["generation_tokens"].inc(stats.num_generation_tokens)
         for v in stats.time_to_first_tokens:
-            self.ttft.observe(v)
+            m["time_to_first_token_seconds"].observe(v)
         for v in stats.inter_token_latencies:
-            self.itl.observe(v)
+            m["inter_token_latency_seconds"].observe(v)
         for f in stats.finished:
-            self._success.labels(self.model_name, f.finish_reason).inc()
-            self.e2e.observe(f.e2e_latency)
+            self._success.labels(self.model_name, str(engine_idx), f.finish_reason).inc()
+            m["e2e_request_latency_seconds"].observe(f.e2e_latency)
             # None only when the core sent no timestamps for the request (not the case for this engine core).
             if f.queue_time is not None:
-                self.queue.observe(f.queue_time)
+                m["request_queue_time_seconds"].observe(f.queue_time)
             if f.prefill_time is not None:
-                self.prefill.observe(f.prefill_time)
+                m["request_prefill_time_seconds"].observe(f.prefill_time)
             if f.decode_time is not None:
-                self.decode.observe(f.decode_time)
-            self.req_prompt.observe(f.num_prompt_tokens)
-            self.req_gen.observe(f.num_generation_tokens)
+                m["request_decode_time_seconds"].observe(f.decode_time)
+            m["request_prompt_tokens"].observe(f.num_prompt_tokens)
+            m["request_generation_tokens"].observe(f.num_generation_tokens)
 
 
 class LoggingStatLogger:
-    """Logs one line every `interval` seconds while the engine is busy (vLLM's "Avg prompt throughput" line)."""
+    """Logs one line every `interval` seconds while the engine is busy (vLLM's "Avg prompt throughput" line); with
+    data parallelism, one line per engine, each starting with "Engine <index>:"."""
 
-    def __init__(self, interval: float = DEFAULT_STATS_LOG_INTERVAL_S) -> None:
+    def __init__(self, interval: float = DEFAULT_STATS_LOG_INTERVAL_S, num_engines: int = 1) -> None:
         self.interval = interval
+        self.num_engines = num_engines
+        self.last: dict[int, SchedulerStats] = {}
+        self._counts: dict[int, list[int]] = {}  # engine -> [prompt, generation, prefix queries, prefix hits]
         self._reset(time.monotonic())
-        self.last: SchedulerStats | None = None
 
     def _reset(self, now: float) -> None:
         self.since = now
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+        self._counts = {i: [0, 0, 0, 0] for i in range(self.num_engines)}
 
-    def record(self, sched: SchedulerStats | None, stats: IterationStats) -> None:
-        self.prompt_tokens += stats.num_prompt_tokens
-        self.generation_tokens += stats.num_generation_tokens
+    def record(self, sched: SchedulerStats | None, stats: IterationStats, engine_idx: int = 0) -> None:
+        counts = self._counts.setdefault(engine_idx, [0, 0, 0, 0])
+        counts[0] += stats.num_prompt_tokens
+        counts[1] += stats.num_generation_tokens
         if sched is not None:
-            self.last = sched
-            self.prefix_queries += sched.prefix_cache_queries
-            self.prefix_hits += sched.prefix_cache_hits
+            self.last[engine_idx] = sched
+            counts[2] += sched.prefix_cache_queries
+            counts[3] += sched.prefix_cache_hits
         now = time.monotonic()
         if now - self.since >= self.interval:
             self.log(now)
 
     def log(self, now: float | None = None) -> str:
+        """Log (and return) the line of each engine since the last one."""
         now = time.monotonic() if now is None else now
         elapsed = max(now - self.since, 1e-9)
-        s = self.last or SchedulerStats()
-        hit_rate = 100.0 * self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-        line = (
-            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
-            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
-            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-            f"KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
-        )
-        logger.info(line)
+        lines = []
+        for engine_idx, (prompt, generation, queries, hits) in sorted(self._counts.items()):
+            s = self.last.get(engine_idx) or SchedulerStats()
+            hit_rate = 100.0 * hits / queries if queries else 0.0
+            prefix = f"Engine {engine_idx:03d}: " if len(self._counts) > 1 else ""
+            line = (
+                f"{prefix}Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                f"KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+            )
+            logger.info(line)
+            lines.append(line)
         self._reset(now)
-        return line
+        return "\n".join(lines)

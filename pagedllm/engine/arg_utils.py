@@ -104,6 +104,13 @@ class EngineArgs:
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )
     ray_cpus_per_worker: float = _arg(1.0, "CPUs each rank's Ray bundle asks for")
+    data_parallel_size: int = _arg(
+        1,
+        "engine cores serving requests side by side, each with its own ranks and KV cache of the full budget "
+        "(--kv-cache-memory-bytes is per engine); the front end sends each request to the least-loaded one, and "
+        "--num-threads is shared among all engines' ranks",
+        aliases=("-dp",),
+    )
     device: str = _arg("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads (default: $PAGEDLLM_NUM_THREADS, else 2)")
     attention_backend: str | None = _arg(
@@ -156,8 +163,11 @@ class EngineArgs:
 
     # ---- the config ------------------------------------------------------------------------------------
 
-    def create_engine_config(self) -> EngineConfig:
-        """Validate every argument (ValueError naming it), load the model's config, return the frozen config."""
+    def create_engine_config(self, data_parallel_rank: int = 0) -> EngineConfig:
+        """Validate every argument (ValueError naming it), load the model's config, return the frozen config (of
+        data-parallel engine `data_parallel_rank`)."""
+        if not 0 <= data_parallel_rank < max(self.data_parallel_size, 1):
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {data_parallel_rank}")
         model_config = self.create_model_config()
         device = self._device()
         batched = self.max_num_batched_tokens
@@ -178,7 +188,11 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel_config=ParallelConfig(
-                self.tensor_parallel_size, self._executor_backend(), self.ray_cpus_per_worker
+                self.tensor_parallel_size,
+                self._executor_backend(),
+                self.ray_cpus_per_worker,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=data_parallel_rank,
             ),
             device_config=DeviceConfig(
                 device=device,
@@ -215,7 +229,9 @@ class EngineArgs:
         budget anyway. Reads no model file, and imports torch only to resolve device auto for that flag."""
         self._validate()
         if self.kv_cache_memory_bytes is None and self.gpu_memory_utilization is not None:
-            return dataclasses.replace(self, kv_cache_memory_bytes=self._kv_cache_bytes(self._device()))
+            # The fraction is of the memory all engines share: each data-parallel engine gets its part.
+            per_engine = self._kv_cache_bytes(self._device()) // self.data_parallel_size
+            return dataclasses.replace(self, kv_cache_memory_bytes=per_engine)
         return self
 
     def _validate(self) -> None:
@@ -234,6 +250,8 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         self._executor_backend()
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}")

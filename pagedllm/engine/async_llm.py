@@ -6,7 +6,8 @@ them in chunks (yielding to the event loop between chunks so HTTP handlers stay 
 (or keeps the newest cumulative output) until it is read. Stop strings found here abort the request in
 the core. If the core dies, every waiting consumer gets `EngineDeadError`.
 
-Stats: every step's SchedulerStats and the front end's IterationStats go to each of `stat_loggers`. When
+Stats: every step's SchedulerStats and the front end's IterationStats go to each of `stat_loggers`, with the index
+of the data-parallel engine that ran the step (`record(scheduler_stats, iteration_stats, engine_idx=i)`). When
 aborts leave no request in flight, the last step's stats still count the aborted requests (they ran in it),
 and no further step will correct them: the scheduler stats are then asked of the core once more (a utility
 call, answered after it processed the aborts), so that the gauges read 0 when the engine is idle.
@@ -23,7 +24,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.core_client import AsyncMPClient, merge_invariants
 from pagedllm.engine.core_process import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import PromptType
@@ -148,8 +149,9 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         children = self.output_processor.add_engine_request(text, req, queue=collector)
         try:
+            engine = None  # the n children of a request share an engine (and its prefix cache)
             for child in children:
-                await self.engine_core.add_request_async(child)
+                engine = await self.engine_core.add_request_async(child, engine)
         except BaseException:
             # Nothing of a request that did not fully reach the core may stay registered here or there.
             ids = [child.request_id for child in children]
@@ -218,7 +220,7 @@ class AsyncLLM:
                     if processed.reqs_to_abort:
                         aborted = True
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
-                self._record_stats(outputs.scheduler_stats, stats)
+                self._record_stats(outputs.scheduler_stats, stats, outputs.engine_index)
                 if aborted:
                     self._refresh_stats_if_idle()
         except asyncio.CancelledError:
@@ -232,10 +234,10 @@ class AsyncLLM:
                     state.queue.put(self.errored)
             self.output_processor.request_states.clear()
 
-    def _record_stats(self, scheduler_stats: Any, stats: IterationStats) -> None:
+    def _record_stats(self, scheduler_stats: Any, stats: IterationStats, engine_idx: int = 0) -> None:
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(scheduler_stats, stats)
+                stat_logger.record(scheduler_stats, stats, engine_idx=engine_idx)
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat logger %r failed", stat_logger)
 
@@ -255,18 +257,25 @@ class AsyncLLM:
 
     async def _refresh_stats(self) -> None:
         try:
-            result = await self.engine_core.call_utility_async("get_scheduler_stats")
+            results = await self.engine_core.call_utility_all_async("get_scheduler_stats")
         except Exception:  # a dead engine is reported by the output handler; stats are best effort
             return
-        self._record_stats(msgspec.convert(result, SchedulerStats), IterationStats())
+        for engine_idx, result in enumerate(results):
+            self._record_stats(msgspec.convert(result, SchedulerStats), IterationStats(), engine_idx)
 
     # ---- utilities ----------------------------------------------------------------------------------
 
+    @property
+    def num_engines(self) -> int:
+        """Data-parallel engine cores behind this front end."""
+        return self.engine_core.num_engines
+
     async def check_invariants(self) -> dict[str, Any]:
-        return await self.engine_core.call_utility_async("check_invariants")
+        """Every engine's block-pool check; their counts summed (each engine's under "engines" when several)."""
+        return merge_invariants(await self.engine_core.call_utility_all_async("check_invariants"))
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+        return all(await self.engine_core.call_utility_all_async("reset_prefix_cache"))
 
     def get_num_unfinished_requests(self) -> int:
         return len({st.external_id for st in self.output_processor.request_states.values()})

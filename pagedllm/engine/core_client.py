@@ -1,13 +1,21 @@
 """Clients of the engine core.
 
 - `InprocClient`: calls an EngineCore in this process (tests, debugging).
-- `SyncMPClient`: blocking client of an EngineCoreProc (used by `LLM`).
-- `AsyncMPClient`: asyncio client of an EngineCoreProc (used by `AsyncLLM`).
+- `SyncMPClient`: blocking client of the EngineCoreProc(s) (used by `LLM`).
+- `AsyncMPClient`: asyncio client of the EngineCoreProc(s) (used by `AsyncLLM`).
 
-The multiprocess clients start the core (core_process.py: `python -m pagedllm.engine.core_proc`, a ROUTER for
-requests and a PULL for outputs on IPC sockets), or take one started earlier, and wait for the core's READY. A
-monitor thread watches the child: if it dies, every pending and future call raises `EngineDeadError` instead of
-hanging.
+The multiprocess clients start the cores (core_process.py: `python -m pagedllm.engine.core_proc` per
+data-parallel engine, one ROUTER for requests and one PULL for outputs on IPC sockets), or take ones started
+earlier, and wait for every core's READY. Monitor threads watch the children: if one dies, every pending and
+future call raises `EngineDeadError` instead of hanging.
+
+Data parallelism (`data_parallel_size` engines): `EngineRouter` sends each new request to the least-loaded engine
+and remembers where it went, so that its abort reaches that engine. An engine's load is the number of requests
+the client sent it that have not finished or been aborted: exactly its waiting + running requests (what the
+seeds' load-balancing client reads from the engines' stats, one step late), plus those still on their way to it.
+Ties go to the engine with fewer waiting requests in its last stats, then to the lower index. The outputs of all
+engines arrive on the one PULL socket, each batch stamped with its `engine_index`. Utility calls go to one engine
+(`call_utility`) or to all (`call_utility_all`, results by engine index).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from pagedllm.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    UtilityOutput,
     UtilityRequest,
 )
 
@@ -43,17 +52,76 @@ logger = logging.getLogger(__name__)
 _DEAD = object()
 
 
+class EngineRouter:
+    """Least-loaded routing of requests over data-parallel engines (see the module docstring)."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.num_engines = num_engines
+        self.engine_of: dict[str, int] = {}
+        self.load = [0] * num_engines
+        self.waiting = [0] * num_engines  # from each engine's last scheduler stats
+
+    def choose(self) -> int:
+        """The engine a new request should go to."""
+        if self.num_engines == 1:
+            return 0
+        return min(range(self.num_engines), key=lambda i: (self.load[i], self.waiting[i], i))
+
+    def add(self, request_id: str, engine: int) -> None:
+        if request_id not in self.engine_of:
+            self.load[engine] += 1
+        self.engine_of[request_id] = engine
+
+    def remove(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Forget these requests (aborted); returns them by engine (unknown ids go to every engine: a request
+        whose send failed half-way may still have reached one)."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = self.engine_of.pop(rid, None)
+            if engine is None:
+                for i in range(self.num_engines):
+                    by_engine.setdefault(i, []).append(rid)
+            else:
+                self.load[engine] -= 1
+                by_engine.setdefault(engine, []).append(rid)
+        return by_engine
+
+    def observe(self, outputs: EngineCoreOutputs) -> None:
+        """Forget the requests these outputs finish; note the engine's waiting count."""
+        if outputs.scheduler_stats is not None:
+            self.waiting[outputs.engine_index] = outputs.scheduler_stats.num_waiting_reqs
+        for out in outputs.outputs:
+            if out.finish_reason is not None and self.engine_of.pop(out.request_id, None) is not None:
+                self.load[outputs.engine_index] -= 1
+
+
+def merge_invariants(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """`check_invariants` of several engines as one: their counts summed, each engine's own under "engines"."""
+    if len(results) == 1:
+        return results[0]
+    merged: dict[str, Any] = {k: sum(r[k] for r in results) for k in results[0] if isinstance(results[0][k], int)}
+    merged["engines"] = results
+    return merged
+
+
 class InprocClient:
     def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None, connect: bool = True) -> None:
         from pagedllm.engine.core import EngineCore
 
+        if config.parallel_config.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size {config.parallel_config.data_parallel_size} needs the multiprocess engine "
+                "client (engine_client='mp'): the in-process client runs one engine"
+            )
         self.engine_core = EngineCore(config)
+        self.num_engines = 1
 
     def connect(self) -> None:
         """Nothing to wait for: the core was built in the constructor."""
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, engine: int | None = None) -> int:
         self.engine_core.add_request(request)
+        return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -62,8 +130,11 @@ class InprocClient:
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         return getattr(self.engine_core, method)(*args)
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        return [self.call_utility(method, *args)]
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -105,11 +176,13 @@ class SyncMPClient:
         self._send_lock = threading.Lock()
         self.dead = False
         self._encoder = msgspec.msgpack.Encoder()
+        self.num_engines = self.core.num_engines
+        self.router = EngineRouter(self.num_engines)
         if connect:
             self.connect()
 
     def connect(self) -> None:
-        """Wait for the core's READY (raising its start-up error), then start reading its outputs."""
+        """Wait for every core's READY (raising a start-up error), then start reading their outputs."""
         self.ready = self.core.wait_ready(self.core.input_socket)
         self._reader.start()
         self.core.watch(self._on_core_death)
@@ -138,35 +211,48 @@ class SyncMPClient:
         for fut in list(self.utility_results.values()):
             fut.set_exception(EngineDeadError())
 
-    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: Any, engine: int = 0) -> None:
         if self.dead:
             raise EngineDeadError()
         with self._send_lock:
-            self.core.input_socket.send_multipart([self.core.identity, kind.value, self._encoder.encode(payload)])
+            self.core.input_socket.send_multipart(
+                [self.core.identities[engine], kind.value, self._encoder.encode(payload)]
+            )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+    def add_request(self, request: EngineCoreRequest, engine: int | None = None) -> int:
+        """Send a request to `engine`, or to the least-loaded one; returns the engine's index."""
+        engine = self.router.choose() if engine is None else engine
+        self.router.add(request.request_id, engine)
+        self._send(EngineCoreRequestType.ADD, request, engine)
+        return engine
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send(EngineCoreRequestType.ABORT, request_ids)
+        for engine, ids in self.router.remove(request_ids).items():
+            self._send(EngineCoreRequestType.ABORT, ids, engine)
 
     def get_output(self) -> EngineCoreOutputs:
         item = self.outputs.get()
         if item is _DEAD:
             self.outputs.put(_DEAD)  # every later call fails the same way
             raise EngineDeadError()
+        self.router.observe(item)
         return item
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def _start_utility(self, method: str, args: tuple[Any, ...], engine: int) -> Future:
         call_id = next(self._call_ids)
         fut: Future = Future()
         self.utility_results[call_id] = fut
-        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        result = fut.result()
-        if result.failure_message is not None:
-            raise RuntimeError(f"engine core utility {method!r} failed: {result.failure_message}")
-        return result.result
+        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)), engine)
+        return fut
+
+    def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
+        """Call EngineCore.`method` in engine `engine` and return its result."""
+        return _utility_result(method, self._start_utility(method, args, engine).result())
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call EngineCore.`method` in every engine; their results by engine index."""
+        futures = [self._start_utility(method, args, i) for i in range(self.num_engines)]
+        return [_utility_result(method, fut.result()) for fut in futures]
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -189,11 +275,13 @@ class AsyncMPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending_sends: set[asyncio.Future] = set()
         self.dead = False
+        self.num_engines = self.core.num_engines
+        self.router = EngineRouter(self.num_engines)
         if connect:
             self.connect()
 
     def connect(self) -> None:
-        """Wait for the core's READY (raising its start-up error), then watch the process."""
+        """Wait for every core's READY (raising a start-up error), then watch the processes."""
         # The handshake is read with a plain (blocking) socket on the same address family; the async
         # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
         self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
@@ -238,30 +326,40 @@ class AsyncMPClient:
                 fut.set_exception(EngineDeadError())
         self.utility_results.clear()
 
-    async def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+    async def _send(self, kind: EngineCoreRequestType, payload: Any, engine: int = 0) -> None:
         if self.dead:
             raise EngineDeadError()
         self._ensure_started()
-        await self.core.input_socket.send_multipart([self.core.identity, kind.value, self._encoder.encode(payload)])
+        await self.core.input_socket.send_multipart(
+            [self.core.identities[engine], kind.value, self._encoder.encode(payload)]
+        )
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send(EngineCoreRequestType.ADD, request)
+    async def add_request_async(self, request: EngineCoreRequest, engine: int | None = None) -> int:
+        """Send a request to `engine`, or to the least-loaded one; returns the engine's index."""
+        engine = self.router.choose() if engine is None else engine
+        # Counted before the send completes: a request added meanwhile sees this one's load, and an abort of a
+        # request whose send is cut short still reaches its engine.
+        self.router.add(request.request_id, engine)
+        await self._send(EngineCoreRequestType.ADD, request, engine)
+        return engine
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and not self.dead:
-            await self._send(EngineCoreRequestType.ABORT, request_ids)
+            for engine, ids in self.router.remove(request_ids).items():
+                await self._send(EngineCoreRequestType.ABORT, ids, engine)
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
         """Send an abort from synchronous code (or a cancelled task): the send is attempted at once and,
         if the socket is busy, completed by the event loop on its own, tied to no caller's task."""
         if not request_ids or self.dead:
             return
-        fut = self.core.input_socket.send_multipart(
-            [self.core.identity, EngineCoreRequestType.ABORT.value, self._encoder.encode(request_ids)]
-        )
-        if not fut.done():
-            self._pending_sends.add(fut)
-            fut.add_done_callback(self._pending_sends.discard)
+        for engine, ids in self.router.remove(request_ids).items():
+            fut = self.core.input_socket.send_multipart(
+                [self.core.identities[engine], EngineCoreRequestType.ABORT.value, self._encoder.encode(ids)]
+            )
+            if not fut.done():
+                self._pending_sends.add(fut)
+                fut.add_done_callback(self._pending_sends.discard)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_started()
@@ -270,20 +368,30 @@ class AsyncMPClient:
         if item is _DEAD:
             self.outputs.put_nowait(_DEAD)
             raise EngineDeadError()
+        self.router.observe(item)
         return item
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_utility_async(self, method: str, *args: Any, engine: int = 0) -> Any:
+        """Call EngineCore.`method` in engine `engine` and return its result."""
         self._ensure_started()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = fut
-        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        result = await fut
-        if result.failure_message is not None:
-            raise RuntimeError(f"engine core utility {method!r} failed: {result.failure_message}")
-        return result.result
+        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)), engine)
+        return _utility_result(method, await fut)
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        """Call EngineCore.`method` in every engine; their results by engine index."""
+        calls = [self.call_utility_async(method, *args, engine=i) for i in range(self.num_engines)]
+        return list(await asyncio.gather(*calls))
 
     def shutdown(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._finalizer()
+
+
+def _utility_result(method: str, result: UtilityOutput) -> Any:
+    if result.failure_message is not None:
+        raise RuntimeError(f"engine core utility {method!r} failed: {result.failure_message}")
+    return result.result

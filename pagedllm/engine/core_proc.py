@@ -7,7 +7,9 @@ PUSH. Three threads here:
                  when there is no work it blocks on input_queue (no spinning: on a 2-core machine a
                  spinning loop would steal a core from the model)
   output thread: output_queue -> encode msgpack -> PUSH
-The first message on the DEALER is READY (or FAILED with the error) once the model is loaded. The process
+The first message on the DEALER is READY (or FAILED with the error) once the model is loaded. With data
+parallelism several of these processes share the client's two sockets: each is started with its engine index,
+builds its config as that data-parallel rank, and stamps the index on everything it sends. The process
 exits on SIGTERM/SIGINT, on a SHUTDOWN request, or when its parent disappears.
 """
 
@@ -44,7 +46,10 @@ HEALTH_CHECK_INTERVAL_S = 1.0
 
 
 class EngineCoreProc:
-    def __init__(self, engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes) -> None:
+    def __init__(
+        self, engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes, engine_index: int = 0
+    ) -> None:
+        self.engine_index = engine_index
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.ctx = zmq.Context()
@@ -73,7 +78,7 @@ class EngineCoreProc:
         try:
             args = EngineArgs(**msgspec.json.decode(self.engine_args_json))
             config_start = time.perf_counter()
-            config = args.create_engine_config()
+            config = args.create_engine_config(data_parallel_rank=self.engine_index)
             logger.info("startup: engine config %.2f s", time.perf_counter() - config_start)
             self.engine_core = EngineCore(config)
         except BaseException as e:  # report, then exit: the client raises with this message
@@ -148,6 +153,7 @@ class EngineCoreProc:
             if core.has_unfinished_requests():
                 outputs = core.step()
                 if outputs.outputs:
+                    outputs.engine_index = self.engine_index
                     self.output_queue.put(outputs)
 
     def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
@@ -169,7 +175,7 @@ class EngineCoreProc:
             out.result = getattr(self.engine_core, req.method)(*req.args)
         except Exception as e:
             out.failure_message = f"{type(e).__name__}: {e}"
-        self.output_queue.put(EngineCoreOutputs(utility_output=out))
+        self.output_queue.put(EngineCoreOutputs(utility_output=out, engine_index=self.engine_index))
 
     def shutdown(self) -> None:
         self.output_queue.put(_STOP)
@@ -177,9 +183,12 @@ class EngineCoreProc:
             self.engine_core.shutdown()
 
 
-def run_engine_core(engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes) -> None:
-    """Entry point of the engine-core process (`python -m pagedllm.engine.core_proc IN OUT IDENTITY`, with
-    the engine arguments as JSON on stdin: nothing of the parent's `__main__` is re-imported)."""
+def run_engine_core(
+    engine_args_json: bytes, input_addr: str, output_addr: str, identity: bytes, engine_index: int = 0
+) -> None:
+    """Entry point of the engine-core process (`python -m pagedllm.engine.core_proc IN OUT IDENTITY INDEX`, with
+    the engine arguments as JSON on stdin: nothing of the parent's `__main__` is re-imported). INDEX is the
+    engine's data-parallel rank."""
     from pagedllm.logger import configure_logging
 
     configure_logging()
@@ -190,7 +199,7 @@ def run_engine_core(engine_args_json: bytes, input_addr: str, output_addr: str, 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    proc = EngineCoreProc(engine_args_json, input_addr, output_addr, identity)
+    proc = EngineCoreProc(engine_args_json, input_addr, output_addr, identity, engine_index)
     threading.Thread(target=proc._parent_watch, args=(parent,), daemon=True, name="parent-watch").start()
     status = 0
     out_thread = threading.Thread(target=proc._output_thread, daemon=True, name="core-output")
@@ -215,5 +224,5 @@ def run_engine_core(engine_args_json: bytes, input_addr: str, output_addr: str, 
 
 
 if __name__ == "__main__":
-    _in, _out, _identity = sys.argv[1:4]
-    run_engine_core(sys.stdin.buffer.read(), _in, _out, _identity.encode())
+    _in, _out, _identity, _index = sys.argv[1:5]
+    run_engine_core(sys.stdin.buffer.read(), _in, _out, _identity.encode(), int(_index))

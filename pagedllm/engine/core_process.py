@@ -1,14 +1,17 @@
-"""The engine-core child process: started, handshaken with, watched and stopped by its client.
+"""The engine-core child processes: started, handshaken with, watched and stopped by their client.
 
-Contract. `CoreProcess(engine_args, ctx)` starts `python -m pagedllm.engine.core_proc` at once (no fork of this
-process, no re-import of the caller's `__main__`) and binds, with `ctx`, a ROUTER for requests and a PULL for
-outputs on IPC sockets in a private temporary folder; the child connects to both and builds its engine from the
-arguments it reads on stdin (JSON). `wait_ready` blocks until its READY (or raises its start-up error),
-`watch` reports its death from a thread, `terminate` stops it and removes the folder.
+Contract. `CoreProcess(engine_args, ctx)` starts `engine_args.data_parallel_size` (usually one) processes of
+`python -m pagedllm.engine.core_proc` at once (no fork of this process, no re-import of the caller's `__main__`)
+and binds, with `ctx`, one ROUTER for requests and one PULL for outputs on IPC sockets in a private temporary
+folder. Engine i connects to both with the identity `identities[i]`, builds its engine from the arguments it reads
+on stdin (JSON) as data-parallel rank i, and stamps `engine_index = i` on what it sends. `wait_ready` blocks until
+every engine reported READY (or raises the first start-up error), `watch` reports the death of any of them from a
+thread, `terminate` stops them all and removes the folder. The engines live and die together: one dead engine
+makes the whole group dead for its client.
 
 This module imports neither torch nor transformers, nor any pagedllm module that does: `pagedllm serve` starts
-the child with it before the front end's own imports, so the two processes load in parallel. The clients that
-speak to the child are in core_client.py.
+the children with it before the front end's own imports, so the processes load in parallel. The clients that
+speak to the children are in core_client.py.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ STARTUP_TIMEOUT_S = 900.0
 
 
 class CoreProcess:
-    """The child process and its sockets; shared by the sync and async clients (see the module docstring)."""
+    """The child processes and their sockets; shared by the sync and async clients (see the module docstring)."""
 
     def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
         self.input_addr = f"ipc://{self.tmpdir}/input"
         self.output_addr = f"ipc://{self.tmpdir}/output"
-        self.identity = b"engine-core-0"
+        self.num_engines = max(1, engine_args.data_parallel_size)
+        self.identities = [f"engine-core-{i}".encode() for i in range(self.num_engines)]
         self.ctx = ctx
         self.input_socket = ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
@@ -54,68 +58,98 @@ class CoreProcess:
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(self.output_addr)
         args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedllm.engine.core_proc",
-                self.input_addr,
-                self.output_addr,
-                self.identity.decode(),
-            ],
-            stdin=subprocess.PIPE,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(args_json)
-        self.proc.stdin.close()
+        self.procs: list[subprocess.Popen] = []
+        for index, identity in enumerate(self.identities):
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedllm.engine.core_proc",
+                    self.input_addr,
+                    self.output_addr,
+                    identity.decode(),
+                    str(index),
+                ],
+                stdin=subprocess.PIPE,
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(args_json)
+            proc.stdin.close()
+            self.procs.append(proc)
         self.shutting_down = False
 
-    def wait_ready(self, sync_socket: zmq.Socket) -> HandshakeMessage:
-        """Block until the core reports READY; raise its error if it failed or died."""
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The first engine's process (the only one without data parallelism)."""
+        return self.procs[0]
+
+    @property
+    def identity(self) -> bytes:
+        """The first engine's ROUTER identity."""
+        return self.identities[0]
+
+    def wait_ready(self, sync_socket: zmq.Socket) -> list[HandshakeMessage]:
+        """Block until every engine reports READY (their messages, by engine index); raise the first error if one
+        failed or died, after stopping the others."""
         poller = zmq.Poller()
         poller.register(sync_socket, zmq.POLLIN)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        ready: dict[bytes, HandshakeMessage] = {}
         while time.monotonic() < deadline:
-            exited = self.proc.poll() is not None  # checked before the poll: a report sent just before exit wins
+            # Checked before the poll: a report sent just before an exit wins.
+            exited = [i for i, proc in enumerate(self.procs) if proc.poll() is not None]
             if poller.poll(500):
-                _, payload = sync_socket.recv_multipart()
+                identity, payload = sync_socket.recv_multipart()
                 msg = msgspec.msgpack.decode(payload, type=HandshakeMessage)
                 if msg.status == "READY":
-                    return msg
+                    ready[identity] = msg
+                    if len(ready) == self.num_engines:
+                        return [ready[i] for i in self.identities]
+                    continue
                 error = msg.error or "unknown error"
                 self.terminate()
                 if error.startswith("ValueError: "):
                     raise ValueError(error.removeprefix("ValueError: "))
                 raise RuntimeError(f"engine core failed to start: {error}")
             if exited:
-                raise EngineDeadError(f"engine core exited with status {self.proc.returncode} during start-up")
+                status = self.procs[exited[0]].returncode
+                self.terminate()
+                which = "engine core" if self.num_engines == 1 else f"engine core {exited[0]}"
+                raise EngineDeadError(f"{which} exited with status {status} during start-up")
         self.terminate()
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
     def watch(self, on_death: Callable[[], None]) -> None:
-        """Call `on_death` (from a watcher thread) if the child exits while we are not shutting it down."""
+        """Call `on_death` (from a watcher thread, once) if any child exits while we are not shutting them down."""
+        called = threading.Lock()
 
-        def wait() -> None:
-            self.proc.wait()
-            if not self.shutting_down:
-                logger.error("engine core process died (exit status %s)", self.proc.returncode)
+        def wait(index: int, proc: subprocess.Popen) -> None:
+            proc.wait()
+            if not self.shutting_down and called.acquire(blocking=False):
+                which = "engine core" if self.num_engines == 1 else f"engine core {index}"
+                logger.error("%s process died (exit status %s)", which, proc.returncode)
                 on_death()
 
-        threading.Thread(target=wait, daemon=True, name="engine-monitor").start()
+        for index, proc in enumerate(self.procs):
+            threading.Thread(target=wait, args=(index, proc), daemon=True, name=f"engine-monitor-{index}").start()
 
     def terminate(self) -> None:
+        """Stop every engine (SIGTERM to all, then wait; SIGKILL after 10 s) and remove the socket folder."""
         self.shutting_down = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
             try:
-                self.proc.wait(timeout=10)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def close(self) -> None:
-        """Stop the child and close the sockets and their context: for a process never handed to a client (the
+        """Stop the children and close the sockets and their context: for processes never handed to a client (the
         front end failed before connecting), whose clients otherwise do this at shutdown."""
         self.terminate()
         self.input_socket.close(linger=0)

@@ -174,17 +174,21 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _add(self, prompt_text: str | None, req: EngineCoreRequest) -> None:
+        engine = None  # the n children of a request share an engine (and its prefix cache)
         for child in self.output_processor.add_engine_request(prompt_text, req):
-            self.engine_core.add_request(child)
+            engine = self.engine_core.add_request(child, engine)
 
     # ---- utilities ----------------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.engine_core.call_utility("reset_prefix_cache"))
+        return all(self.engine_core.call_utility_all("reset_prefix_cache"))
 
     def check_invariants(self) -> dict[str, Any]:
-        """Verify the KV block pool (raises AssertionError on corruption) and return its counts."""
-        return self.engine_core.call_utility("check_invariants")
+        """Verify the KV block pools (raises AssertionError on corruption) and return their counts (summed over
+        data-parallel engines, each engine's own under "engines" when there are several)."""
+        from pagedllm.engine.core_client import merge_invariants
+
+        return merge_invariants(self.engine_core.call_utility_all("check_invariants"))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

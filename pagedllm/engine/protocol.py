@@ -134,6 +134,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0  # the core's time.monotonic() when the step's outputs were made; 0.0 for utility answers
     utility_output: UtilityOutput | None = None
+    engine_index: int = 0  # which data-parallel engine core sent these (stamped by core_proc)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

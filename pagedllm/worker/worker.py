@@ -5,7 +5,7 @@ The budget (`kv_cache_memory_bytes`) becomes a number of blocks of `block_size` 
 core hands to the scheduler; the worker then allocates one key and one value tensor per layer. With tensor
 parallelism each rank holds its share of the KV heads, so each rank's budget holds as many blocks as any other's;
 the executor still takes the smallest count. `--num-threads` is the total of the ranks on one machine: each rank
-runs `num_threads // tensor_parallel_size` torch threads (at least one).
+runs `num_threads // (tensor_parallel_size * data_parallel_size)` torch threads (at least one).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ class Worker:
         self.rank = self.tp.rank
         self.device = torch.device(config.device_config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, config.device_config.num_threads // self.tp.world_size))
+            # The machine's threads are shared by every rank of every data-parallel engine.
+            ranks = config.parallel_config.world_size_across_dp
+            torch.set_num_threads(max(1, config.device_config.num_threads // ranks))
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
         self.model_runner = ModelRunner(config, self.device, self.tp)

@@ -6,45 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.procs import marked, wait_for
 from tests.model_utils import make_tiny_model
 from tests.server.server_utils import RemoteServer
-
-
-def _marked(marker: str) -> list[int]:
-    """Live processes whose environment carries `marker` (zombies count as gone)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue
-        pids.append(int(entry))
-    return pids
-
-
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return True
-        except OSError:
-            pass
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture
@@ -59,14 +28,14 @@ def test_a_killed_rank_brings_the_server_down_cleanly(tiny_folder: str) -> None:
     try:
         status, body = srv.request("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
-        procs = _marked(marker)
+        procs = marked(marker)
         assert len(procs) == 4  # the server, the engine core, two ranks
         workers = [p for p in procs if b"worker_proc" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
-        assert _wait_for(lambda: srv.request("GET", "/health")[0] == 503, timeout=10)
+        assert wait_for(lambda: srv.request("GET", "/health")[0] == 503, timeout=10)
         assert srv.proc.wait(timeout=30) != 0
-        assert _wait_for(lambda: not _marked(marker), timeout=20), _marked(marker)
+        assert wait_for(lambda: not marked(marker), timeout=20), marked(marker)
     finally:
         srv.stop(signal.SIGKILL)
 
@@ -78,6 +47,6 @@ def test_a_tensor_parallel_size_the_model_cannot_take_fails_at_startup(tiny_fold
     try:
         assert srv.proc.wait(timeout=90) == 2
         assert "tensor_parallel_size 8 is larger than the model's 4 attention heads" in srv.log_text()
-        assert _wait_for(lambda: not _marked(marker), timeout=20), _marked(marker)
+        assert wait_for(lambda: not marked(marker), timeout=20), marked(marker)
     finally:
         srv.stop(signal.SIGKILL)

@@ -41,7 +41,7 @@ NAMES = [
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(f"pagedllm:{name}", {"model_name": "tiny", **labels})
+    value = registry.get_sample_value(f"pagedllm:{name}", {"model_name": "tiny", "engine": "0", **labels})
     return 0.0 if value is None else value
 
 
@@ -96,7 +96,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.finished: dict[str, FinishedRequestStats] = {}
 
-    def record(self, sched: SchedulerStats | None, stats: IterationStats) -> None:
+    def record(self, sched: SchedulerStats | None, stats: IterationStats, engine_idx: int = 0) -> None:
         for f in stats.finished:
             self.finished[f.request_id] = f
 

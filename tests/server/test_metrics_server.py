@@ -78,7 +78,8 @@ def metrics_server():
 
 
 def scrape(srv: RemoteServer) -> tuple[dict[str, Any], dict[tuple[str, frozenset], float]]:
-    """(families by name, {(sample name, labels without model_name): value}) of the pagedllm: metrics."""
+    """(families by name, {(sample name, labels without model_name and engine): value}) of the pagedllm: metrics
+    (this server runs one engine: every series is engine "0")."""
     status, text = srv.request("GET", "/metrics")
     assert status == 200, text
     families, samples = {}, {}
@@ -88,7 +89,8 @@ def scrape(srv: RemoteServer) -> tuple[dict[str, Any], dict[tuple[str, frozenset
         families[family.name] = family
         for s in family.samples:
             assert s.labels.get("model_name") == MODEL, s
-            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+            assert s.labels.get("engine") == "0", s
+            labels = frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))
             samples[(s.name, labels)] = s.value
     return families, samples
 

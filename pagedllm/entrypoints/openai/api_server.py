@@ -244,11 +244,13 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @debug_router.get("/debug/kv_cache", response_model=dict[str, Any], responses=errors(503))
 async def debug_kv_cache(raw_request: Request) -> JSONResponse:
-    """Block-pool counts from the engine core (`check_invariants`), the core's pid and the front end's view."""
+    """Block-pool counts from the engine cores (`check_invariants`, summed over data-parallel engines, each one's
+    under "engines"), the cores' pids (`core_pid`: the first engine's) and the front end's view."""
     engine = _engine(raw_request)
     stats = dict(await engine.check_invariants())
-    ready = getattr(engine.engine_core, "ready", None)
-    stats["core_pid"] = getattr(ready, "pid", None)
+    ready = getattr(engine.engine_core, "ready", None) or []
+    stats["core_pids"] = [msg.pid for msg in ready]
+    stats["core_pid"] = stats["core_pids"][0] if stats["core_pids"] else None
     stats["front_end_unfinished"] = engine.get_num_unfinished_requests()
     stats["server_load"] = raw_request.app.state.server_load.in_flight
     return JSONResponse(stats)
@@ -407,9 +409,10 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
         engine = AsyncLLM(engine_args, core=core)
         core = None  # the engine owns it now
         logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
+        mc = engine.model_config
         engine.stat_loggers += [
-            PrometheusStatLogger(engine.model_config.served_model_name, engine.model_config.max_model_len),
-            LoggingStatLogger(stats_interval),
+            PrometheusStatLogger(mc.served_model_name, mc.max_model_len, num_engines=engine.num_engines),
+            LoggingStatLogger(stats_interval, num_engines=engine.num_engines),
         ]
         app = build_app(engine, args)
         app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
