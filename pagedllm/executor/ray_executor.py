@@ -12,8 +12,11 @@ Contract (beyond executor/abstract.py).
   `WorkerResponse` bytes as the multiprocess executor's, handed over as actor-call arguments instead of through
   the shared-memory ring (ranks may be on different machines). The ranks' gloo group meets at rank 0's node
   address and a free port there.
-* A dead actor makes the waiting call raise `RuntimeError` naming the rank. `shutdown()` kills the actors and
-  removes the placement group (and stops Ray if this executor started it).
+* A dead actor makes the waiting call raise `RuntimeError` naming the rank. While the engine is idle,
+  `check_health()` finds it without calling anyone: each actor runs one `watch()` call that never returns, in a
+  concurrency group of its own (the calls of the default group stay one at a time, in order); its result turns
+  ready, as an error, only when the actor dies, and `ray.wait(timeout=0)` asks for that. `shutdown()` kills the
+  actors and removes the placement group (and stops Ray if this executor started it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pagedllm.engine.protocol import WorkerRequest, WorkerResponse
 from pagedllm.executor.abstract import RemoteWorkersExecutor
 
 logger = logging.getLogger(__name__)
+
+WATCH_GROUP = "watch"
 
 
 class _RankActor:
@@ -66,6 +71,12 @@ class _RankActor:
         resp = self.proc.handle(msgspec.msgpack.decode(request, type=WorkerRequest))
         return None if resp is None else msgspec.msgpack.encode(resp)
 
+    def watch(self) -> None:
+        """Never returns (in the "watch" concurrency group): its result is an error once the actor is dead."""
+        import threading
+
+        threading.Event().wait()
+
 
 class RayDistributedExecutor(RemoteWorkersExecutor):
     def __init__(self, config: EngineConfig) -> None:
@@ -86,6 +97,7 @@ class RayDistributedExecutor(RemoteWorkersExecutor):
         self._call_ids = itertools.count()
         self._response_decoder = msgspec.msgpack.Decoder(WorkerResponse)
         self.actors: list[Any] = []
+        self._watches: list[Any] = []
         self._stopped = False
         self.pg = placement_group([{"CPU": cpus}] * self.world_size, strategy="PACK")
         try:
@@ -98,10 +110,11 @@ class RayDistributedExecutor(RemoteWorkersExecutor):
                     f"{ray.cluster_resources().get('CPU', 0):g} CPUs, {ray.available_resources().get('CPU', 0):g} "
                     "free"
                 )
-            actor_cls = ray.remote(_RankActor)
+            actor_cls = ray.remote(concurrency_groups={WATCH_GROUP: 1})(_RankActor)
             for rank in range(self.world_size):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
                 self.actors.append(actor_cls.options(num_cpus=cpus, scheduling_strategy=strategy).remote(rank))
+            self._watches = [actor.watch.options(concurrency_group=WATCH_GROUP).remote() for actor in self.actors]
             addresses = ray.get([actor.node_address.remote() for actor in self.actors])
             host, port = addresses[0]
             # Ranks on one machine (one address) also share a shared-memory all-reduce.
@@ -129,6 +142,17 @@ class RayDistributedExecutor(RemoteWorkersExecutor):
         except BaseException:
             self.shutdown()
             raise
+
+    def check_health(self) -> None:
+        done, _ = self._ray.wait(self._watches, num_returns=len(self._watches), timeout=0)
+        if done:
+            rank = self._watches.index(done[0])
+            try:
+                self._ray.get(done[0])
+                reason = "its watch call returned"
+            except self._ray.exceptions.RayError as e:
+                reason = type(e).__name__
+            raise RuntimeError(f"Ray worker rank {rank} is gone: {reason}")
 
     def _call(self, method: str, args: bytes, reply: str) -> list[WorkerResponse]:
         request = self._encoder.encode(WorkerRequest(next(self._call_ids), method, args, reply))

@@ -1,11 +1,14 @@
 """The Ray executor on a two-node Ray cluster that the test starts on loopback (one CPU a node): TP=2 spans both
-nodes and gives TP=1's greedy tokens; bundles the cluster cannot hold are a clear error within the placement
+nodes and gives TP=1's greedy tokens, and a rank killed while the engine is idle takes the engine down without a
+request; bundles the cluster cannot hold are a clear error within the placement
 timeout; the "ray" backend without Ray installed is refused up front, naming the extra."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.exceptions import EngineDeadError
 from tests.model_utils import make_tiny_model, random_prompts
 
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=2, kv_cache_memory_bytes=32 << 20)
@@ -54,7 +58,16 @@ def test_tp2_across_two_ray_nodes_gives_tp1_tokens(
         assert llm.config.parallel_config.distributed_executor_backend == "ray"
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
-        assert len(set(llm.engine_core.call_utility("collective_rpc", "process_id"))) == 2
+        pids = llm.engine_core.call_utility("collective_rpc", "process_id")
+        assert len(set(pids)) == 2
+        # A rank killed while the engine is idle: the core's idle health check finds it, with no request sent.
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not llm.engine_core.dead and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert llm.engine_core.dead
+        with pytest.raises(EngineDeadError):
+            llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine_core.shutdown()
 
