@@ -106,9 +106,9 @@ class EngineArgs:
     ray_cpus_per_worker: float = _arg(1.0, "CPUs each rank's Ray bundle asks for")
     data_parallel_size: int = _arg(
         1,
-        "engine cores serving requests side by side, each with its own ranks and KV cache of the full budget "
-        "(--kv-cache-memory-bytes is per engine); the front end sends each request to the least-loaded one, and "
-        "--num-threads is shared among all engines' ranks",
+        "engine cores serving requests side by side, each with its own ranks and KV cache (--kv-cache-memory-bytes "
+        "is per engine; a --gpu-memory-utilization fraction is split among them); the front end sends each request "
+        "to the least-loaded one, and --num-threads is shared among all engines' ranks",
         aliases=("-dp",),
     )
     device: str = _arg("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))

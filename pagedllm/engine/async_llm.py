@@ -8,9 +8,9 @@ the core. If the core dies, every waiting consumer gets `EngineDeadError`.
 
 Stats: every step's SchedulerStats and the front end's IterationStats go to each of `stat_loggers`, with the index
 of the data-parallel engine that ran the step (`record(scheduler_stats, iteration_stats, engine_idx=i)`). When
-aborts leave no request in flight, the last step's stats still count the aborted requests (they ran in it),
-and no further step will correct them: the scheduler stats are then asked of the core once more (a utility
-call, answered after it processed the aborts), so that the gauges read 0 when the engine is idle.
+aborts leave an engine with no request, its last step's stats still count the aborted requests (they ran in it),
+and no further step will correct them: that engine's scheduler stats are then asked for once more (a utility
+call, answered after it processed the aborts), so that its gauges read 0 when it is idle.
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ class AsyncLLM:
         ]
         removed = self.output_processor.abort_requests(ids)
         if removed:
+            engines = self.engine_core.router.engines_of(removed)
             self.engine_core.abort_requests_nowait(removed)
-            self._refresh_stats_if_idle()
+            self._refresh_stats_if_idle(engines)
 
     # ---- the output handler -------------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class AsyncLLM:
                 items = outputs.outputs
                 core_ts = outputs.timestamp or None  # the core's monotonic clock; 0.0 means not stamped
                 stats = IterationStats()
-                aborted = False
+                aborted: set[int] = set()
                 for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
@@ -218,11 +219,11 @@ class AsyncLLM:
                     processed = self.output_processor.process_outputs(chunk, core_ts)
                     stats.merge(processed.stats)
                     if processed.reqs_to_abort:
-                        aborted = True
+                        aborted |= self.engine_core.router.engines_of(processed.reqs_to_abort)
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, stats, outputs.engine_index)
                 if aborted:
-                    self._refresh_stats_if_idle()
+                    self._refresh_stats_if_idle(aborted)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -241,9 +242,13 @@ class AsyncLLM:
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat logger %r failed", stat_logger)
 
-    def _refresh_stats_if_idle(self) -> None:
-        """After aborts (sent before this call) left no request here, record fresh scheduler stats."""
-        if not self.stat_loggers or self.output_processor.has_unfinished_requests() or self.errored is not None:
+    def _refresh_stats_if_idle(self, engines: set[int]) -> None:
+        """After aborts (sent before this call) left some of `engines` with no request, record fresh scheduler stats
+        of those."""
+        if not self.stat_loggers or self.errored is not None:
+            return
+        idle = sorted(i for i in engines if self.engine_core.router.load[i] == 0)
+        if not idle:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -251,16 +256,17 @@ class AsyncLLM:
             return
         # Its answer comes after the outputs of the core's last step with the aborted requests, which the output
         # handler records first (it is woken first, and records a step's stats without awaiting in between).
-        task = loop.create_task(self._refresh_stats(), name="stats-refresh")
+        task = loop.create_task(self._refresh_stats(idle), name="stats-refresh")
         self._stats_tasks.add(task)
         task.add_done_callback(self._stats_tasks.discard)
 
-    async def _refresh_stats(self) -> None:
+    async def _refresh_stats(self, engines: list[int]) -> None:
         try:
-            results = await self.engine_core.call_utility_all_async("get_scheduler_stats")
+            calls = [self.engine_core.call_utility_async("get_scheduler_stats", engine=i) for i in engines]
+            results = await asyncio.gather(*calls)
         except Exception:  # a dead engine is reported by the output handler; stats are best effort
             return
-        for engine_idx, result in enumerate(results):
+        for engine_idx, result in zip(engines, results):
             self._record_stats(msgspec.convert(result, SchedulerStats), IterationStats(), engine_idx)
 
     # ---- utilities ----------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ future call raises `EngineDeadError` instead of hanging.
 
 Data parallelism (`data_parallel_size` engines): `EngineRouter` sends each new request to the least-loaded engine
 and remembers where it went, so that its abort reaches that engine. An engine's load is the number of requests
-the client sent it that have not finished or been aborted: exactly its waiting + running requests (what the
-seeds' load-balancing client reads from the engines' stats, one step late), plus those still on their way to it.
+the client sent it that it has not finished and the client has not aborted: its waiting and running requests
+plus those still on their way to it (vLLM's load-balancing client reads waiting + running from the engines'
+stats, a step late; this count is the same thing, kept at the client, with no delay).
 Ties go to the engine with fewer waiting requests in its last stats, then to the lower index. The outputs of all
 engines arrive on the one PULL socket, each batch stamped with its `engine_index`. Utility calls go to one engine
 (`call_utility`) or to all (`call_utility_all`, results by engine index).
@@ -26,7 +27,7 @@ import logging
 import queue
 import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -72,6 +73,10 @@ class EngineRouter:
             self.load[engine] += 1
         self.engine_of[request_id] = engine
 
+    def engines_of(self, request_ids: list[str]) -> set[int]:
+        """The engines holding these requests (unknown ids: none)."""
+        return {self.engine_of[r] for r in request_ids if r in self.engine_of}
+
     def remove(self, request_ids: list[str]) -> dict[int, list[str]]:
         """Forget these requests (aborted); returns them by engine (unknown ids go to every engine: a request
         whose send failed half-way may still have reached one)."""
@@ -90,9 +95,12 @@ class EngineRouter:
         """Forget the requests these outputs finish; note the engine's waiting count."""
         if outputs.scheduler_stats is not None:
             self.waiting[outputs.engine_index] = outputs.scheduler_stats.num_waiting_reqs
+        engine = outputs.engine_index
         for out in outputs.outputs:
-            if out.finish_reason is not None and self.engine_of.pop(out.request_id, None) is not None:
-                self.load[outputs.engine_index] -= 1
+            # Only the engine holding the id releases it (an id aborted and reused may be at another by now).
+            if out.finish_reason is not None and self.engine_of.get(out.request_id) == engine:
+                del self.engine_of[out.request_id]
+                self.load[engine] -= 1
 
 
 def merge_invariants(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,7 +207,7 @@ class SyncMPClient:
                 if outputs.utility_output is not None:
                     fut = self.utility_results.pop(outputs.utility_output.call_id, None)
                     if fut is not None:
-                        fut.set_result(outputs.utility_output)
+                        _settle(fut, outputs.utility_output)
                 else:
                     self.outputs.put(outputs)
         except zmq.ZMQError:
@@ -208,8 +216,9 @@ class SyncMPClient:
     def _on_core_death(self) -> None:
         self.dead = True
         self.outputs.put(_DEAD)
+        # The reader thread may answer one of these meanwhile (another engine's answer): settle each once.
         for fut in list(self.utility_results.values()):
-            fut.set_exception(EngineDeadError())
+            _settle(fut, EngineDeadError())
 
     def _send(self, kind: EngineCoreRequestType, payload: Any, engine: int = 0) -> None:
         if self.dead:
@@ -389,6 +398,17 @@ class AsyncMPClient:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._finalizer()
+
+
+def _settle(fut: Future, outcome: Any) -> None:
+    """Give `fut` its result (or exception) unless another thread already did."""
+    try:
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 def _utility_result(method: str, result: UtilityOutput) -> Any:

@@ -57,8 +57,16 @@ class CoreProcess:
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(self.output_addr)
-        args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
         self.procs: list[subprocess.Popen] = []
+        self.shutting_down = False
+        try:
+            self._start(engine_args)
+        except BaseException:
+            self.close()  # the engines started so far, the sockets and the folder
+            raise
+
+    def _start(self, engine_args: EngineArgs) -> None:
+        args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
         for index, identity in enumerate(self.identities):
             proc = subprocess.Popen(
                 [
@@ -76,7 +84,6 @@ class CoreProcess:
             proc.stdin.write(args_json)
             proc.stdin.close()
             self.procs.append(proc)
-        self.shutting_down = False
 
     @property
     def proc(self) -> subprocess.Popen:

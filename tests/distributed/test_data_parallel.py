@@ -156,11 +156,6 @@ def test_dp2_server_on_the_default_model() -> None:
         responses = asyncio.run(burst())
         assert len(responses) == 32
         assert all(r.choices[0].finish_reason in ("stop", "length") and r.choices[0].text for r in responses)
-        # Same prompt, same greedy answer, whichever engine served it.
-        by_prompt: dict[int, set[str]] = {}
-        for i, r in enumerate(responses):
-            by_prompt.setdefault(i % 8, set()).add(r.choices[0].text)
-        assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
         assert wait_for(lambda: sum(_success_by_engine(srv).values()) == 32, timeout=10), _success_by_engine(srv)
         served = _success_by_engine(srv)
         assert served["0"] > 0 and served["1"] > 0, served
