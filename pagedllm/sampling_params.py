@@ -23,6 +23,61 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON schema, as a
+    dict or JSON text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or GBNF/EBNF as
+    llama.cpp writes them) or `json_object` (any JSON object). `disable_any_whitespace` makes JSON compact;
+    `whitespace_pattern` gives the regex of the whitespace JSON may have between its tokens."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        # Types checked here: a Struct built in Python is not type-checked, and the engine core decodes strictly.
+        for name, types in (
+            ("json", (str, dict)),
+            ("regex", (str,)),
+            ("choice", (list,)),
+            ("grammar", (str,)),
+            ("json_object", (bool,)),
+            ("whitespace_pattern", (str,)),
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise ValueError(f"structured_outputs.{name} has the wrong type: {type(value).__name__}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must give exactly one of json, regex, choice, grammar or json_object, got "
+                + (", ".join(given) if given else "none")
+            )
+        if isinstance(self.json, str):
+            import json as _json
+
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"structured_outputs.{name} must not be empty")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters for one request (vLLM-compatible names and defaults)."""
 
@@ -47,6 +102,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -62,6 +118,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or a dict, got {self.structured_outputs!r:.80}"
+            )
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are meaningless, normalise them so the sampler takes its fast path.

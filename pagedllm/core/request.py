@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_FSM = enum.auto()  # its grammar is compiling (structured output): not in the waiting queue yet
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -24,6 +29,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -38,6 +44,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -78,6 +85,8 @@ class Request:
         self.cache_salt: str | None = None
         # Events not yet sent to the front end (see take_events).
         self.events: list[EngineCoreEvent] = []
+        # Its grammar, when it asked for structured output (set by the StructuredOutputManager).
+        self.structured_output: StructuredOutputRequest | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:

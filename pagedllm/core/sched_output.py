@@ -42,6 +42,9 @@ class SchedulerOutput:
     # drops them from its batch; finished ones also from its state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests that sample under a grammar this step, in the order of the grammar bitmask's rows: when there are
+    # any, execute_model returns None and sample_tokens(grammar_output) samples.
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

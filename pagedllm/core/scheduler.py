@@ -15,6 +15,13 @@ hit by others before they are computed.
 The scheduler never touches tensors; `update_from_output` turns the worker's sampled tokens into
 `EngineCoreOutputs` and retires finished requests.
 
+Structured output (a StructuredOutputManager given): a constrained request waits outside the waiting queue
+(WAITING_FOR_FSM) while its grammar compiles and joins the queue once it is ready; a grammar that failed finishes
+its request alone (finish reason "error"). `structured_output_request_ids` of each SchedulerOutput lists, in
+order, the requests that sample under a grammar in that step; `get_grammar_output` gives their bitmask rows, and
+`update_from_output` advances each grammar with the sampled tokens, finishing a request whose grammar is complete.
+The grammar follows the output tokens only, so preemption (recompute) and prefix-cache hits leave it as it is.
+
 For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
 SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
 first), PREEMPTED when it is preempted. They travel with the request's next EngineCoreOutput.
@@ -23,6 +30,7 @@ first), PREEMPTED when it is preempted. They travel with the request's next Engi
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -31,10 +39,24 @@ from pagedllm.core.request_queue import RequestQueue, create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output import GrammarOutput, StructuredOutputManager
+
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = scheduler_config
+        self.structured_output_manager = structured_output_manager
+        # Constrained requests whose grammar is compiling, in arrival order.
+        self.waiting_for_fsm: list[Request] = []
+        # Outputs of requests finished outside a step's model run (a grammar that failed), sent with the next one.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -52,8 +74,15 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this engine core has no structured output manager")
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm.append(request)
+        else:
+            self.waiting.add(request)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
         request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -66,7 +95,9 @@ class Scheduler:
                 found[req_id] = req
         done = list(found.values())
         # Waiting ones leave the queue together: one pass over it, however many are aborted.
-        self.waiting.remove_requests([r for r in done if r.status != RequestStatus.RUNNING])
+        self.waiting.remove_requests([r for r in done if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)])
+        if any(r.status == RequestStatus.WAITING_FOR_FSM for r in done):
+            self.waiting_for_fsm = [r for r in self.waiting_for_fsm if r.request_id not in found]
         for req in done:
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
@@ -75,10 +106,44 @@ class Scheduler:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_fsm) or bool(self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_fsm)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready into the waiting queue; finish those whose grammar failed."""
+        manager = self.structured_output_manager
+        if manager is None or not self.waiting_for_fsm:
+            return
+        still: list[Request] = []
+        for req in self.waiting_for_fsm:
+            if not manager.ready(req):
+                still.append(req)
+                continue
+            assert req.structured_output is not None
+            if req.structured_output.error is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                req.stop_reason = req.structured_output.error
+                self._pending_outputs.append(
+                    EngineCoreOutput(
+                        request_id=req.request_id,
+                        new_token_ids=[],
+                        finish_reason=req.get_finish_reason(),
+                        stop_reason=req.stop_reason,
+                        events=req.take_events(),
+                    )
+                )
+                self._free_request(req)
+            else:
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+        self.waiting_for_fsm = still
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """When nothing else can run: block up to `timeout` s until a grammar being compiled is done."""
+        if self.structured_output_manager is not None and self.waiting_for_fsm:
+            self.structured_output_manager.wait_for_any(self.waiting_for_fsm, timeout)
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -88,6 +153,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -156,13 +222,24 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
 
+        constrained: list[str] = []
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.structured_output is not None and req.num_computed_tokens >= req.num_tokens:
+                constrained.append(req_id)  # it samples this step, under its grammar
         total = sum(num_scheduled.values())
         self._last_num_scheduled = total
-        out = SchedulerOutput(new_reqs, cached, num_scheduled, total, self._finished_req_ids, preempted)
+        out = SchedulerOutput(new_reqs, cached, num_scheduled, total, self._finished_req_ids, preempted, constrained)
         self._finished_req_ids = set()
         return out
+
+    def get_grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask rows of the step's constrained requests (None when it has none)."""
+        if not sched.structured_output_request_ids or self.structured_output_manager is None:
+            return None
+        reqs = [self.requests[r] for r in sched.structured_output_request_ids if r in self.requests]
+        return self.structured_output_manager.grammar_bitmask(reqs)
 
     def _num_new_tokens(self, req: Request, budget: int, num_computed: int | None = None) -> int:
         computed = req.num_computed_tokens if num_computed is None else num_computed
@@ -188,7 +265,7 @@ class Scheduler:
     # ---- after the model ran ---------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for row, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None:
@@ -198,6 +275,8 @@ class Scheduler:
             if new_ids:
                 req.append_output_token_ids(new_ids)
                 finished = self._check_stop(req)
+                if req.structured_output is not None:
+                    finished = self._advance_grammar(req, new_ids) or finished
             prompt_lp = result.prompt_logprobs.get(req_id)
             if new_ids or prompt_lp is not None:
                 outputs.append(
@@ -216,6 +295,22 @@ class Scheduler:
                 self.running.remove(req)
                 self._free_request(req)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _advance_grammar(self, req: Request, new_ids: list[int]) -> bool:
+        """Feed the sampled tokens to the request's grammar; True if that finished the request (the grammar is
+        complete, or refused a token, which its mask makes impossible unless the backend fails)."""
+        manager = self.structured_output_manager
+        assert manager is not None
+        if req.is_finished:  # stopped by EOS, a stop token or its length: nothing more to constrain
+            return False
+        if not manager.accept_tokens(req, new_ids):
+            req.status = RequestStatus.FINISHED_ERROR
+            req.stop_reason = "the structured output grammar refused a sampled token"
+            return True
+        if manager.is_terminated(req):
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params
@@ -237,7 +332,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

@@ -1,5 +1,8 @@
-"""EngineCore: the step loop. schedule -> execute_model -> update_from_output, nothing else.
+"""EngineCore: the step loop. schedule -> execute_model -> [grammar bitmask -> sample_tokens] -> update_from_output.
 
+`execute_model` runs the forward pass and, when no request of the step samples under a grammar, samples too and
+returns the ModelRunnerOutput. Otherwise it returns None and keeps the logits: the scheduler's grammar output (the
+bitmask of the constrained requests, computed meanwhile) goes to `sample_tokens`, which samples (the seeds' split).
 A feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component; it never adds a
 branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
 """
@@ -15,8 +18,11 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import Executor
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -34,7 +40,10 @@ class EngineCore:
         self.executor = Executor.get_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.structured_output_manager = StructuredOutputManager(config.model_config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_blocks, self.structured_output_manager
+        )
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
@@ -55,7 +64,12 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        if model_output is None:  # constrained requests sample in this step
+            model_output = self.executor.sample_tokens(self.scheduler.get_grammar_output(scheduler_output))
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if scheduler_output.is_empty:  # nothing could run: only grammars being compiled; wait for one
+            self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+        return outputs
 
     # ---- utility calls (also reachable over the process boundary) ----------------------------------
 
@@ -90,4 +104,5 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -112,6 +112,12 @@ class InputProcessor:
         for tok in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is out of the vocabulary")
+        if params.structured_outputs is not None:
+            # The constraint's syntax, checked here without a tokenizer: a bad schema is the caller's error
+            # (a 400), found before the request reaches an engine.
+            from pagedllm.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:

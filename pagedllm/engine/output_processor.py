@@ -87,6 +87,7 @@ class RequestState:
     arrival_time: float
     parent: ParentRequest | None = None
     queue: Any = None  # async consumers put their per-request collector here
+    eos_token_id: int | None = None  # None: unknown, every "stop" from the core is taken as eos-terminated
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -118,6 +119,18 @@ class RequestState:
                 self.queued_ts = event.timestamp
             elif event.type == EngineCoreEventType.SCHEDULED and self.scheduled_ts is None:
                 self.scheduled_ts = event.timestamp
+
+
+def _stop_terminated(
+    state: RequestState, finish: FinishReason | None, new_ids: list[int], stop_reason: int | str | None
+) -> bool:
+    """Whether the last new token ended the request as an eos or stop token (its text is then not output). A
+    request whose grammar completed (structured output) also finishes with "stop", on an ordinary token."""
+    if finish != FinishReason.STOP or not new_ids:
+        return False
+    if isinstance(stop_reason, int):
+        return new_ids[-1] == stop_reason
+    return state.eos_token_id is None or new_ids[-1] == state.eos_token_id
 
 
 def _interval(start: float | None, end: float | None) -> float | None:
@@ -218,6 +231,7 @@ class OutputProcessor:
                 parent,
                 index,
                 queue,
+                child.eos_token_id,
             )
         return children
 
@@ -231,6 +245,7 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         index: int = 0,
         queue: Any = None,
+        eos_token_id: int | None = None,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -245,6 +260,7 @@ class OutputProcessor:
             arrival_time=arrival_time,
             parent=parent,
             queue=queue,
+            eos_token_id=eos_token_id,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -281,7 +297,7 @@ class OutputProcessor:
             new_ids = list(out.new_token_ids)
             finish = out.finish_reason
             stop_reason = out.stop_reason
-            stop_str = state.detokenizer.update(new_ids, finish == FinishReason.STOP)
+            stop_str = state.detokenizer.update(new_ids, _stop_terminated(state, finish, new_ids, stop_reason))
             if stop_str is not None and finish is None:
                 finish, stop_reason = FinishReason.STOP, stop_str
                 to_abort.append(out.request_id)

@@ -28,9 +28,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3  # the engine could not serve the request (its grammar did not compile); stop_reason says why
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 class EngineCoreRequestType(enum.Enum):

@@ -4,8 +4,9 @@ Contract. `Executor.get_class(config)` is the class for `parallel_config.distrib
 (`UniProcExecutor`: one worker in the engine-core process), "mp" (`MultiprocExecutor`: one worker process per
 tensor-parallel rank on this machine) or "ray" (`RayDistributedExecutor`: one Ray actor per rank, anywhere in a
 cluster). Every executor offers the same calls: `determine_num_blocks()` (the smallest count any rank can hold),
-`initialize_cache(num_blocks)`, `execute_model(scheduler_output)` (rank 0's ModelRunnerOutput; every rank runs the
-step), `collective_rpc(method, args)` (a Worker method on every rank, their results in rank order) and
+`initialize_cache(num_blocks)`, `execute_model(scheduler_output)` (rank 0's ModelRunnerOutput, or None when the
+step's constrained requests wait for `sample_tokens(grammar_output)`; every rank runs the step),
+`collective_rpc(method, args)` (a Worker method on every rank, their results in rank order) and
 `check_health()` (raises if a rank is known to be gone; the engine-core process checks while idle) and
 `shutdown()` (idempotent; no process or actor is left). A rank that dies or fails raises `RuntimeError` naming it
 from the call that was waiting on it (the engine core then dies, and its client raises `EngineDeadError`).
@@ -21,6 +22,7 @@ import msgspec
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.protocol import WorkerResponse
+from pagedllm.structured_output import GrammarOutput
 
 # distributed_executor_backend -> (module, class)
 _EXECUTORS: dict[str, tuple[str, str]] = {
@@ -53,7 +55,12 @@ class Executor:
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's forward pass; its output, or None when constrained requests wait for `sample_tokens`."""
+        raise NotImplementedError
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the step whose execute_model returned None, under the grammar bitmask."""
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -70,7 +77,7 @@ class RemoteWorkersExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._encoder = msgspec.msgpack.Encoder()
-        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput | None)
 
     def _call(self, method: str, args: bytes, reply: str) -> list[WorkerResponse]:
         """Run `method` on every rank; the answers asked for by `reply` ("all" or "driver"), in rank order."""
@@ -80,6 +87,10 @@ class RemoteWorkersExecutor(Executor):
         answers = self._call(method, self._encoder.encode(list(args)), "all")
         return [msgspec.msgpack.decode(a.result) if a.result else None for a in answers]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         (answer,) = self._call("execute_model", self._encoder.encode(scheduler_output), "driver")
+        return self._output_decoder.decode(answer.result)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        (answer,) = self._call("sample_tokens", self._encoder.encode(grammar_output), "driver")
         return self._output_decoder.decode(answer.result)

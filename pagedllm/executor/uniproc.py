@@ -7,6 +7,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.worker import Worker
 
 
@@ -18,5 +19,8 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.worker.sample_tokens(grammar_output)

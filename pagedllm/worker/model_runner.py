@@ -1,15 +1,19 @@
-"""ModelRunner: SchedulerOutput -> flat input tensors -> forward -> logits at sampling rows -> tokens.
+"""ModelRunner: SchedulerOutput -> flat input tensors -> forward -> logits at sampling rows -> [grammar mask] -> tokens.
 
 The batch is the flat list of scheduled tokens, with no padding to the longest request. Requests with one
 new token (decodes) come first so attention can treat them together; each request with several new tokens
 (a prompt chunk) follows as its own segment. Logits are computed only where a token is sampled: the last
 scheduled token of each request that reaches the end of its known tokens (a prompt chunk that stops short
 samples nothing), plus every prompt position of requests that asked for prompt logprobs.
+The step is two calls when some of its requests sample under a grammar (structured output): `execute_model` runs
+the forward pass and keeps the logits, `sample_tokens(grammar_output)` masks the constrained rows and samples;
+otherwise `execute_model` samples at once.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +28,7 @@ from pagedllm.model.attention.selector import native_applies, select_attention_b
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.loader import load_model
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
+from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -54,6 +59,7 @@ class ModelRunner:
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         self.sampler = Sampler()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
+        self._pending: _PendingSample | None = None
 
     def _cpu_ops(self):
         """The native CPU ops where they can apply (the CPU in float32, not turned off), else None; logged once."""
@@ -90,7 +96,9 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step's forward pass. Without constrained requests in it, sample too and return the output;
+        with some, keep the logits and return None (sample_tokens follows)."""
         batch = self.input_batch
         batch.update(sched)
         if sched.total_num_scheduled_tokens == 0:
@@ -127,8 +135,7 @@ class ModelRunner:
 
         # Which requests sample: those whose scheduled tokens reach the end of their known tokens.
         sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
-        sampled: list[list[int]] = [[] for _ in order]
-        logprobs: dict[str, object] = {}
+        logits = None
         if sample_rows:
             if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
                 rows_to_sample = hidden
@@ -137,16 +144,49 @@ class ModelRunner:
             logits = self.model.compute_logits(rows_to_sample)
             if logits.dtype != torch.float32:
                 logits = logits.float()
-            token_ids, lp_lists = self._sample(logits, rows[sample_rows])
-            for j, i in enumerate(sample_rows):
-                state = states[i]
-                batch.append_token(state, token_ids[j])
+        prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
+        self._pending = _PendingSample(order, states, rows, sample_rows, logits, prompt_lp)
+        if sched.structured_output_request_ids:
+            return None  # sample_tokens(grammar_output) samples, once the grammar bitmask is known
+        return self.sample_tokens(None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the step execute_model ran (its logits kept), first setting to -inf the logits of the tokens the
+        grammar output does not allow in its requests' rows."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "sample_tokens without a step run by execute_model"
+        sampled: list[list[int]] = [[] for _ in pending.order]
+        logprobs: dict[str, object] = {}
+        if pending.logits is not None:
+            logits = pending.logits
+            if grammar_output is not None:
+                self._apply_grammar(logits, pending, grammar_output)
+            token_ids, lp_lists = self._sample(logits, pending.rows[pending.sample_rows])
+            for j, i in enumerate(pending.sample_rows):
+                state = pending.states[i]
+                self.input_batch.append_token(state, token_ids[j])
                 sampled[i] = [token_ids[j]]
                 k = state.sampling_params.logprobs
                 if lp_lists is not None and k is not None:
                     logprobs[state.req_id] = _slice_lists(lp_lists, j, k)
-        prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
-        return ModelRunnerOutput(order, sampled, logprobs, prompt_lp)
+        return ModelRunnerOutput(pending.order, sampled, logprobs, pending.prompt_logprobs)
+
+    def _apply_grammar(self, logits: torch.Tensor, pending: _PendingSample, grammar: GrammarOutput) -> None:
+        """-inf where a constrained request's bitmask row has a 0 bit (the row of request r is its position among
+        the step's sampling rows)."""
+        position = {pending.order[i]: j for j, i in enumerate(pending.sample_rows)}
+        targets = [(position[r], k) for k, r in enumerate(grammar.req_ids) if r in position]
+        if not targets:
+            return
+        rows = torch.as_tensor([t[0] for t in targets], device=logits.device)
+        words = torch.from_numpy(grammar.as_array()[[t[1] for t in targets]].copy()).to(logits.device)
+        bits = (words.unsqueeze(-1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(targets), -1)[:, : logits.shape[1]].bool()
+        if allowed.shape[1] < logits.shape[1]:  # a vocabulary wider than the grammar's: the rest is never allowed
+            pad = torch.zeros(len(targets), logits.shape[1] - allowed.shape[1], dtype=torch.bool, device=logits.device)
+            allowed = torch.cat([allowed, pad], dim=1)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], LogprobsLists | None]:
         """The sampled token of each row of `logits` (and the batch's logprobs lists, or None). With tensor
@@ -192,6 +232,18 @@ class ModelRunner:
             targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
             result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return result
+
+
+@dataclass(slots=True)
+class _PendingSample:
+    """What execute_model leaves for sample_tokens: the step's requests and the logits of its sampling rows."""
+
+    order: list[str]
+    states: list[CachedRequestState]
+    rows: np.ndarray  # batch row of each request, in `order`
+    sample_rows: list[int]  # indices into `order` of the requests that sample
+    logits: torch.Tensor | None  # [len(sample_rows), vocab]
+    prompt_logprobs: dict[str, object]
 
 
 def _slice_lists(lists, row: int, k: int):

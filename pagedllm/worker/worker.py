@@ -19,6 +19,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -86,5 +87,8 @@ class Worker:
         """The worker's process id (tests stop ranks by it)."""
         return os.getpid()
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)

@@ -113,10 +113,14 @@ class WorkerProc:
         """Run one request on the worker: its answer, or None where its `reply` asks none of this rank. An error is
         always answered."""
         from pagedllm.core.sched_output import SchedulerOutput
+        from pagedllm.structured_output import GrammarOutput
 
         try:
             if req.method == "execute_model":
                 result: Any = self.worker.execute_model(msgspec.msgpack.decode(req.args, type=SchedulerOutput))
+            elif req.method == "sample_tokens":
+                grammar = msgspec.msgpack.decode(req.args, type=GrammarOutput | None)
+                result = self.worker.sample_tokens(grammar)
             elif req.method.startswith("_"):
                 raise ValueError(f"worker method {req.method!r} is not callable")
             else:

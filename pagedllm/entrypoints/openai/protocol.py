@@ -114,6 +114,15 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or the older guided_* names (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------------------
@@ -228,7 +237,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's chat extras

@@ -10,8 +10,9 @@ Contract:
 * `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context length.
 * `logprobs: true` + `top_logprobs: N` return OpenAI's chat format: `content` = [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}] * N}].
-* Not supported yet, answered with a 400 naming the field: non-empty `tools`, and a `response_format`
-  other than {"type": "text"}.
+* Structured output: `response_format` (json_schema, json_object, text), `structured_outputs` or the `guided_*`
+  fields (serving_engine.structured_outputs_of); a constraint that does not parse is a 400 naming the field.
+* Not supported yet, answered with a 400 naming the field: non-empty `tools`.
 * Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
   one of a choice carries its `finish_reason`), then the usage chunk if asked, then `data: [DONE]`.
 """
@@ -52,6 +53,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     clamp_logprob,
     merge_async_iterators,
+    raise_if_failed,
     run_until_disconnected,
     sse,
     sse_error,
@@ -130,11 +132,6 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         if request.tools:
             raise OpenAIError("tools are not supported yet", 400, "tools")
-        fmt = request.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise OpenAIError(
-                f"response_format {fmt.get('type')!r} is not supported yet (only 'text')", 400, "response_format"
-            )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true", 400, "stream_options")
         self.check_chat_template(request.chat_template)
@@ -170,6 +167,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _collect(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = None
         async for _, out in merge_async_iterators(gen):
+            raise_if_failed(out)
             final = out
         assert final is not None
         return final
@@ -281,6 +279,7 @@ class OpenAIServingChat(OpenAIServing):
                     role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                     yield self._chunk(request_id, created, role, usage_for(i), include_usage)
                 async for _, out in merged:
+                    raise_if_failed(out)
                     for c in out.outputs:
                         num_tokens[c.index] += len(c.token_ids)
                         want_logprobs = request.logprobs and bool(c.token_ids)

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     clamp_logprob,
     merge_async_iterators,
+    raise_if_failed,
     run_until_disconnected,
     sse,
     sse_error,
@@ -130,6 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _collect(self, gens: list) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(gens)
         async for i, out in merge_async_iterators(*gens):
+            raise_if_failed(out)
             finals[i] = out
         return finals  # type: ignore[return-value]
 
@@ -222,6 +224,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             try:
                 async for pi, out in merged:
+                    raise_if_failed(out)
                     p = prompts[pi]
                     for c in out.outputs:
                         idx = pi * request.n + c.index

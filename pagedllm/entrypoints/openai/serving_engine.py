@@ -28,8 +28,9 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingFields
-from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=bias,
+            structured_outputs=structured_outputs_of(request),
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -182,6 +184,78 @@ class OpenAIServing:
         if err.status >= 500 and err.status != 503:
             logger.error("request failed", exc_info=exc)
         return err
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    """A request the engine could not serve (finish reason "error": its grammar did not compile there) is the
+    client's error: a 400 with the engine's reason (an error event once a stream has started)."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise OpenAIError(str(c.stop_reason or "the request failed in the engine"), 400)
+
+
+# Backends a request may name in `guided_decoding_backend` (vLLM's names): pagedllm runs llguidance.
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever of its fields gives one: `response_format` (OpenAI:
+    json_schema, json_object; text is none), `structured_outputs` (vLLM) or `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar` (vLLM's older names). Two at once, an unknown response_format type or
+    structured_outputs key, or a backend other than llguidance is a ValueError naming the field (a 400)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+                raise ValueError("response_format.json_schema must be an object with a `schema` object")
+            # No schema given: any JSON object (OpenAI requires one; vLLM accepts its absence the same way).
+            schema = spec.get("schema")
+            found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+        elif kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    if request.structured_outputs is not None:
+        found.append(("structured_outputs", dict(request.structured_outputs)))
+    guided = {
+        "json": request.guided_json,
+        "regex": request.guided_regex,
+        "choice": request.guided_choice,
+        "grammar": request.guided_grammar,
+    }
+    for key, value in guided.items():
+        if value is not None:
+            found.append((f"guided_{key}", {key: value}))
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise ValueError(
+            f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} (pagedllm runs llguidance), "
+            f"got {backend!r}"
+        )
+    if not found:
+        if request.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern needs a JSON constraint (guided_json or response_format)")
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise ValueError(f"{found[0][0]}: give one output constraint, got {names}")
+    name, spec = found[0]
+    if request.guided_whitespace_pattern is not None:
+        spec.setdefault("whitespace_pattern", request.guided_whitespace_pattern)
+    known = set(StructuredOutputsParams.__struct_fields__)
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown or unsupported keys {unknown} (supported: {sorted(known)})")
+    try:
+        params = StructuredOutputsParams(**spec)
+        # The constraint's syntax, checked here too so that the error names the field that gave it.
+        validate_structured_outputs(params)
+    except (ValueError, TypeError) as e:  # TypeError: a value of the wrong type
+        raise ValueError(f"{name}: {e}") from None
+    return params
 
 
 def _or(value: T | None, default: T) -> T:

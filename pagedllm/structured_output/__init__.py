@@ -1,0 +1,199 @@
+"""Structured output in the engine core: grammars compiled off the step, and the bitmask of each step.
+
+Contract (the seeds' step: schedule -> execute_model -> grammar bitmask -> sample_tokens(grammar_output)).
+* `StructuredOutputManager.grammar_init(request)` starts compiling the request's constraint on a background thread
+  (llguidance releases the GIL) and gives the request a `StructuredOutputRequest`. The scheduler keeps such a
+  request out of its waiting queue (status WAITING_FOR_FSM) until `ready(request)` says its grammar is compiled;
+  the batch keeps running meanwhile. A constraint that does not compile, or is not compiled within
+  `compile_timeout_s` (30 s; $PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT), leaves the request with an `error` instead: the
+  scheduler finishes it alone, with finish reason "error".
+* Compiled grammars are cached by their `StructuredOutputKey` (kind, text, whitespace; up to `CACHE_SIZE`, least
+  recently used first out); each request gets its own cursor on the compiled one.
+* `grammar_bitmask(requests)`: one int32 row per request that samples under a grammar this step, in the given
+  order (the scheduler's), filled in parallel; None when there is none. The worker sets the logits of disallowed
+  tokens to -inf before sampling, and the scheduler advances each grammar with the sampled tokens
+  (`accept_tokens`); a grammar that admits nothing more finishes its request (finish reason "stop").
+* The tokenizer and the backend are loaded on the first constrained request, not at start-up: engines that never
+  see one pay nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagedllm.structured_output.backend import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputKey,
+    bitmask_words,
+    key_of,
+)
+from pagedllm.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
+    from pagedllm.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+
+def compile_timeout_from_env() -> float:
+    """$PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT seconds (default 30): how long a request may wait for its grammar."""
+    raw = os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "")
+    if not raw.strip():
+        return DEFAULT_COMPILE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+@dataclass
+class GrammarOutput:
+    """The step's grammar constraint for the worker: `bitmask` (int32 rows of `num_words` words, as bytes) row i
+    for request `req_ids[i]`."""
+
+    req_ids: list[str]
+    bitmask: bytes
+    num_words: int
+
+    def as_array(self) -> np.ndarray:
+        return np.frombuffer(self.bitmask, dtype=np.int32).reshape(len(self.req_ids), self.num_words)
+
+
+class StructuredOutputManager:
+    def __init__(self, model_config: ModelConfig, compile_timeout_s: float | None = None) -> None:
+        self.model_config = model_config
+        self.compile_timeout_s = compile_timeout_from_env() if compile_timeout_s is None else compile_timeout_s
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
+        self._bitmask = np.zeros((0, 0), dtype=np.int32)
+
+    # ---- compiling -------------------------------------------------------------------------------
+
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on first use (loads the tokenizer)."""
+        with self._backend_lock:
+            if self._backend is None:
+                from pagedllm.structured_output.guidance import GuidanceBackend
+                from pagedllm.tokenizer import get_tokenizer
+
+                start = time.perf_counter()
+                tokenizer = get_tokenizer(self.model_config)
+                self._backend = GuidanceBackend(tokenizer, self.model_config.vocab_size)
+                logger.info("structured output: llguidance ready in %.2f s", time.perf_counter() - start)
+            return self._backend
+
+    def _compile(self, key: StructuredOutputKey) -> StructuredOutputGrammar:
+        start = time.perf_counter()
+        grammar = self.backend().compile(key)
+        logger.debug("grammar %s compiled in %.3f s", key[0], time.perf_counter() - start)
+        return grammar
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's constraint (or take the cached one) and attach it to the request."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        key = key_of(params)
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = self._pool.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        request.structured_output = StructuredOutputRequest(key, future, time.monotonic() + self.compile_timeout_s)
+
+    def ready(self, request: Request) -> bool:
+        """True once the request's grammar is compiled (its cursor is then attached) or has failed (`error` set)."""
+        so = request.structured_output
+        assert so is not None
+        if so.grammar is not None or so.error is not None:
+            return True
+        if not so.future.done():
+            if time.monotonic() > so.deadline:
+                so.error = f"the grammar was not compiled within {self.compile_timeout_s:g} s"
+                return True
+            return False
+        try:
+            so.grammar = self.backend().copy(so.future.result())
+        except Exception as e:  # a constraint the front end's check let through, or a backend failure
+            so.error = f"structured output could not be compiled: {e}"
+        return True
+
+    def wait_for_any(self, requests: list[Request], timeout: float) -> None:
+        """Block up to `timeout` seconds until one of these requests' compiles is done (the engine has nothing else
+        to do)."""
+        pending = [r.structured_output.future for r in requests if r.structured_output is not None]
+        if pending:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ---- each step -------------------------------------------------------------------------------
+
+    def grammar_bitmask(self, requests: list[Request]) -> GrammarOutput | None:
+        """The allowed-token rows of `requests` (each samples under its grammar this step), in their order."""
+        if not requests:
+            return None
+        backend = self.backend()
+        words = bitmask_words(backend.vocab_size)
+        if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:
+            self._bitmask = np.zeros((max(len(requests), 16), words), dtype=np.int32)
+        bitmask = self._bitmask[: len(requests)]
+        grammars: list[tuple[StructuredOutputGrammar, int]] = []
+        for row, req in enumerate(requests):
+            so = req.structured_output
+            assert so is not None and so.grammar is not None
+            grammars.append((so.grammar, row))
+        backend.fill_bitmasks(grammars, bitmask)
+        return GrammarOutput([r.request_id for r in requests], bitmask.tobytes(), words)
+
+    def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
+        """Advance the request's grammar; False if it refused a token."""
+        so = request.structured_output
+        assert so is not None and so.grammar is not None
+        ok = so.grammar.accept_tokens(request.request_id, tokens)
+        if ok:
+            so.num_accepted += len(tokens)
+        return ok
+
+    def is_terminated(self, request: Request) -> bool:
+        so = request.structured_output
+        return so is not None and so.grammar is not None and so.grammar.is_terminated()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def validate_structured_outputs(params: Any) -> None:
+    """The front end's check of a request's constraint, without a tokenizer: ValueError naming the problem."""
+    from pagedllm.structured_output.guidance import GuidanceBackend
+
+    GuidanceBackend.validate(key_of(params))
+
+
+__all__ = [
+    "GrammarOutput",
+    "StructuredOutputManager",
+    "StructuredOutputRequest",
+    "validate_structured_outputs",
+]
