@@ -1,0 +1,34 @@
+"""Tool-call parsers: turn a model's text into OpenAI `tool_calls`, whole or streamed.
+
+Contract. A parser is registered by name (`--tool-call-parser NAME`; `ToolParserManager.get(name)` returns its
+class) and made per request with the tokenizer. `extract_tool_calls(text)` gives the content before the calls and
+the calls, each with its `arguments` as a JSON string (compact `json.dumps` of what the model wrote).
+`extract_tool_calls_streaming(delta_text)` is fed the text as it is generated and returns what the client should
+get now: content, and tool-call deltas (the id, type and name once, then pieces of the arguments). A call's
+`arguments` is the model's own JSON text of the value, whole or streamed: the pieces are that text as it grows
+(a bracket-and-string scanner finds where the value ends), so joined they equal the non-streamed `arguments`
+exactly. (Re-serialising partial parses cannot promise that: `1.5e3` parsed early dumps as `1.5`, whole as
+`1500.0`.) `finish()` flushes what the stream still holds at the end of the output.
+"""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.abstract import (
+    ExtractedToolCalls,
+    FunctionCall,
+    StreamedToolCallDelta,
+    ToolCall,
+    ToolParser,
+    ToolParserManager,
+)
+from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+__all__ = [
+    "ExtractedToolCalls",
+    "FunctionCall",
+    "HermesToolParser",
+    "StreamedToolCallDelta",
+    "ToolCall",
+    "ToolParser",
+    "ToolParserManager",
+]

@@ -1,0 +1,143 @@
+"""The Hermes tool-call format (Hermes, Qwen 2/2.5/3 families): each call is
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the output, content may come before the calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers.abstract import (
+    ArgumentsStreamer,
+    ExtractedToolCalls,
+    FunctionCall,
+    StreamDelta,
+    StreamedToolCallDelta,
+    ToolCall,
+    ToolParser,
+    ToolParserManager,
+    new_tool_call_id,
+    raw_arguments,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS = re.compile(r'"arguments"\s*:')
+
+
+def _call_from(body: str) -> ToolCall:
+    """One call from its JSON text (ValueError, KeyError or TypeError when it is not a Hermes call)."""
+    obj = json.loads(body)
+    name = obj["name"]
+    if not isinstance(name, str):
+        raise TypeError("the name is not a string")
+    m = _ARGUMENTS.search(body)
+    arguments = raw_arguments(body, m.end()) if m is not None and "arguments" in obj else "{}"
+    return ToolCall(FunctionCall(name, arguments))
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (kept until the next delta)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@ToolParserManager.register("hermes")
+class HermesToolParser(ToolParser):
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self._text = ""
+        self._pos = 0  # text before this index has been handled
+        self._in_call = False
+        self._index = -1  # the current (or last) call
+        self._name_sent = False
+        self._args: ArgumentsStreamer | None = None
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        start = text.find(OPEN)
+        if start < 0:
+            return ExtractedToolCalls(False, [], text)
+        calls = []
+        try:
+            for body in _CALL.findall(text[start:]):
+                calls.append(_call_from(body))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("tool call text is not valid Hermes JSON; returned as content")
+            return ExtractedToolCalls(False, [], text)
+        return ExtractedToolCalls(True, calls, text[:start] or None)
+
+    # ---- streaming ------------------------------------------------------------------------------------------
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> StreamDelta:
+        self._text += delta_text
+        out = StreamDelta()
+        while True:
+            if not self._in_call:
+                start = self._text.find(OPEN, self._pos)
+                if start < 0:
+                    end = len(self._text) - _held_back(self._text[self._pos :], OPEN)
+                    self._content(out, self._text[self._pos : end])
+                    self._pos = end
+                    return out
+                self._content(out, self._text[self._pos : start])
+                self._pos = start + len(OPEN)
+                self._in_call, self._index, self._name_sent = True, self._index + 1, False
+                self._args = ArgumentsStreamer()
+                continue
+            end = self._text.find(CLOSE, self._pos)
+            body = self._text[self._pos : end if end >= 0 else len(self._text)]
+            if end < 0:
+                self._stream_open_call(out, body)
+                return out
+            self._close_call(out, body)
+            self._pos = end + len(CLOSE)
+            self._in_call = False
+
+    def finish(self) -> StreamDelta:
+        out = StreamDelta()
+        if self._in_call:  # the output ended inside a call (max_tokens): close it if its JSON is complete
+            self._close_call(out, self._text[self._pos :])
+            self._in_call = False
+        else:
+            self._content(out, self._text[self._pos :])
+        self._pos = len(self._text)
+        return out
+
+    def _content(self, out: StreamDelta, text: str) -> None:
+        if text and self._index < 0:  # content after the calls is not content of the message (as vLLM's parser)
+            out.content = (out.content or "") + text
+
+    def _stream_open_call(self, out: StreamDelta, body: str) -> None:
+        if not self._name_sent:
+            m = _NAME.search(body)
+            if m is None:
+                return
+            self._name_sent = True
+            name = json.loads(f'"{m.group(1)}"')
+            out.tool_calls.append(StreamedToolCallDelta(self._index, new_tool_call_id(), name))
+        m = _ARGUMENTS.search(body)
+        if m is not None:
+            assert self._args is not None
+            piece = self._args.update(body, m.end())
+            if piece:
+                out.tool_calls.append(StreamedToolCallDelta(self._index, arguments=piece))
+
+    def _close_call(self, out: StreamDelta, body: str) -> None:
+        try:
+            call = _call_from(body)
+        except (ValueError, KeyError, TypeError):
+            logger.warning("streamed tool call is not valid Hermes JSON: %.200s", body)
+            return
+        if not self._name_sent:
+            self._name_sent = True
+            out.tool_calls.append(StreamedToolCallDelta(self._index, new_tool_call_id(), call.function.name))
+        assert self._args is not None
+        piece = self._args.finish(call.function.arguments)
+        if piece:
+            out.tool_calls.append(StreamedToolCallDelta(self._index, arguments=piece))
