@@ -80,6 +80,10 @@ class EngineCore:
         stats.num_scheduled_tokens = 0
         return stats
 
+    def get_structured_output_stats(self) -> dict[str, float]:
+        """Time the structured-output manager spent on bitmasks (seconds, steps, rows) since start-up."""
+        return self.structured_output_manager.stats()
+
     def check_health(self) -> None:
         """Raise if the executor lost a worker."""
         self.executor.check_health()

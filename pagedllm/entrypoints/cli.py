@@ -126,15 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup,allreduce} --help`",
-        usage="pagedllm bench {throughput,serve,latency,startup,allreduce} [options]",
+        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup,allreduce,structured} --help`",
+        usage="pagedllm bench {throughput,serve,latency,startup,allreduce,structured} [options]",
     )
     bench.add_argument(
         "bench_kind",
-        choices=["throughput", "serve", "latency", "startup", "allreduce"],
+        choices=["throughput", "serve", "latency", "startup", "allreduce", "structured"],
         help="throughput: offline vs HF transformers; serve: against a running OpenAI-compatible server; "
         "latency: one batch through LLM; startup: `pagedllm serve` launch -> first 200 on /health; "
-        "allreduce: the shared-memory all-reduce vs gloo between ranks on this machine",
+        "allreduce: the shared-memory all-reduce vs gloo between ranks on this machine; structured: the same "
+        "requests with and without a JSON schema",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)

@@ -85,6 +85,10 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._bitmask = np.zeros((0, 0), dtype=np.int32)
+        # Time spent filling bitmasks (the engine core's share of structured output in each step).
+        self.mask_seconds = 0.0
+        self.mask_steps = 0
+        self.mask_rows = 0
 
     # ---- compiling -------------------------------------------------------------------------------
 
@@ -154,6 +158,7 @@ class StructuredOutputManager:
         """The allowed-token rows of `requests` (each samples under its grammar this step), in their order."""
         if not requests:
             return None
+        start = time.perf_counter()
         backend = self.backend()
         words = bitmask_words(backend.vocab_size)
         if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:
@@ -165,7 +170,15 @@ class StructuredOutputManager:
             assert so is not None and so.grammar is not None
             grammars.append((so.grammar, row))
         backend.fill_bitmasks(grammars, bitmask)
-        return GrammarOutput([r.request_id for r in requests], bitmask.tobytes(), words)
+        out = GrammarOutput([r.request_id for r in requests], bitmask.tobytes(), words)
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+        self.mask_rows += len(requests)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        """Bitmask time so far: total seconds, steps and rows (for `pagedllm bench structured`)."""
+        return {"mask_seconds": self.mask_seconds, "mask_steps": self.mask_steps, "mask_rows": self.mask_rows}
 
     def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
         """Advance the request's grammar; False if it refused a token."""

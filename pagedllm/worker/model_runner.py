@@ -174,19 +174,25 @@ class ModelRunner:
 
     def _apply_grammar(self, logits: torch.Tensor, pending: _PendingSample, grammar: GrammarOutput) -> None:
         """-inf where a constrained request's bitmask row has a 0 bit (the row of request r is its position among
-        the step's sampling rows)."""
+        the step's sampling rows). The bits are unpacked on the host (numpy) and the mask moved to the logits'
+        device."""
         position = {pending.order[i]: j for j, i in enumerate(pending.sample_rows)}
         targets = [(position[r], k) for k, r in enumerate(grammar.req_ids) if r in position]
         if not targets:
             return
-        rows = torch.as_tensor([t[0] for t in targets], device=logits.device)
-        words = torch.from_numpy(grammar.as_array()[[t[1] for t in targets]].copy()).to(logits.device)
-        bits = (words.unsqueeze(-1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
-        allowed = bits.reshape(len(targets), -1)[:, : logits.shape[1]].bool()
-        if allowed.shape[1] < logits.shape[1]:  # a vocabulary wider than the grammar's: the rest is never allowed
-            pad = torch.zeros(len(targets), logits.shape[1] - allowed.shape[1], dtype=torch.bool, device=logits.device)
-            allowed = torch.cat([allowed, pad], dim=1)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        vocab = logits.shape[1]
+        words = grammar.as_array()[[k for _, k in targets]]
+        bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")
+        disallowed = np.zeros((len(targets), vocab), dtype=np.bool_)  # tokens past the grammar's vocabulary too
+        width = min(vocab, bits.shape[1])
+        np.logical_not(bits[:, :width], out=disallowed[:, :width])
+        mask = torch.from_numpy(disallowed).to(logits.device, non_blocking=True)
+        rows = [j for j, _ in targets]
+        if rows == list(range(logits.shape[0])):
+            logits.masked_fill_(mask, float("-inf"))  # every sampling row is constrained, in order
+        else:
+            index = torch.as_tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(mask, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], LogprobsLists | None]:
         """The sampled token of each row of `logits` (and the batch's logprobs lists, or None). With tensor
