@@ -58,6 +58,7 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass chat_template explicitly")
@@ -69,6 +70,7 @@ class InputProcessor:
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            tools=tools,
         )
 
     def process(

@@ -97,13 +97,17 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style function
+        definitions, given to the template as in vLLM), then generate."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [
-            self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
+            self.input_processor.apply_chat_template(
+                conv, add_generation_prompt, chat_template, continue_final_message, tools
+            )
             for conv in conversations
         ]
         params_list = self._as_params_list(sampling_params, len(prompts))

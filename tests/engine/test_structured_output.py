@@ -242,3 +242,19 @@ def test_tensor_parallel_ranks_sample_under_the_grammar() -> None:
         finally:
             llm.shutdown()
     assert results[0] == results[1]
+
+
+def test_llm_chat_gives_tools_to_the_template(llm: LLM) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    out = llm.chat(
+        [{"role": "user", "content": "Weather in Oslo?"}],
+        SamplingParams(temperature=0, max_tokens=2),
+        use_tqdm=False,
+        chat_template=template,
+        tools=tools,
+    )[0]
+    assert out.prompt.startswith("TOOL get_weather\nuser: Weather in Oslo?")

@@ -142,11 +142,11 @@ def test_seeded_sampling_is_reproducible(client, model_name):
     assert sample() == sample()
 
 
-def test_tools_are_400_and_response_format_types(client, model_name):
+def test_auto_tools_need_the_flags_and_response_format_types(client, model_name):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    with pytest.raises(openai.BadRequestError) as exc:
+    with pytest.raises(openai.BadRequestError) as exc:  # "auto" (the default with tools) needs the server's flags
         chat(client, model_name, tools=tools)
-    assert exc.value.body["param"] == "tools" and "not supported" in exc.value.body["message"]
+    assert exc.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, model_name, response_format={"type": "yaml"})
     assert exc.value.body["param"] == "response_format" and "'yaml'" in exc.value.body["message"]

@@ -335,7 +335,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
     trust_template = bool(getattr(args, "trust_request_chat_template", False))
     state.serving_completion = OpenAIServingCompletion(engine, names)
-    state.serving_chat = OpenAIServingChat(engine, names, trust_template)
+    state.serving_chat = OpenAIServingChat(
+        engine,
+        names,
+        trust_template,
+        enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+    )
     state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
     app.include_router(router)
     if getattr(args, "enable_debug_routes", False):
@@ -396,6 +402,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
             args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
+        if args.tool_call_parser is not None:
+            from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+            ToolParserManager.get(args.tool_call_parser)  # a ValueError naming the choices
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,

@@ -41,6 +41,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="let requests carry their own `chat_template` (Jinja run on the server; off by default)",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are written in the model's output: hermes (<tool_call>{json}</tool_call>: the Hermes "
+        "and Qwen families)",
+    )
+    g.add_argument(
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",

@@ -249,6 +249,8 @@ class ChatCompletionRequest(SamplingFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    # OpenAI's [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -285,6 +287,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # pieces of calls: [{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}]
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -12,7 +12,12 @@ Contract:
   top_logprobs: [{token, logprob, bytes}] * N}].
 * Structured output: `response_format` (json_schema, json_object, text), `structured_outputs` or the `guided_*`
   fields (serving_engine.structured_outputs_of); a constraint that does not parse is a 400 naming the field.
-* Not supported yet, answered with a 400 naming the field: non-empty `tools`.
+* Tools (`plan_tools`): `tools` reach the chat template. `tool_choice` "none" (the default without tools) leaves
+  the output as text; "auto" (the default with tools) needs --enable-auto-tool-choice and --tool-call-parser and
+  parses the output with that parser; "required" and a named function are enforced by a JSON-schema constraint
+  built from the tools' parameters (a list of {name, parameters}; the function's parameters). A choice that
+  returns calls ends with finish_reason "tool_calls"; streamed, each call comes as OpenAI streams it (id, type
+  and name first, then pieces of `arguments` that join into the non-streamed string).
 * Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
   one of a choice carries its `finish_reason`), then the usage chunk if asked, then `data: [DONE]`.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -58,8 +64,17 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
+from pagedllm.entrypoints.openai.tool_parsers import (
+    FunctionCall,
+    StreamedToolCallDelta,
+    ToolCall,
+    ToolParser,
+    ToolParserManager,
+)
+from pagedllm.entrypoints.openai.tool_parsers.abstract import new_tool_call_id
+from pagedllm.entrypoints.openai.tool_parsers.required import RequiredToolCallsParser, required_calls_schema
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Roles whose messages must carry content (OpenAI's rules; see ChatMessageParam).
 CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
@@ -106,32 +121,139 @@ def messages_to_dicts(messages: Sequence[ChatMessageParam]) -> list[dict[str, An
     return out
 
 
+@dataclass
+class ToolPlan:
+    """How a request's tools are handled: `mode` "none" (plain text), "auto" (the model may call them; its output
+    goes through the server's tool-call parser), "required" (a JSON list of calls, enforced by a JSON-schema
+    constraint) or "named" (the arguments of `name`, enforced by that tool's parameters schema)."""
+
+    mode: str = "none"
+    name: str | None = None
+    parser_name: str | None = None
+
+    def parser(self, tokenizer: Any) -> ToolParser | None:
+        if self.mode == "auto":
+            assert self.parser_name is not None
+            return ToolParserManager.get(self.parser_name)(tokenizer)
+        if self.mode == "required":
+            return RequiredToolCallsParser(tokenizer)
+        return None
+
+
+def plan_tools(request: ChatCompletionRequest, auto_enabled: bool, parser_name: str | None) -> ToolPlan:
+    """Validate `tools` and `tool_choice` (OpenAI's rules; a 400 naming the field) and say how to serve them."""
+    tools = request.tools or []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise OpenAIError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                400,
+                f"tools[{i}]",
+            )
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise OpenAIError(f"tools[{i}].function.parameters must be a JSON schema object", 400, f"tools[{i}]")
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise OpenAIError("tool_choice needs tools", 400, "tool_choice")
+    if choice == "none":
+        return ToolPlan()
+    if choice == "auto":
+        if not auto_enabled or parser_name is None:
+            raise OpenAIError(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                400,
+                "tool_choice",
+            )
+        return ToolPlan("auto", parser_name=parser_name)
+    if choice == "required":
+        return ToolPlan("required")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise OpenAIError(f"tool_choice names the function {name!r}, which is not in tools", 400, "tool_choice")
+        return ToolPlan("named", name=name)
+    raise OpenAIError(
+        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+        f"got {choice!r}",
+        400,
+        "tool_choice",
+    )
+
+
+def tool_constraint(request: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputsParams | None:
+    """The JSON-schema constraint that enforces `required` and named tool choices (compact JSON)."""
+    tools = request.tools or []
+    if plan.mode == "required":
+        schema = required_calls_schema(tools)
+    elif plan.mode == "named":
+        fn = next(t["function"] for t in tools if t["function"]["name"] == plan.name)
+        schema = fn.get("parameters") or {"type": "object"}
+    else:
+        return None
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def _call_dict(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": call.function.arguments},
+    }
+
+
+def _delta_dict(piece: StreamedToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": piece.index}
+    function: dict[str, Any] = {}
+    if piece.id is not None:
+        out["id"], out["type"] = piece.id, "function"
+        function["name"] = piece.name
+    if piece.arguments is not None:
+        function["arguments"] = piece.arguments
+    out["function"] = function
+    return out
+
+
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_names, trust_request_chat_template)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.warn_ignored_fields(request)
-        text, ids, params = self._prepare(request)
+        plan = plan_tools(request, self.enable_auto_tool_choice, self.tool_call_parser)
+        text, ids, params = self._prepare(request, plan)
         self.check_engine()
         request_id = f"chatcmpl-{random_uuid()}"
         gen = self.engine.generate(
             {"prompt": text, "prompt_token_ids": ids}, params, request_id, priority=request.priority
         )
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, len(ids), gen))
+            return SSEResponse(self._stream(request, request_id, len(ids), gen, plan))
         try:
             final = await run_until_disconnected(self._collect(gen), raw_request)
         except (OpenAIError, ClientDisconnected):
             raise
         except Exception as e:
             raise self.error_for(e, request) from e
-        body = self._response(request, request_id, len(ids), final)
+        body = self._response(request, request_id, len(ids), final, plan)
         return Response(body.model_dump_json(), media_type="application/json")
 
     # ---- validation ------------------------------------------------------------------------------------------
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
-        if request.tools:
-            raise OpenAIError("tools are not supported yet", 400, "tools")
+    def _prepare(self, request: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int], SamplingParams]:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true", 400, "stream_options")
         self.check_chat_template(request.chat_template)
@@ -147,6 +269,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 chat_template=request.chat_template,
                 continue_final_message=request.continue_final_message,
+                tools=request.tools or None,
             )
             ids = self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
             requested = request.max_completion_tokens
@@ -155,6 +278,16 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.resolve_max_tokens(requested, len(ids), "messages")
             logprobs = (request.top_logprobs or 0) if request.logprobs else None
             params = self.sampling_params(request, max_tokens, logprobs)
+            constraint = tool_constraint(request, plan)
+            if constraint is not None:
+                if params.structured_outputs is not None:
+                    raise OpenAIError(
+                        f"tool_choice {request.tool_choice!r} constrains the output itself: it cannot be combined "
+                        "with response_format, structured_outputs or guided_*",
+                        400,
+                        "tool_choice",
+                    )
+                params = params.clone(structured_outputs=constraint)
             self.validate_prompt(ids, params)
         except OpenAIError:
             raise
@@ -172,8 +305,34 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         return final
 
+    def _message(self, plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        """The assistant message of a finished choice, with its tool calls (finish reason "tool_calls" then)."""
+        if plan.mode == "none":
+            return ChatMessage(role="assistant", content=text), finish_reason
+        if plan.mode == "named":
+            assert plan.name is not None
+            call = ToolCall(FunctionCall(plan.name, text))
+            reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            return ChatMessage(role="assistant", content=None, tool_calls=[_call_dict(call)]), reason
+        parser = plan.parser(self.tokenizer)
+        assert parser is not None
+        try:
+            extracted = parser.extract_tool_calls(text)
+        except (ValueError, KeyError, TypeError):  # an output cut short (length) is not a list of calls
+            return ChatMessage(role="assistant", content=text), finish_reason
+        if not extracted.tools_called:
+            return ChatMessage(role="assistant", content=extracted.content), finish_reason
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        calls = [_call_dict(c) for c in extracted.tool_calls]
+        return ChatMessage(role="assistant", content=extracted.content, tool_calls=calls), reason
+
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, prompt_tokens: int, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt_tokens: int,
+        final: RequestOutput,
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
@@ -182,12 +341,13 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+            message, finish_reason = self._message(plan, c.text, c.finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role="assistant", content=c.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
@@ -256,8 +416,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         prompt_tokens: int,
         gen: AsyncIterator[RequestOutput],
+        plan: ToolPlan,
     ) -> AsyncGenerator[str, None]:
         created = now_s()
+        tool_streams: dict[int, _ToolStream] = {}
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
@@ -283,16 +445,24 @@ class OpenAIServingChat(OpenAIServing):
                     for c in out.outputs:
                         num_tokens[c.index] += len(c.token_ids)
                         want_logprobs = request.logprobs and bool(c.token_ids)
-                        if not c.text and c.finish_reason is None and not want_logprobs:
+                        content: str | None = c.text
+                        tool_calls = None
+                        finish_reason = c.finish_reason
+                        if plan.mode != "none":
+                            stream = tool_streams.get(c.index)
+                            if stream is None:
+                                stream = tool_streams[c.index] = _ToolStream(plan, self.tokenizer)
+                            content, tool_calls, finish_reason = stream.step(c.text, c.finish_reason)
+                        if not content and not tool_calls and finish_reason is None and not want_logprobs:
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
                         if request.logprobs:
                             logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
                         choice = ChatCompletionResponseStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=c.text),
+                            delta=DeltaMessage(content=content, tool_calls=tool_calls),
                             logprobs=logprobs,
-                            finish_reason=c.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
                         )
                         yield self._chunk(request_id, created, choice, usage_for(c.index), include_usage)
@@ -309,6 +479,37 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             await merged.aclose()
+
+
+class _ToolStream:
+    """One streamed choice under a tool plan: its text in, content and tool-call pieces out."""
+
+    def __init__(self, plan: ToolPlan, tokenizer: Any) -> None:
+        self.plan = plan
+        self.parser = plan.parser(tokenizer)
+        self.called = False
+        self.named_started = False
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+        pieces: list[StreamedToolCallDelta] = []
+        content: str | None = None
+        if self.parser is None:  # named: the text is the arguments of the one call
+            if not self.named_started and (text or finish_reason is not None):
+                self.named_started = True
+                pieces.append(StreamedToolCallDelta(0, new_tool_call_id(), self.plan.name, ""))
+            if text:
+                pieces.append(StreamedToolCallDelta(0, arguments=text))
+        else:
+            delta = self.parser.extract_tool_calls_streaming(text)
+            if finish_reason is not None:
+                end = self.parser.finish()
+                delta.content = (delta.content or "") + (end.content or "") or None
+                delta.tool_calls += end.tool_calls
+            content, pieces = delta.content, delta.tool_calls
+        self.called = self.called or bool(pieces)
+        if finish_reason == "stop" and self.called:
+            finish_reason = "tool_calls"
+        return content, [_delta_dict(p) for p in pieces] or None, finish_reason
 
 
 def _utf8(s: str) -> list[int]:

@@ -1,0 +1,110 @@
+"""The output of `tool_choice: "required"`: a JSON list of calls, `[{"name": ..., "parameters": {...}}, ...]`, which
+the server's JSON-schema constraint makes the model write; parsed whole or streamed like any tool parser (each
+call's `arguments` is the raw text of its "parameters" value)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers.abstract import (
+    ArgumentsStreamer,
+    ExtractedToolCalls,
+    FunctionCall,
+    StreamDelta,
+    StreamedToolCallDelta,
+    ToolCall,
+    ToolParser,
+    new_tool_call_id,
+    raw_arguments,
+    value_end,
+)
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_PARAMETERS = re.compile(r'"parameters"\s*:')
+
+
+def required_calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of a non-empty list of calls to these tools, with each tool's own parameters."""
+    variants = []
+    for tool in tools:
+        fn = tool["function"]
+        variants.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [fn["name"]]},
+                    "parameters": fn.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+
+
+def _elements(text: str) -> list[tuple[int, int | None]]:
+    """(start, end) of each element of the JSON list in `text` (end None for an element not complete yet)."""
+    out: list[tuple[int, int | None]] = []
+    pos = text.find("[")
+    if pos < 0:
+        return out
+    pos += 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return out
+        end = value_end(text, pos)
+        out.append((pos, end))
+        if end is None:
+            return out
+        pos = end
+
+
+class RequiredToolCallsParser(ToolParser):
+    def __init__(self, tokenizer: Any = None) -> None:
+        super().__init__(tokenizer)
+        self._text = ""
+        self._names_sent: dict[int, bool] = {}
+        self._streamers: dict[int, ArgumentsStreamer] = {}
+        self._finished: set[int] = set()
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        calls = []
+        for start, end in _elements(text):
+            if end is None:
+                break
+            element = text[start:end]
+            obj = json.loads(element)
+            m = _PARAMETERS.search(element)
+            arguments = raw_arguments(element, m.end()) if m is not None else "{}"
+            calls.append(ToolCall(FunctionCall(str(obj["name"]), arguments)))
+        return ExtractedToolCalls(bool(calls), calls, None)
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> StreamDelta:
+        self._text += delta_text
+        out = StreamDelta()
+        for index, (start, end) in enumerate(_elements(self._text)):
+            if index in self._finished:
+                continue
+            element = self._text[start : end if end is not None else len(self._text)]
+            if not self._names_sent.get(index):
+                m = _NAME.search(element)
+                if m is None:
+                    continue
+                self._names_sent[index] = True
+                out.tool_calls.append(StreamedToolCallDelta(index, new_tool_call_id(), json.loads(f'"{m.group(1)}"')))
+            streamer = self._streamers.setdefault(index, ArgumentsStreamer())
+            p = _PARAMETERS.search(element)
+            if p is None:
+                continue
+            if end is None:
+                piece = streamer.update(element, p.end())
+            else:
+                piece = streamer.finish(raw_arguments(element, p.end()))
+                self._finished.add(index)
+            if piece:
+                out.tool_calls.append(StreamedToolCallDelta(index, arguments=piece))
+        return out
