@@ -279,6 +279,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # --reasoning-parser: structured output applies once the model's thinking has ended
+    reasoning_parser: str | None = None
     # The EngineArgs this was built from, as plain data: a worker process or Ray actor builds the same config
     # from them (the model's config object does not cross a process boundary).
     engine_args: dict[str, Any] | None = field(default=None, compare=False, repr=False)

@@ -226,7 +226,8 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
-            if req.structured_output is not None and req.num_computed_tokens >= req.num_tokens:
+            so = req.structured_output
+            if so is not None and so.reasoning_ended and req.num_computed_tokens >= req.num_tokens:
                 constrained.append(req_id)  # it samples this step, under its grammar
         total = sum(num_scheduled.values())
         self._last_num_scheduled = total

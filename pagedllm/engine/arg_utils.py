@@ -47,6 +47,7 @@ from pagedllm.config import (
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
+from pagedllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,12 @@ class EngineArgs:
         "cpu_native (C++ CPU kernels; native is an alias), torch (gather + SDPA, any device), or auto "
         "(cpu_native on the CPU in float32 where it builds); default $PAGEDLLM_ATTENTION_BACKEND, else auto",
         choices=ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES),
+    )
+    reasoning_parser: str | None = _arg(
+        None,
+        "how the model marks its thinking (<think>...</think>): deepseek_r1 or qwen3; the server then returns it as "
+        "reasoning_content, and structured output applies after it",
+        choices=REASONING_PARSERS,
     )
     enforce_eager: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager either way"
@@ -194,6 +201,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_rank=data_parallel_rank,
             ),
+            reasoning_parser=self.reasoning_parser,
             device_config=DeviceConfig(
                 device=device,
                 num_threads=num_threads_default() if self.num_threads is None else self.num_threads,
@@ -250,6 +258,9 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            choices = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {choices}, got {self.reasoning_parser!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         self._executor_backend()

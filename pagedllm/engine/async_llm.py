@@ -32,6 +32,7 @@ from pagedllm.engine.llm import start_front_end
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,10 @@ class AsyncLLM:
         self.model_config = mc
         # The core process starts first: it loads the model while this process loads the tokenizer.
         self.engine_core = AsyncMPClient(self.engine_args, connect=False, core=core)
-        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
+        name = self.engine_args.reasoning_parser
+        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core, name)
+        # The split of thinking from content (the server's reasoning_content), when the model thinks.
+        self.reasoning_parser = ReasoningParser.for_tokenizer(name, self.tokenizer) if name else None
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []

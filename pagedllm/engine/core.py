@@ -40,7 +40,9 @@ class EngineCore:
         self.executor = Executor.get_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
-        self.structured_output_manager = StructuredOutputManager(config.model_config)
+        self.structured_output_manager = StructuredOutputManager(
+            config.model_config, reasoning_parser=config.reasoning_parser
+        )
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_blocks, self.structured_output_manager
         )

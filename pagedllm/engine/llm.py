@@ -19,6 +19,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
@@ -43,11 +44,16 @@ def make_client(engine_args: EngineArgs, kind: str) -> tuple[EngineConfig, Any]:
         raise
 
 
-def start_front_end(mc: Any, client: Any) -> tuple[Any, InputProcessor, OutputProcessor]:
+def start_front_end(
+    mc: Any, client: Any, reasoning_parser: str | None = None
+) -> tuple[Any, InputProcessor, OutputProcessor]:
     """The front end's tokenizer and processors, loaded while the core process (started, not yet connected) loads
-    the model; then the client connects. A failure stops the core."""
+    the model; then the client connects. A failure stops the core (also a reasoning parser the tokenizer cannot
+    serve: its end tag must be one token)."""
     try:
         tokenizer = get_tokenizer(mc)
+        if reasoning_parser is not None:
+            ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
         processors = InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config)), OutputProcessor(tokenizer)
         client.connect()
     except BaseException:
@@ -67,7 +73,9 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs).for_engine_core()
         self.config, self.engine_core = make_client(self.engine_args, engine_client or engine_client_default())
         mc = self.config.model_config
-        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core)
+        self.tokenizer, self.input_processor, self.output_processor = start_front_end(
+            mc, self.engine_core, self.engine_args.reasoning_parser
+        )
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

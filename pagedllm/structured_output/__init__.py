@@ -13,6 +13,8 @@ Contract (the seeds' step: schedule -> execute_model -> grammar bitmask -> sampl
   order (the scheduler's), filled in parallel; None when there is none. The worker sets the logits of disallowed
   tokens to -inf before sampling, and the scheduler advances each grammar with the sampled tokens
   (`accept_tokens`); a grammar that admits nothing more finishes its request (finish reason "stop").
+* With a reasoning parser (--reasoning-parser), a request's grammar starts when its thinking ends: at once if the
+  prompt closed it, else with the tokens after the end token in the output; until then its rows are not masked.
 * The tokenizer and the backend are loaded on the first constrained request, not at start-up: engines that never
   see one pay nothing.
 """
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedllm.reasoning import ReasoningParser
 from pagedllm.structured_output.backend import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -77,8 +80,12 @@ class GrammarOutput:
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig, compile_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, compile_timeout_s: float | None = None, reasoning_parser: str | None = None
+    ) -> None:
         self.model_config = model_config
+        self.reasoning_parser_name = reasoning_parser
+        self.reasoner: ReasoningParser | None = None
         self.compile_timeout_s = compile_timeout_from_env() if compile_timeout_s is None else compile_timeout_s
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
@@ -101,6 +108,8 @@ class StructuredOutputManager:
 
                 start = time.perf_counter()
                 tokenizer = get_tokenizer(self.model_config)
+                if self.reasoning_parser_name is not None:
+                    self.reasoner = ReasoningParser.for_tokenizer(self.reasoning_parser_name, tokenizer)
                 self._backend = GuidanceBackend(tokenizer, self.model_config.vocab_size)
                 logger.info("structured output: llguidance ready in %.2f s", time.perf_counter() - start)
             return self._backend
@@ -141,6 +150,9 @@ class StructuredOutputManager:
             so.grammar = self.backend().copy(so.future.result())
         except Exception as e:  # a constraint the front end's check let through, or a backend failure
             so.error = f"structured output could not be compiled: {e}"
+            return True
+        if self.reasoner is not None:
+            so.reasoning_ended = self.reasoner.is_reasoning_end(request.prompt_token_ids)
         return True
 
     def wait_for_any(self, requests: list[Request], timeout: float) -> None:
@@ -181,9 +193,18 @@ class StructuredOutputManager:
         return {"mask_seconds": self.mask_seconds, "mask_steps": self.mask_steps, "mask_rows": self.mask_rows}
 
     def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
-        """Advance the request's grammar; False if it refused a token."""
+        """Advance the request's grammar (while it is still thinking, only look for the end of the thinking: the
+        tokens after it are the grammar's first); False if the grammar refused a token."""
         so = request.structured_output
         assert so is not None and so.grammar is not None
+        if not so.reasoning_ended:
+            assert self.reasoner is not None
+            if self.reasoner.end_token_id not in tokens:
+                return True
+            so.reasoning_ended = True
+            tokens = tokens[tokens.index(self.reasoner.end_token_id) + 1 :]
+            if not tokens:
+                return True
         ok = so.grammar.accept_tokens(request.request_id, tokens)
         if ok:
             so.num_accepted += len(tokens)
@@ -191,7 +212,7 @@ class StructuredOutputManager:
 
     def is_terminated(self, request: Request) -> bool:
         so = request.structured_output
-        return so is not None and so.grammar is not None and so.grammar.is_terminated()
+        return so is not None and so.grammar is not None and so.reasoning_ended and so.grammar.is_terminated()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -19,3 +19,5 @@ class StructuredOutputRequest:
     grammar: StructuredOutputGrammar | None = None
     error: str | None = None
     num_accepted: int = 0
+    # False while the model is still thinking (a reasoning parser is set): the grammar starts after its end token.
+    reasoning_ended: bool = True

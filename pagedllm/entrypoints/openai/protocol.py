@@ -249,6 +249,7 @@ class ChatCompletionRequest(SamplingFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # the model's thinking, with --reasoning-parser
     # OpenAI's [{"id", "type": "function", "function": {"name", "arguments"}}]
     tool_calls: list[dict[str, Any]] | None = None
 
@@ -287,6 +288,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     # pieces of calls: [{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}]
     tool_calls: list[dict[str, Any]] | None = None
 

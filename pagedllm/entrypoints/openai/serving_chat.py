@@ -18,6 +18,8 @@ Contract:
   built from the tools' parameters (a list of {name, parameters}; the function's parameters). A choice that
   returns calls ends with finish_reason "tool_calls"; streamed, each call comes as OpenAI streams it (id, type
   and name first, then pieces of `arguments` that join into the non-streamed string).
+* Reasoning (--reasoning-parser): the thinking goes to `reasoning_content` (streamed as its own deltas), the rest
+  is the content (and what tools are parsed from).
 * Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
   one of a choice carries its `finish_reason`), then the usage chunk if asked, then `data: [DONE]`.
 """
@@ -74,6 +76,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 from pagedllm.entrypoints.openai.tool_parsers.abstract import new_tool_call_id
 from pagedllm.entrypoints.openai.tool_parsers.required import RequiredToolCallsParser, required_calls_schema
 from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.reasoning import ReasoningStream
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Roles whose messages must carry content (OpenAI's rules; see ChatMessageParam).
@@ -306,7 +309,19 @@ class OpenAIServingChat(OpenAIServing):
         return final
 
     def _message(self, plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
-        """The assistant message of a finished choice, with its tool calls (finish reason "tool_calls" then)."""
+        """The assistant message of a finished choice: its thinking apart (with a reasoning parser), and its tool
+        calls (finish reason "tool_calls" then)."""
+        reasoner = getattr(self.engine, "reasoning_parser", None)
+        if reasoner is None:
+            return self._content_message(plan, text, finish_reason)
+        reasoning, content = reasoner.extract_reasoning(text)
+        message, finish_reason = self._content_message(plan, content or "", finish_reason)
+        message.reasoning_content = reasoning
+        if message.content == "" and reasoning is not None:
+            message.content = None
+        return message, finish_reason
+
+    def _content_message(self, plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
         if plan.mode == "none":
             return ChatMessage(role="assistant", content=text), finish_reason
         if plan.mode == "named":
@@ -420,6 +435,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         created = now_s()
         tool_streams: dict[int, _ToolStream] = {}
+        reasoner = getattr(self.engine, "reasoning_parser", None)
+        reasoning_streams: dict[int, ReasoningStream] = {}
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
@@ -446,21 +463,31 @@ class OpenAIServingChat(OpenAIServing):
                         num_tokens[c.index] += len(c.token_ids)
                         want_logprobs = request.logprobs and bool(c.token_ids)
                         content: str | None = c.text
+                        reasoning: str | None = None
                         tool_calls = None
                         finish_reason = c.finish_reason
+                        if reasoner is not None:
+                            rstream = reasoning_streams.get(c.index)
+                            if rstream is None:
+                                rstream = reasoning_streams[c.index] = ReasoningStream(reasoner)
+                            reasoning, content = rstream.step(c.text)
+                            if finish_reason is not None:
+                                more_reasoning, more_content = rstream.finish()
+                                reasoning = (reasoning or "") + (more_reasoning or "") or None
+                                content = (content or "") + (more_content or "") or None
                         if plan.mode != "none":
                             stream = tool_streams.get(c.index)
                             if stream is None:
                                 stream = tool_streams[c.index] = _ToolStream(plan, self.tokenizer)
-                            content, tool_calls, finish_reason = stream.step(c.text, c.finish_reason)
-                        if not content and not tool_calls and finish_reason is None and not want_logprobs:
+                            content, tool_calls, finish_reason = stream.step(content or "", c.finish_reason)
+                        if not (content or reasoning or tool_calls) and finish_reason is None and not want_logprobs:
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
                         if request.logprobs:
                             logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
                         choice = ChatCompletionResponseStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                            delta=DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
                             logprobs=logprobs,
                             finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
