@@ -1,6 +1,6 @@
 """pagedllm: an LLM inference and serving engine with the architecture of vLLM V1.
 
-Public API: `LLM` (offline), `SamplingParams`, `RequestOutput`, `CompletionOutput`.
+Public API: `LLM` (offline), `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`, `CompletionOutput`.
 
 The names are imported on first use (PEP 562), not with the package: `import pagedllm.x` for a light module (the
 CLI's argument parsing, the engine-core launcher) must not pay for torch and transformers, so that `pagedllm serve`
@@ -16,18 +16,27 @@ configure_logging()
 if TYPE_CHECKING:
     from pagedllm.engine.llm import LLM
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "pagedllm.engine.llm",
     "SamplingParams": "pagedllm.sampling_params",
     "RequestOutputKind": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutputKind",
+]
 __version__ = "0.1.0"
 
 
