@@ -62,13 +62,19 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "structured_outputs must give exactly one of json, regex, choice, grammar or json_object, got "
                 + (", ".join(given) if given else "none")
             )
-        if isinstance(self.json, str):
-            import json as _json
+        import json as _json
 
+        if isinstance(self.json, str):
             try:
                 _json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        elif isinstance(self.json, dict):
+            # As JSON sees it (keys as strings): the engine core decodes it strictly.
+            try:
+                self.json = _json.loads(_json.dumps(self.json))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json is not a JSON object: {e}") from None
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")

@@ -38,6 +38,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import RequestQueue, create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.structured_output import GRAMMAR_REFUSED
 
 if TYPE_CHECKING:
     from pagedllm.structured_output import GrammarOutput, StructuredOutputManager
@@ -306,7 +307,7 @@ class Scheduler:
             return False
         if not manager.accept_tokens(req, new_ids):
             req.status = RequestStatus.FINISHED_ERROR
-            req.stop_reason = "the structured output grammar refused a sampled token"
+            req.stop_reason = GRAMMAR_REFUSED
             return True
         if manager.is_terminated(req):
             req.status = RequestStatus.FINISHED_STOPPED

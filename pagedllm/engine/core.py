@@ -2,9 +2,10 @@
 
 `execute_model` runs the forward pass and, when no request of the step samples under a grammar, samples too and
 returns the ModelRunnerOutput. Otherwise it returns None and keeps the logits: the scheduler's grammar output (the
-bitmask of the constrained requests, computed meanwhile) goes to `sample_tokens`, which samples (the seeds' split).
-A feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component; it never adds a
-branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
+bitmask of the constrained requests, computed after the forward pass returns) goes to `sample_tokens`, which
+samples (the seeds' split). Apart from that split, and the short wait when only grammars being compiled are
+left, a feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component, not a branch to
+`step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
 """
 
 from __future__ import annotations

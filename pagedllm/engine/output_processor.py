@@ -87,7 +87,7 @@ class RequestState:
     arrival_time: float
     parent: ParentRequest | None = None
     queue: Any = None  # async consumers put their per-request collector here
-    eos_token_id: int | None = None  # None: unknown, every "stop" from the core is taken as eos-terminated
+    eos_token_id: int | None = None  # the request's eos (None: the model has none)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -130,7 +130,7 @@ def _stop_terminated(
         return False
     if isinstance(stop_reason, int):
         return new_ids[-1] == stop_reason
-    return state.eos_token_id is None or new_ids[-1] == state.eos_token_id
+    return new_ids[-1] == state.eos_token_id
 
 
 def _interval(start: float | None, end: float | None) -> float | None:

@@ -28,7 +28,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
-    ERROR = 3  # the engine could not serve the request (its grammar did not compile); stop_reason says why
+    ERROR = 3  # the engine could not serve the request (its grammar failed or timed out); stop_reason says why
 
     def __str__(self) -> str:
         return ("stop", "length", "abort", "error")[self.value]

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
+# The start of the reason of a request finished because its compiled grammar refused a token (a bug, not bad input).
+GRAMMAR_REFUSED = "the structured output grammar refused a sampled token"
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
 
@@ -226,6 +228,7 @@ def validate_structured_outputs(params: Any) -> None:
 
 
 __all__ = [
+    "GRAMMAR_REFUSED",
     "GrammarOutput",
     "StructuredOutputManager",
     "StructuredOutputRequest",

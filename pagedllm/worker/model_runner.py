@@ -183,7 +183,7 @@ class ModelRunner:
         vocab = logits.shape[1]
         words = grammar.as_array()[[k for _, k in targets]]
         bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")
-        disallowed = np.zeros((len(targets), vocab), dtype=np.bool_)  # tokens past the grammar's vocabulary too
+        disallowed = np.ones((len(targets), vocab), dtype=np.bool_)  # tokens past the grammar's vocabulary too
         width = min(vocab, bits.shape[1])
         np.logical_not(bits[:, :width], out=disallowed[:, :width])
         mask = torch.from_numpy(disallowed).to(logits.device, non_blocking=True)

@@ -142,6 +142,14 @@ def test_none_gives_text(tclient):
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0]", "name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
         (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "does not compile",
+        ),
+        (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
             "cannot be combined",

@@ -90,6 +90,14 @@ def test_arguments_streamer_sends_the_model_text_as_it_grows() -> None:
     assert value_end("12", 0) is None and value_end("12,", 0) == 2 and value_end('"a\\"b"', 0) == 6
 
 
+def test_a_broken_call_is_skipped_whole_and_streamed() -> None:
+    text = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "argu</tool_call>'
+    whole = HermesToolParser(None).extract_tool_calls(text)
+    assert [c.function.name for c in whole.tool_calls] == ["a"]
+    _, calls = _stream(HermesToolParser(None), [text[:30], text[30:]])
+    assert [c["arguments"] for _, c in sorted(calls.items()) if c["name"] == "a"] == ['{"x": 1}']
+
+
 def test_registry() -> None:
     assert ToolParserManager.get("hermes") is HermesToolParser
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):

@@ -78,6 +78,7 @@ from pagedllm.entrypoints.openai.tool_parsers.required import RequiredToolCallsP
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.reasoning import ReasoningStream
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import validate_structured_outputs
 
 # Roles whose messages must carry content (OpenAI's rules; see ChatMessageParam).
 CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
@@ -148,7 +149,12 @@ def plan_tools(request: ChatCompletionRequest, auto_enabled: bool, parser_name: 
     tools = request.tools or []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+        if (
+            tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
             raise OpenAIError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
                 400,
@@ -176,7 +182,7 @@ def plan_tools(request: ChatCompletionRequest, auto_enabled: bool, parser_name: 
         return ToolPlan("required")
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise OpenAIError(f"tool_choice names the function {name!r}, which is not in tools", 400, "tool_choice")
         return ToolPlan("named", name=name)
     raise OpenAIError(
@@ -290,6 +296,10 @@ class OpenAIServingChat(OpenAIServing):
                         400,
                         "tool_choice",
                     )
+                try:
+                    validate_structured_outputs(constraint)
+                except ValueError as e:
+                    raise OpenAIError(f"tools: the parameters schema does not compile: {e}", 400, "tools") from None
                 params = params.clone(structured_outputs=constraint)
             self.validate_prompt(ids, params)
         except OpenAIError:

@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_fr
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingFields
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output import validate_structured_outputs
+from pagedllm.structured_output import GRAMMAR_REFUSED, validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -187,11 +187,13 @@ class OpenAIServing:
 
 
 def raise_if_failed(out: RequestOutput) -> None:
-    """A request the engine could not serve (finish reason "error": its grammar did not compile there) is the
-    client's error: a 400 with the engine's reason (an error event once a stream has started)."""
+    """A request the engine could not serve (finish reason "error") fails with the engine's reason (an error event
+    once a stream has started): a 400 when its grammar did not compile there, or not in time (the issue's rule:
+    the request's constraint is at fault), a 500 when a compiled grammar refused a sampled token (a fault here)."""
     for c in out.outputs:
         if c.finish_reason == "error":
-            raise OpenAIError(str(c.stop_reason or "the request failed in the engine"), 400)
+            reason = str(c.stop_reason or "the request failed in the engine")
+            raise OpenAIError(reason, 500 if reason.startswith(GRAMMAR_REFUSED) else 400)
 
 
 # Backends a request may name in `guided_decoding_backend` (vLLM's names): pagedllm runs llguidance.

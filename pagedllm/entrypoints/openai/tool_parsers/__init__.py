@@ -2,7 +2,7 @@
 
 Contract. A parser is registered by name (`--tool-call-parser NAME`; `ToolParserManager.get(name)` returns its
 class) and made per request with the tokenizer. `extract_tool_calls(text)` gives the content before the calls and
-the calls, each with its `arguments` as a JSON string (compact `json.dumps` of what the model wrote).
+the calls, each with its `arguments` as a JSON string (the model's own text of the value).
 `extract_tool_calls_streaming(delta_text)` is fed the text as it is generated and returns what the client should
 get now: content, and tool-call deltas (the id, type and name once, then pieces of the arguments). A call's
 `arguments` is the model's own JSON text of the value, whole or streamed: the pieces are that text as it grows

@@ -64,11 +64,12 @@ class HermesToolParser(ToolParser):
         if start < 0:
             return ExtractedToolCalls(False, [], text)
         calls = []
-        try:
-            for body in _CALL.findall(text[start:]):
+        for body in _CALL.findall(text[start:]):
+            try:
                 calls.append(_call_from(body))
-        except (ValueError, KeyError, TypeError):
-            logger.warning("tool call text is not valid Hermes JSON; returned as content")
+            except (ValueError, KeyError, TypeError):  # skipped, as the stream skips it when it closes
+                logger.warning("a tool call is not valid Hermes JSON: %.200s", body)
+        if not calls:
             return ExtractedToolCalls(False, [], text)
         return ExtractedToolCalls(True, calls, text[:start] or None)
 
