@@ -236,16 +236,28 @@ class ParallelConfig:
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
-def ray_placement_timeout() -> float:
-    """$PAGEDLLM_RAY_PLACEMENT_TIMEOUT: seconds the Ray executor waits for its bundles to be placed (default 60)."""
-    raw = os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT", "60")
+def _positive_seconds_from_env(name: str, default: float) -> float:
+    """$name as a positive number of seconds (`default` when unset or empty); ValueError naming it otherwise."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"PAGEDLLM_RAY_PLACEMENT_TIMEOUT must be a positive number of seconds, got {raw!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+def ray_placement_timeout() -> float:
+    """$PAGEDLLM_RAY_PLACEMENT_TIMEOUT: seconds the Ray executor waits for its bundles to be placed (default 60)."""
+    return _positive_seconds_from_env("PAGEDLLM_RAY_PLACEMENT_TIMEOUT", 60.0)
+
+
+def grammar_compile_timeout() -> float:
+    """$PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT: seconds a constrained request may wait for its grammar (default 30)."""
+    return _positive_seconds_from_env("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", 30.0)
 
 
 def ray_address_from_env() -> str | None:

@@ -22,7 +22,6 @@ Contract (the seeds' step: schedule -> execute_model -> grammar bitmask -> sampl
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedllm.config import grammar_compile_timeout
 from pagedllm.reasoning import ReasoningParser
 from pagedllm.structured_output.backend import (
     StructuredOutputBackend,
@@ -51,21 +51,6 @@ logger = logging.getLogger(__name__)
 CACHE_SIZE = 256
 # The start of the reason of a request finished because its compiled grammar refused a token (a bug, not bad input).
 GRAMMAR_REFUSED = "the structured output grammar refused a sampled token"
-DEFAULT_COMPILE_TIMEOUT_S = 30.0
-
-
-def compile_timeout_from_env() -> float:
-    """$PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT seconds (default 30): how long a request may wait for its grammar."""
-    raw = os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "")
-    if not raw.strip():
-        return DEFAULT_COMPILE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 @dataclass
@@ -88,7 +73,7 @@ class StructuredOutputManager:
         self.model_config = model_config
         self.reasoning_parser_name = reasoning_parser
         self.reasoner: ReasoningParser | None = None
-        self.compile_timeout_s = compile_timeout_from_env() if compile_timeout_s is None else compile_timeout_s
+        self.compile_timeout_s = grammar_compile_timeout() if compile_timeout_s is None else compile_timeout_s
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
