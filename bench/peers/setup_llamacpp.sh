@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install llama.cpp's Python bindings (llama-cpp-python) into their own virtualenv, for the peer benchmarks only
+# (issue 18: the same GGUF file run as stored by llama.cpp). It builds llama.cpp from source with the host's own
+# instruction set (GGML_NATIVE): about 20 minutes on two cores, never part of `make test`.
+#
+# The build is tied to the CPU it was made on (a Zen 3 build has no AVX-512 paths for a Zen 4 or 5): the CPU's
+# model name and ISA flags are kept beside the virtualenv, and a different CPU rebuilds it.
+#
+# Usage: bench/peers/setup_llamacpp.sh [VENV]     (default: .venv-llamacpp at the repository root, or $LLAMACPP_VENV)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="${1:-${LLAMACPP_VENV:-$ROOT/.venv-llamacpp}}"
+PYTHON="${PYTHON:-python3}"
+VERSION="0.3.36"
+CPU="$( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
+MARK="$VENV/.built-for-cpu"
+
+if [ -x "$VENV/bin/python" ] && [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$CPU" ] \
+  && "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('llama_cpp_python') == '$VERSION'" 2>/dev/null; then
+  echo "llama-cpp-python $VERSION already in $VENV, built for this CPU"; exit 0
+fi
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install --quiet --upgrade pip
+# No CUDA, no BLAS: llama.cpp's own CPU kernels, compiled for this CPU; -j from the cores we have.
+CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  $PIP install --quiet --no-cache-dir "llama-cpp-python==$VERSION"
+echo "$CPU" > "$MARK"
+"$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in $VENV')"
