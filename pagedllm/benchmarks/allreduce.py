@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import queue as queue_module
 import shlex
 import statistics
 import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -84,11 +81,8 @@ def _time_calls(fn: Any, t: Any, count: int) -> list[int]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, config: dict[str, Any], results: Any) -> None:
-    try:
-        results.put((rank, True, _run_rank(rank, world, port, config)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+def _rank_target(rank: int, world: int, results: Any, port: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    return _run_rank(rank, world, port, config)
 
 
 def _run_rank(rank: int, world: int, port: int, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -148,33 +142,16 @@ def _run_rank(rank: int, world: int, port: int, config: dict[str, Any]) -> list[
 def run_ranks(world: int, config: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """Every rank's rows, in rank order; RuntimeError with a failed rank's traceback. All ranks are stopped."""
     from pagedllm.distributed.net import free_port
+    from pagedllm.distributed.spawn import run_in_processes
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, config, results), daemon=True) for r in range(world)]
     try:
-        for p in procs:
-            p.start()
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + RANK_TIMEOUT_S
-        while len(got) < world:
-            try:
-                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_module.Empty:
-                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in time") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-        return [got[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
+        answers = run_in_processes(_rank_target, world, free_port(), config, timeout=RANK_TIMEOUT_S)
+    except TimeoutError as e:
+        raise RuntimeError(str(e)) from None
+    for rank, (ok, value) in enumerate(answers):
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+    return [value for _, value in answers]
 
 
 def summarize(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace, command: str) -> dict[str, Any]:

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import multiprocessing as mp
 import os
-import queue as queue_module
 import shutil
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,9 +26,9 @@ import torch
 from pagedllm.distributed import shm_allreduce
 from pagedllm.distributed.net import free_port
 from pagedllm.distributed.shm_allreduce import ShmAllReduce, segment_name
+from pagedllm.distributed.spawn import run_in_processes
 
 needs_build = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler, so no native extension")
-SPAWN = mp.get_context("spawn")
 MAX_FLOATS = 1000  # small slots, so that lengths past them are cheap to test
 
 
@@ -48,41 +45,17 @@ def leftovers(group_name: str) -> list[str]:
 # ---- running ranks in their own processes -------------------------------------------------------------------------
 
 
-def _entry(target: Callable[..., Any], rank: int, world: int, results: Any, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        results.put((rank, True, target(rank, world, results, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-
-
 def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
-    """target(rank, world, results_queue, *args) in `world` spawned processes; its return values in rank order
-    (AssertionError with the traceback of a rank that raised). Every process is stopped before this returns."""
-    results = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_entry, args=(target, r, world, results, args), daemon=True) for r in range(world)]
+    """target(rank, world, results_queue, *args) in `world` spawned processes (one torch thread each); its return
+    values in rank order (AssertionError with the traceback of a rank that raised, or naming ranks that did not
+    answer). Every process is stopped before this returns."""
     try:
-        for p in procs:
-            p.start()
-        got: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < world:
-            try:
-                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_module.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not report in time") from None
-            got[rank] = (ok, value)
-        failed = {r: v for r, (ok, v) in got.items() if not ok}
-        assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
-        return [got[r][1] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=15)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
+        answers = run_in_processes(target, world, *args, timeout=timeout)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
+    failed = {r: v for r, (ok, v) in enumerate(answers) if not ok}
+    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    return [value for _, value in answers]
 
 
 def _inputs(call: int, n: int, world: int) -> list[torch.Tensor]:
