@@ -160,7 +160,7 @@ class ModelRunner:
         logprobs: dict[str, object] = {}
         if pending.logits is not None:
             logits = pending.logits
-            if grammar_output is not None:
+            if grammar_output is not None and self.tp.rank == 0:  # only rank 0 samples (see _sample)
                 self._apply_grammar(logits, pending, grammar_output)
             token_ids, lp_lists = self._sample(logits, pending.rows[pending.sample_rows])
             for j, i in enumerate(pending.sample_rows):
