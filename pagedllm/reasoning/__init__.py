@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.text_tags import partial_tag_length
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -89,13 +91,6 @@ def _none_if_empty(text: str) -> str | None:
     return text if text else None
 
 
-def _held(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """The streamed split of one output (see the module docstring)."""
 
@@ -114,7 +109,7 @@ class ReasoningStream:
             if self._state == "before":  # qwen3: content until a start tag
                 i = self._buffer.find(p.start_tag)
                 if i < 0:
-                    keep = _held(self._buffer, p.start_tag)
+                    keep = partial_tag_length(self._buffer, p.start_tag)
                     content += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
@@ -133,7 +128,7 @@ class ReasoningStream:
                 i = self._buffer.find(p.end_tag)
                 if i < 0:
                     tags = [p.end_tag] + ([p.start_tag] if p.prompt_opens_thinking and not self._start_seen else [])
-                    keep = max(_held(self._buffer, t) for t in tags)
+                    keep = max(partial_tag_length(self._buffer, t) for t in tags)
                     reasoning += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break

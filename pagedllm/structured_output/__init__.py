@@ -21,6 +21,7 @@ Contract (the seeds' step: schedule -> execute_model -> grammar bitmask -> sampl
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -206,10 +207,17 @@ class StructuredOutputManager:
 
 
 def validate_structured_outputs(params: Any) -> None:
-    """The front end's check of a request's constraint, without a tokenizer: ValueError naming the problem."""
+    """The front end's check of a request's constraint, without a tokenizer: ValueError naming the problem. A
+    constraint that passed is remembered (the server checks it where it names the field, then the engine's input
+    check runs again; clients also repeat the same schema)."""
+    _validate_key(key_of(params))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _validate_key(key: StructuredOutputKey) -> None:
     from pagedllm.structured_output.guidance import GuidanceBackend
 
-    GuidanceBackend.validate(key_of(params))
+    GuidanceBackend.validate(key)
 
 
 __all__ = [

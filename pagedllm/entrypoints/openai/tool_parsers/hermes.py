@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract import (
     new_tool_call_id,
     raw_arguments,
 )
+from pagedllm.text_tags import partial_tag_length
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,6 @@ def _call_from(body: str) -> ToolCall:
     m = _ARGUMENTS.search(body)
     arguments = raw_arguments(body, m.end()) if m is not None and "arguments" in obj else "{}"
     return ToolCall(FunctionCall(name, arguments))
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag` (kept until the next delta)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @ToolParserManager.register("hermes")
@@ -82,7 +75,7 @@ class HermesToolParser(ToolParser):
             if not self._in_call:
                 start = self._text.find(OPEN, self._pos)
                 if start < 0:
-                    end = len(self._text) - _held_back(self._text[self._pos :], OPEN)
+                    end = len(self._text) - partial_tag_length(self._text[self._pos :], OPEN)
                     self._content(out, self._text[self._pos : end])
                     self._pos = end
                     return out
