@@ -2,7 +2,7 @@
 
 Two kinds of products, next to the Python package:
 * pagedllm/_C: the torch bindings (csrc/cpu/bindings.cpp), built with torch's extension tooling;
-* pagedllm/_cpu_<isa> for isa in generic, avx2, avx512 (x86-64; generic only elsewhere): the kernels themselves,
+* pagedllm/_cpu_<isa> for isa in generic, avx2, avx512, avx512bf16 (x86-64; generic only elsewhere): the kernels themselves,
   the same sources compiled once per instruction set into plain shared libraries with no torch or Python in them.
   The bindings pick one at run time from what the CPU has (csrc/cpu/kernels.h says why they are separate files).
 
@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("pagedllm", "csrc", "cpu")
 KERNEL_SOURCES = [
-    os.path.join(CSRC, f) for f in ("attention.cpp", "elementwise.cpp", "linear.cpp", "decoder.cpp", "ops.cpp")
+    os.path.join(CSRC, f) for f in ("attention.cpp", "elementwise.cpp", "linear.cpp", "decoder.cpp", "quant.cpp", "ops.cpp")
 ]
 # Every build bakes in the hash of all these sources (the loader checks it), so a change to any of them rebuilds all.
 ALL_SOURCES = sorted(os.path.join(CSRC, f) for f in os.listdir(os.path.join(ROOT, CSRC)) if f.endswith((".cpp", ".h")))
@@ -33,6 +33,11 @@ ISA_FLAGS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    # AVX-512 with VNNI (int8 dot products) and BF16: Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids.
+    "avx512bf16": [
+        "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
+        "-mf16c",
+    ],
 }
 
 

@@ -26,7 +26,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 if TYPE_CHECKING:
     from pagedllm.model.attention.backends.base import AttentionBackend
 
-ISAS = ("avx512", "avx2", "generic")  # best first
+ISAS = ("avx512bf16", "avx512", "avx2", "generic")  # best first
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,7 +50,7 @@ def _bindings() -> Any:
 
 
 def detect_isa() -> str:
-    """The best kernel instruction set this CPU runs: avx512, avx2 or generic."""
+    """The best kernel instruction set this CPU runs: avx512bf16 (with VNNI), avx512, avx2 or generic."""
     return _bindings().detect_isa()
 
 

@@ -22,9 +22,14 @@
 
 namespace {
 
+// The best kernel build this CPU runs: avx512bf16 (AVX-512 with VNNI and BF16), avx512, avx2 or generic.
 std::string detect_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("fma");
+  if (avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16")) return "avx512bf16";
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
     return "avx512";
@@ -34,7 +39,9 @@ std::string detect_isa() {
   return "generic";
 }
 
-int isa_rank(const std::string& isa) { return isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0; }
+int isa_rank(const std::string& isa) {
+  return isa == "avx512bf16" ? 3 : isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
+}
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
@@ -223,9 +230,81 @@ class CpuOps {
     t_->paged_prefill(&args);
   }
 
+  int64_t quant_row_bytes(int64_t type, int64_t in) const { return t_->quant_row_bytes(static_cast<int32_t>(type), in); }
+
  private:
   const PagedllmCpuOps* t_;
 };
+
+// A quantized weight W [out, in] for the kernels: up to four segments of consecutive rows, each a contiguous uint8
+// tensor [rows, row_bytes] of one GGML type (the GGUF file's bytes); checked once here and kept alive.
+class QuantMatrix {
+ public:
+  QuantMatrix(const CpuOps& ops, const std::vector<int64_t>& types, std::vector<torch::Tensor> parts, int64_t in)
+      : parts_(std::move(parts)) {
+    TORCH_CHECK(!types.empty() && types.size() == parts_.size() && types.size() <= PAGEDLLM_MAX_QSEGMENTS,
+                "one to ", PAGEDLLM_MAX_QSEGMENTS, " segments, each with its type");
+    TORCH_CHECK(in > 0, "in must be positive");
+    m_ = QMatrix{};
+    m_.in = in;
+    for (size_t i = 0; i < types.size(); ++i) {
+      const torch::Tensor& t = parts_[i];
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() && t.dim() == 2,
+                  "segment ", i, " must be a contiguous uint8 CPU tensor [rows, row_bytes]");
+      const int64_t bytes = ops.quant_row_bytes(types[i], in);
+      TORCH_CHECK(bytes > 0, "segment ", i, ": no kernel for GGML type ", types[i], " with rows of ", in,
+                  " weights");
+      TORCH_CHECK(t.size(1) == bytes && t.size(0) > 0, "segment ", i, " must be [rows, ", bytes, "], got ",
+                  t.sizes());
+      m_.seg[i] = QSegment{t.data_ptr<uint8_t>(), t.size(0), static_cast<int32_t>(types[i])};
+      m_.out += t.size(0);
+    }
+    m_.nseg = static_cast<int32_t>(types.size());
+  }
+
+  const QMatrix& matrix() const { return m_; }
+  int64_t out_features() const { return m_.out; }
+  int64_t in_features() const { return m_.in; }
+  int64_t nbytes() const {
+    int64_t n = 0;
+    for (const auto& t : parts_) n += t.numel();
+    return n;
+  }
+
+ private:
+  std::vector<torch::Tensor> parts_;
+  QMatrix m_{};
+};
+
+// y [M, out] = x [M, in] W^T (+ bias) on a quantized weight.
+torch::Tensor quant_linear(const CpuOps& ops, torch::Tensor x, const QuantMatrix& w, std::optional<torch::Tensor> bias) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == w.in_features(), "x must be [M, ", w.in_features(), "]");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_float(*bias, "bias");
+    TORCH_CHECK(bias->numel() == w.out_features(), "bias must be [", w.out_features(), "]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), w.out_features()}, x.options());
+  ops.table()->quant_linear(y.data_ptr<float>(), x.data_ptr<float>(), &w.matrix(), bp, x.size(0),
+                            at::get_num_threads());
+  return y;
+}
+
+// Rows `ids` of a quantized weight in float32: [*ids.shape, in] (an embedding lookup).
+torch::Tensor quant_dequantize_rows(const CpuOps& ops, const QuantMatrix& w, torch::Tensor ids) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.device().is_cpu(), "ids must be an int64 CPU tensor");
+  auto flat = ids.contiguous().view(-1);
+  const int64_t n = flat.numel(), rows = w.out_features();
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "row id ", ip[i], " out of range");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(w.in_features());
+  auto out = torch::empty(sizes, torch::dtype(torch::kFloat32));
+  ops.table()->quant_dequantize_rows(out.data_ptr<float>(), &w.matrix(), ip, n, at::get_num_threads());
+  return out;
+}
 
 // A bias or an optional norm: an empty tensor means none.
 const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
@@ -237,34 +316,50 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
 
 // The fused one-token decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
 // layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
-// weights as panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer.
+// weights as panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
+// optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
+// panels are then ignored and may be empty), None on its panels.
 // Everything is checked here once; a step passes only the token's few index tensors.
 class DecodeModel {
  public:
-  static constexpr int kPerLayer = 12;
+  static constexpr int kPerLayer = 12, kLinears = 4;
 
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
-              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx)
-      : ops_(std::move(ops)), t_(ops_->table()) {
+              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
+              std::vector<std::shared_ptr<QuantMatrix>> quant)
+      : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
     const size_t layers = k_caches.size();
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
                     cos_sin.size() == layers,
                 kPerLayer, " weights, two caches and a rotary table per layer");
+    TORCH_CHECK(quant_.empty() || quant_.size() == kLinears * layers,
+                "quant: none, or one entry (a QuantMatrix or None) per linear layer: qkv, o, gate_up, down");
     check_float(final_norm, "final_norm");
     const PagedCache c0 = paged_cache(k_caches[0], v_caches[0]);
     DecoderSpec& s = spec_;
     s.num_blocks = c0.num_blocks, s.block_size = c0.block_size, s.kv_heads = c0.kv_heads, s.head_dim = c0.head_dim;
-    TORCH_CHECK(layer_w[1].dim() == 3 && layer_w[5].dim() == 3 && layer_w[10].dim() == 3,
-                "the linear weights must be panels");
-    s.hidden = layer_w[1].size(1), s.inter = layer_w[10].size(1), s.q_heads = layer_w[5].size(1) / s.head_dim;
+    // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: its quantized weight, or null for panels.
+    auto qm = [&](size_t l, int j) -> const QuantMatrix* { return quant_.empty() ? nullptr : quant_[kLinears * l + j].get(); };
+    constexpr int kSlot[kLinears] = {1, 5, 8, 10};  // where each linear's panels sit among a layer's tensors
+    auto in_of = [&](int j) -> int64_t {  // input size of layer 0's linear j
+      const QuantMatrix* q = qm(0, j);
+      if (q != nullptr) return q->in_features();
+      const torch::Tensor& p = layer_w[kSlot[j]];
+      TORCH_CHECK(p.dim() == 3, "the linear weights must be panels or quantized");
+      return p.size(1);
+    };
+    s.hidden = in_of(0), s.inter = in_of(3), s.q_heads = in_of(1) / s.head_dim;
     const int64_t d = s.head_dim, qkv_out = (s.q_heads + 2 * s.kv_heads) * d;
-    TORCH_CHECK(s.q_heads > 0 && s.q_heads % s.kv_heads == 0 && layer_w[5].size(1) == s.q_heads * d,
-                "o panels must be [P, Hq D, w] with Hq a multiple of the caches' Hkv");
+    TORCH_CHECK(s.q_heads > 0 && s.q_heads % s.kv_heads == 0 && in_of(1) == s.q_heads * d,
+                "o's input must be Hq D with Hq a multiple of the caches' Hkv");
     TORCH_CHECK(final_norm.numel() == s.hidden, "final_norm must be [H]");
     TORCH_CHECK(cos_sin[0].dim() == 2, "rotary tables must be [max_position, rot]");
     s.rot = cos_sin[0].size(1), s.max_position = cos_sin[0].size(0);
     TORCH_CHECK(s.rot > 0 && s.rot <= d && s.rot % 2 == 0, "rotary dims must be even and at most the head size");
+    const int64_t outs[kLinears] = {qkv_out, s.hidden, 2 * s.inter, s.hidden};
+    const int64_t ins[kLinears] = {s.hidden, s.q_heads * d, s.hidden, s.inter};
+    const char* names[kLinears] = {"qkv", "o", "gate_up", "down"};
     for (size_t l = 0; l < layers; ++l) {
       const torch::Tensor* w = layer_w.data() + kPerLayer * l;
       const PagedCache c = paged_cache(k_caches[l], v_caches[l]);
@@ -273,18 +368,37 @@ class DecodeModel {
       check_float(w[7], "norm2");
       check_float(cos_sin[l], "cos_sin");
       TORCH_CHECK(w[0].numel() == s.hidden && w[7].numel() == s.hidden, "norm weights must be [H]");
-      ops_->check_panels(w[1], qkv_out, s.hidden, "qkv");
-      ops_->check_panels(w[5], s.hidden, s.q_heads * d, "o");
-      ops_->check_panels(w[8], 2 * s.inter, s.hidden, "gate_up");
-      ops_->check_panels(w[10], s.hidden, s.inter, "down");
+      const float* panels[kLinears];
+      QMatrix quants[kLinears];
+      for (int j = 0; j < kLinears; ++j) {
+        const QuantMatrix* q = qm(l, j);
+        quants[j] = QMatrix{};
+        panels[j] = nullptr;
+        if (q != nullptr) {
+          TORCH_CHECK(q->out_features() == outs[j] && q->in_features() == ins[j], names[j],
+                      ": quantized weight must be [", outs[j], ", ", ins[j], "]");
+          quants[j] = q->matrix();
+        } else {
+          ops_->check_panels(w[kSlot[j]], outs[j], ins[j], names[j]);
+          panels[j] = w[kSlot[j]].data_ptr<float>();
+        }
+      }
       TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == s.rot && cos_sin[l].size(0) == s.max_position,
                   "rotary tables of one shape");
-      layers_.push_back({w[0].data_ptr<float>(), w[1].data_ptr<float>(), optional_ptr(w[2], qkv_out, "qkv bias"),
-                         optional_ptr(w[3], d, "q_norm"), optional_ptr(w[4], d, "k_norm"), w[5].data_ptr<float>(),
-                         optional_ptr(w[6], s.hidden, "o bias"), w[7].data_ptr<float>(), w[8].data_ptr<float>(),
-                         optional_ptr(w[9], 2 * s.inter, "gate_up bias"), w[10].data_ptr<float>(),
-                         optional_ptr(w[11], s.hidden, "down bias"), cos_sin[l].data_ptr<float>(),
-                         const_cast<float*>(c.k), const_cast<float*>(c.v)});
+      DecoderLayer L{};
+      L.norm1 = w[0].data_ptr<float>();
+      L.qkv = panels[0], L.o = panels[1], L.gate_up = panels[2], L.down = panels[3];
+      L.qkv_b = optional_ptr(w[2], qkv_out, "qkv bias");
+      L.q_norm = optional_ptr(w[3], d, "q_norm");
+      L.k_norm = optional_ptr(w[4], d, "k_norm");
+      L.o_b = optional_ptr(w[6], s.hidden, "o bias");
+      L.norm2 = w[7].data_ptr<float>();
+      L.gate_up_b = optional_ptr(w[9], 2 * s.inter, "gate_up bias");
+      L.down_b = optional_ptr(w[11], s.hidden, "down bias");
+      L.cos_sin = cos_sin[l].data_ptr<float>();
+      L.k_cache = const_cast<float*>(c.k), L.v_cache = const_cast<float*>(c.v);
+      L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
+      layers_.push_back(L);
     }
     s.layers = layers_.data();
     s.num_layers = static_cast<int64_t>(layers);
@@ -332,6 +446,7 @@ class DecodeModel {
   DecoderSpec spec_{};
   std::vector<DecoderLayer> layers_;
   std::vector<torch::Tensor> keep_;
+  std::vector<std::shared_ptr<QuantMatrix>> quant_;  // kept alive with their tensors
   void* handle_ = nullptr;
 };
 
@@ -371,21 +486,40 @@ PYBIND11_MODULE(_C, m) {
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())
       .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
            py::arg("out_features"))
+      .def("quant_row_bytes", &CpuOps::quant_row_bytes, py::arg("type"), py::arg("in_features"),
+           "bytes of a row of in_features weights of GGML type `type`; 0 when no kernel runs it")
+      .def(
+          "quant_matrix",
+          [](const CpuOps& self, const std::vector<int64_t>& types, std::vector<torch::Tensor> parts, int64_t in) {
+            return std::make_shared<QuantMatrix>(self, types, std::move(parts), in);
+          },
+          py::arg("types"), py::arg("parts"), py::arg("in_features"),
+          "a quantized weight from its row segments (uint8 [rows, row_bytes] each, of GGML type types[i])")
+      .def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+           "y [M, out] = x [M, in] W^T (+ bias) on a QuantMatrix")
+      .def("dequantize_rows", &quant_dequantize_rows, py::arg("weight"), py::arg("ids"),
+           "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
       .def("paged_decode_attention", &CpuOps::paged_decode_attention)
       .def("paged_prefill_attention", &CpuOps::paged_prefill_attention)
       .def(
           "decode_model",
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
-             torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx) {
+             torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
+             std::vector<std::shared_ptr<QuantMatrix>> quant) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
-                                                 all_reduce_fn, all_reduce_ctx);
+                                                 all_reduce_fn, all_reduce_ctx, std::move(quant));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
+          py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{},
           "the fused one-token decoder over these weights and caches; with tensor parallelism, the all-reduce "
           "hook (a C AllReduceFn and its context, as integers)");
+  py::class_<QuantMatrix, std::shared_ptr<QuantMatrix>>(m, "QuantMatrix")
+      .def_property_readonly("out_features", &QuantMatrix::out_features)
+      .def_property_readonly("in_features", &QuantMatrix::in_features)
+      .def_property_readonly("nbytes", &QuantMatrix::nbytes);
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_table"), py::arg("seq_lens"));

@@ -18,6 +18,9 @@
 // reads each of its cached tokens once for all heads, and the partial results merge per head); gate and up split on
 // the same rows, so SiLU-and-mul needs no barrier of its own.
 //
+// Quantized weights (a layer's QMatrix with segments) run on int8 copies of their input, which each thread makes
+// itself (a few hundred values, cheaper than sharing one through a barrier).
+//
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
 #include <vector>
@@ -32,6 +35,23 @@ struct Decoder {
   DecoderSpec spec;
   std::vector<DecoderLayer> layers;
 };
+
+// An input vector quantized for the quantized weights (one per thread): q [n], d and s [n / 32].
+struct Q8Vec {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  explicit Q8Vec(int64_t n) : q(n), d(n / 32 + 1), s(n / 32 + 1) {}
+  void set(const float* x, int64_t n) { quantize_input(x, n, q.data(), d.data(), s.data()); }
+};
+
+// Outputs [o0, o1) of a linear layer through its panels, or its quantized rows on xq (x quantized).
+inline void gemv_any(const float* panels, const QMatrix& qw, const float* x, const Q8Vec& xq, const float* bias,
+                     float* y, int64_t o0, int64_t o1, int64_t in) {
+  if (qw.nseg > 0)
+    quant_gemv_range(qw, xq.q.data(), xq.d.data(), xq.s.data(), bias, y, o0, o1);
+  else
+    gemv_panels(panels, x, bias, y, o0, o1, in);
+}
 
 // y[lo, hi) += bias[lo, hi) (after a reduction).
 static inline void add_bias(float* y, const float* bias, int64_t lo, int64_t hi) {
@@ -77,6 +97,10 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
     float* res = mine.data();  // this thread's copy of the residual stream
     float* h = res + hidden;
     std::vector<float> scores;
+    Q8Vec xq(std::max({hidden, hq * d, inter}));  // this thread's quantized copy of a quantized layer's input
+    auto quantize = [&](const QMatrix& qw, const float* x, int64_t len) {
+      if (qw.nseg > 0) xq.set(x, len);
+    };
     int64_t a, b, ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
     share(inter, t, n, kPanel, ia, ib);
@@ -92,7 +116,8 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
       } else {
         add_rms_row(h, res, xp, w.norm1, hidden, ep);
       }
-      gemv_panels(w.qkv, h, w.qkv_b, qkv, ha * d, hb * d, hidden);
+      quantize(w.qkv_q, h, hidden);
+      gemv_any(w.qkv, w.qkv_q, h, xq, w.qkv_b, qkv, ha * d, hb * d, hidden);
       for (int64_t hh = ha; hh < hb; ++hh) {
         float* v = qkv + hh * d;
         if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
@@ -124,7 +149,8 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
         for (int64_t k = 0; k < d; ++k) o[k] *= inv;
       }
 #pragma omp barrier
-      gemv_panels(w.o, att, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
+      quantize(w.o_q, att, hq * d);
+      gemv_any(w.o, w.o_q, att, xq, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(xp, hidden, s.reduce_ctx);
@@ -133,12 +159,14 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
 #pragma omp barrier
       }
       add_rms_row(h, res, xp, w.norm2, hidden, ep);
-      gemv_panels(w.gate_up, h, w.gate_up_b, gu, ia, ib, hidden);
-      gemv_panels(w.gate_up, h, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
+      quantize(w.gate_up_q, h, hidden);
+      gemv_any(w.gate_up, w.gate_up_q, h, xq, w.gate_up_b, gu, ia, ib, hidden);
+      gemv_any(w.gate_up, w.gate_up_q, h, xq, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
 #pragma omp simd
       for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
 #pragma omp barrier
-      gemv_panels(w.down, act, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
+      quantize(w.down_q, act, inter);
+      gemv_any(w.down, w.down_q, act, xq, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(xp, hidden, s.reduce_ctx);

@@ -22,7 +22,14 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const fl
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
 
-// The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp).
+// Quantized weights (quant.cpp): an input row x [in] (in a multiple of 32) to int8 blocks of 32 (q [in]; d, s
+// [in / 32]: each block's scale and scale times the sum of its q); then outputs [o0, o1) of one such row on W.
+void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
+void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const float* s, const float* bias, float* y,
+                      int64_t o0, int64_t o1);
+
+// The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
+// quant.cpp).
 void paged_decode(const PagedDecodeArgs* args);
 void paged_prefill(const PagedPrefillArgs* args);
 void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads);
@@ -37,5 +44,8 @@ void* decoder_create(const DecoderSpec* spec);
 void decoder_run(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
                  int threads);
 void decoder_destroy(void* decoder);
+int64_t quant_row_bytes(int32_t type, int64_t in);
+void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
+void quant_dequantize_rows(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
 
 }  // namespace pagedllm

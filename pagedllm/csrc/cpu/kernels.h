@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 2
+#define PAGEDLLM_CPU_ABI 3
 
 // A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous float32.
 struct PagedCache {
@@ -53,10 +53,32 @@ struct PagedPrefillArgs {
   int threads;
 };
 
-// One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels); a null bias or
-// q/k norm means none.
+// GGML block-quantized weights as the GGUF file stores them (the values are GGML's type ids). A row of `in` weights
+// is in / B blocks of the type's bytes (B = 32, or 256 for the K types), rows back to back.
+enum PagedllmQuantType { PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q8_0 = 8, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14 };
+
+// `rows` consecutive output rows of one type.
+struct QSegment {
+  const uint8_t* data;
+  int64_t rows;
+  int32_t type;
+};
+
+#define PAGEDLLM_MAX_QSEGMENTS 4
+
+// A quantized weight W [out, in]: its rows in up to four segments, in order (a merged q|k|v may mix types); nseg 0
+// means no quantized weight.
+struct QMatrix {
+  QSegment seg[PAGEDLLM_MAX_QSEGMENTS];
+  int32_t nseg;
+  int64_t out, in;
+};
+
+// One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels), or quantized where
+// the layer's QMatrix has segments (its panel pointer is then unused); a null bias or q/k norm means none.
 struct DecoderLayer {
   const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
+  QMatrix qkv_q, o_q, gate_up_q, down_q;
   const float* cos_sin;  // [max_position, rot]: cos | sin
   float *k_cache, *v_cache;
 };
@@ -105,6 +127,13 @@ struct PagedllmCpuOps {
   void (*decoder_run)(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
                       int threads);
   void (*decoder_destroy)(void* decoder);
+  // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
+  // of its blocks.
+  int64_t (*quant_row_bytes)(int32_t type, int64_t in);
+  // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp).
+  void (*quant_linear)(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
+  // out [n, w.in] = rows ids[0..n) of W in float32 (ids in range).
+  void (*quant_dequantize_rows)(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

@@ -23,6 +23,9 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::decoder_create,
       pagedllm::decoder_run,
       pagedllm::decoder_destroy,
+      pagedllm::quant_row_bytes,
+      pagedllm::quant_linear,
+      pagedllm::quant_dequantize_rows,
   };
   return &table;
 }

@@ -23,7 +23,11 @@ extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 namespace pagedllm {
 
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define PAGEDLLM_ISA_NAME "avx512bf16"
+#else
 #define PAGEDLLM_ISA_NAME "avx512"
+#endif
 typedef __m512 pvec;
 constexpr int kLanes = 16, kPanelBlock = 16;
 static inline pvec pv_zero() { return _mm512_setzero_ps(); }

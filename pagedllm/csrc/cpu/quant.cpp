@@ -1,0 +1,474 @@
+// Linear layers on GGUF block-quantized weights, run as stored: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+//
+// A weight is a QMatrix (kernels.h): up to four row segments, each the GGUF file's own bytes of consecutive output
+// rows of one type (a merged q|k|v or gate|up may mix types, as a Q4_K_M file does). Every type is read in chunks of
+// 32 weights, each of the form w[i] = a * sc[i / 16] * q[i] + b with small integers q and sc (sc is 1 but for Q6_K,
+// whose 16-weight sub-blocks have their own scales): `decode_chunk` below says how each type's bytes give them.
+//
+// y = x W^T runs as ggml does: each input row is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
+// chunk's product is a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products (AVX2: vpmaddubsw,
+// then vpmaddwd by the 16-bit scales; AVX-512 VNNI: vpdpbusd where the scales are all 1). Each output row's chunks are
+// decoded once for a group of up to kGroup input rows, and the rows go in tiles whose int8 copy stays in L2, so the
+// same kernel serves a decode step (the weights streamed once) and a prefill (compute bound). Without AVX2 the same
+// integer arithmetic runs in plain C++.
+#include <cstring>
+#include <vector>
+
+#include "internal.h"
+#include "simd.h"
+
+namespace pagedllm {
+namespace {
+
+#if defined(__AVX2__)
+#define PAGEDLLM_QUANT_AVX2 1
+#endif
+
+constexpr int kGroup = 4;            // input rows sharing one decode of a weight row's chunks
+constexpr int64_t kTileBytes = 96 << 10;  // int8 input rows per tile: ~96 KiB, well inside L2
+
+float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = exp == 31 ? (sign | 0x7F800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// Weights and bytes per block of each type.
+inline int64_t block_weights(int32_t type) {
+  return (type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K) ? 256 : 32;
+}
+
+inline int64_t block_bytes(int32_t type) {
+  switch (type) {
+    case PQ_Q4_0: return 18;
+    case PQ_Q4_1: return 20;
+    case PQ_Q8_0: return 34;
+    case PQ_Q4_K: return 144;
+    case PQ_Q5_K: return 176;
+    case PQ_Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+// Q4_K and Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Chunk c (weights 32 c .. 32 c + 31) of a row: w[i] = a * sc[i / 16] * q[i] + b.
+struct Chunk {
+  int8_t q[32] = {};
+  int16_t sc[2] = {1, 1};
+  float a = 0.f, b = 0.f;
+};
+
+void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
+  k.sc[0] = k.sc[1] = 1;
+  k.a = k.b = 0.f;
+  switch (type) {
+    case PQ_Q4_0:
+    case PQ_Q4_1: {
+      const uint8_t* blk = row + c * block_bytes(type);
+      const float d = f16_at(blk);
+      k.a = d;
+      k.b = type == PQ_Q4_0 ? -8.f * d : f16_at(blk + 2);
+      const uint8_t* qs = blk + (type == PQ_Q4_0 ? 2 : 4);
+      for (int l = 0; l < 16; ++l) {
+        k.q[l] = static_cast<int8_t>(qs[l] & 0xF);
+        k.q[l + 16] = static_cast<int8_t>(qs[l] >> 4);
+      }
+      return;
+    }
+    case PQ_Q8_0: {
+      const uint8_t* blk = row + c * 34;
+      k.a = f16_at(blk);
+      std::memcpy(k.q, blk + 2, 32);
+      return;
+    }
+    case PQ_Q4_K:
+    case PQ_Q5_K: {
+      const int j = static_cast<int>(c % 8);
+      const uint8_t* blk = row + (c / 8) * block_bytes(type);
+      int sc, m;
+      scale_min_k4(j, blk + 4, sc, m);
+      k.a = f16_at(blk) * static_cast<float>(sc);
+      k.b = -f16_at(blk + 2) * static_cast<float>(m);
+      const bool q5 = type == PQ_Q5_K;
+      const uint8_t* src = blk + (q5 ? 48 : 16) + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        int v = (j % 2) ? src[l] >> 4 : src[l] & 0xF;
+        if (q5) v += ((blk[16 + l] >> j) & 1) << 4;
+        k.q[l] = static_cast<int8_t>(v);
+      }
+      return;
+    }
+    case PQ_Q6_K: {
+      const int j = static_cast<int>(c % 8), h = j / 4, part = j % 4;
+      const uint8_t* blk = row + (c / 8) * 210;
+      const uint8_t* ql = blk + 64 * h + (part % 2 ? 32 : 0);
+      const uint8_t* qh = blk + 128 + 32 * h;
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      k.a = f16_at(blk + 208);
+      k.sc[0] = scales[8 * h + 2 * part];
+      k.sc[1] = scales[8 * h + 2 * part + 1];
+      for (int l = 0; l < 32; ++l) {
+        const int lo = part < 2 ? ql[l] & 0xF : ql[l] >> 4;
+        k.q[l] = static_cast<int8_t>((lo | (((qh[l] >> (2 * part)) & 3) << 4)) - 32);
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+// Row r of the matrix: its bytes and type.
+inline const uint8_t* row_of(const QMatrix& w, int64_t r, int32_t& type) {
+  for (int s = 0; s < w.nseg; ++s) {
+    const QSegment& g = w.seg[s];
+    if (r < g.rows) {
+      type = g.type;
+      return g.data + r * (w.in / block_weights(g.type)) * block_bytes(g.type);
+    }
+    r -= g.rows;
+  }
+  type = -1;
+  return nullptr;
+}
+
+void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
+  Chunk k;
+  for (int64_t c = 0; c < in / 32; ++c) {
+    decode_chunk(type, row, c, k);
+    float* o = out + 32 * c;
+    const float a0 = k.a * k.sc[0], a1 = k.a * k.sc[1];
+    for (int l = 0; l < 16; ++l) o[l] = a0 * k.q[l] + k.b;
+    for (int l = 16; l < 32; ++l) o[l] = a1 * k.q[l] + k.b;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Input rows quantized to int8 in blocks of 32.
+struct Q8Rows {
+  int8_t* q;   // [rows, in]
+  float* d;    // [rows, in / 32]: the block's scale
+  float* s;    // [rows, in / 32]: d * sum of the block's q
+  int64_t in;  // row length
+};
+
+void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* s) {
+  for (int64_t c = 0; c < in / 32; ++c) {
+    const float* v = x + 32 * c;
+    int8_t* o = q + 32 * c;
+#if defined(PAGEDLLM_QUANT_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+           v3 = _mm256_loadu_ps(v + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 mul = _mm256_set1_ps(id);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    i0 = _mm256_packs_epi32(i0, i1);
+    i2 = _mm256_packs_epi32(i2, i3);
+    i0 = _mm256_packs_epi16(i0, i2);
+    i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), i0);
+    d[c] = dd;
+    s[c] = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+#else
+    float amax = 0.f;
+    for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
+    const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int l = 0; l < 32; ++l) {
+      const int qi = static_cast<int>(std::nearbyint(v[l] * id));
+      o[l] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[c] = dd;
+    s[c] = dd * static_cast<float>(sum);
+#endif
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The products of one weight row with a group of MB quantized input rows (the group's first row at xq, xd, xs; rows
+// ldq / ldb apart): out[m * ldo] = row . x_m.
+#if defined(PAGEDLLM_QUANT_AVX2)
+
+inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> their 16 low nibbles, then their 16 high nibbles
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Calls f(c, q, sc16, a, b) for every chunk of a row: q the chunk's 32 integers as bytes (unsigned for the types
+// with kSigned false), sc16 the 16-bit multipliers of the 16 pair sums (vpmaddubsw's output lanes 0-7 cover weights
+// 0-15), a and b its float scale and offset.
+template <int32_t T, class F>
+inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+  if constexpr (T == PQ_Q4_0 || T == PQ_Q4_1 || T == PQ_Q8_0) {
+    constexpr int64_t bytes = T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34;
+    for (int64_t c = 0; c < in / 32; ++c) {
+      const uint8_t* blk = row + c * bytes;
+      const float d = f16_at(blk);
+      if constexpr (T == PQ_Q4_0) f(c, nibbles16(blk + 2), ones, d, -8.f * d);
+      if constexpr (T == PQ_Q4_1) f(c, nibbles16(blk + 4), ones, d, f16_at(blk + 2));
+      if constexpr (T == PQ_Q8_0)
+        f(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), ones, d, 0.f);
+    }
+  } else if constexpr (T == PQ_Q4_K || T == PQ_Q5_K) {
+    constexpr bool q5 = T == PQ_Q5_K;
+    constexpr int64_t bytes = q5 ? 176 : 144;
+    for (int64_t sb = 0; sb < in / 256; ++sb) {
+      const uint8_t* blk = row + sb * bytes;
+      const float d = f16_at(blk), dmin = f16_at(blk + 2);
+      const uint8_t* qs = blk + (q5 ? 48 : 16);
+      const __m256i qh = q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        const __m256i bytes32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
+        __m256i lo = _mm256_and_si256(bytes32, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes32, 4), m4);
+        if constexpr (q5) {
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * g)));
+          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * g + 1)));
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+        }
+        int sc, m;
+        scale_min_k4(2 * g, blk + 4, sc, m);
+        f(sb * 8 + 2 * g, lo, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m));
+        scale_min_k4(2 * g + 1, blk + 4, sc, m);
+        f(sb * 8 + 2 * g + 1, hi, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m));
+      }
+    }
+  } else {  // Q6_K
+    const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int64_t sb = 0; sb < in / 256; ++sb) {
+      const uint8_t* blk = row + sb * 210;
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = f16_at(blk + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        for (int part = 0; part < 4; ++part) {
+          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), three);
+          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lows[part], _mm256_slli_epi16(hb, 4)), off);
+          const int s0 = scales[8 * h + 2 * part], s1 = scales[8 * h + 2 * part + 1];
+          const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(s1)),
+                                                _mm_set1_epi16(static_cast<int16_t>(s0)));
+          f(sb * 8 + 4 * h + part, q, sc16, d, 0.f);
+        }
+      }
+    }
+  }
+}
+
+template <int32_t T>
+constexpr bool kSigned = T == PQ_Q8_0 || T == PQ_Q6_K;
+template <int32_t T>
+constexpr bool kOffset = !(T == PQ_Q8_0 || T == PQ_Q6_K);  // b != 0
+template <int32_t T>
+constexpr bool kUnitScales = T != PQ_Q6_K;
+
+template <int32_t T, int MB>
+void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+               int64_t ldb, float* out, int64_t ldo) {
+  __m256 acc[MB];
+  float off[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    off[m] = 0.f;
+  }
+  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
+    const __m256i aq = kSigned<T> ? _mm256_sign_epi8(q, q) : q;  // |q| (vpsignb: q * sign(q))
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldq + 32 * c));
+      if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, q);  // the sign of q moved onto x
+      __m256i p;
+#if defined(__AVX512VNNI__)
+      if constexpr (kUnitScales<T>)
+        p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, x);
+      else
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), sc16);
+#else
+      p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), sc16);
+#endif
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[m * ldb + c]), acc[m]);
+      if constexpr (kOffset<T>) off[m] += b * xs[m * ldb + c];
+    }
+  });
+  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + off[m];
+}
+
+#else  // no AVX2: the same integer arithmetic in plain C++
+
+template <int32_t T, int MB>
+void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+               int64_t ldb, float* out, int64_t ldo) {
+  float acc[MB] = {}, off[MB] = {};
+  Chunk k;
+  for (int64_t c = 0; c < in / 32; ++c) {
+    decode_chunk(T, row, c, k);
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* x = xq + m * ldq + 32 * c;
+      int32_t s0 = 0, s1 = 0;
+      for (int l = 0; l < 16; ++l) s0 += k.q[l] * x[l];
+      for (int l = 16; l < 32; ++l) s1 += k.q[l] * x[l];
+      acc[m] += k.a * xd[m * ldb + c] * static_cast<float>(s0 * k.sc[0] + s1 * k.sc[1]);
+      off[m] += k.b * xs[m * ldb + c];
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + off[m];
+}
+
+#endif
+
+using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float*,
+                       int64_t);
+
+template <int32_t T>
+DotFn dot_for(int mb) {
+  switch (mb) {
+    case 1: return dot_group<T, 1>;
+    case 2: return dot_group<T, 2>;
+    case 3: return dot_group<T, 3>;
+    default: return dot_group<T, 4>;
+  }
+}
+
+DotFn dot_fn(int32_t type, int mb) {
+  switch (type) {
+    case PQ_Q4_0: return dot_for<PQ_Q4_0>(mb);
+    case PQ_Q4_1: return dot_for<PQ_Q4_1>(mb);
+    case PQ_Q8_0: return dot_for<PQ_Q8_0>(mb);
+    case PQ_Q4_K: return dot_for<PQ_Q4_K>(mb);
+    case PQ_Q5_K: return dot_for<PQ_Q5_K>(mb);
+    case PQ_Q6_K: return dot_for<PQ_Q6_K>(mb);
+    default: return nullptr;
+  }
+}
+
+// Outputs [o0, o1) of `rows` quantized input rows (row m at x.q + m * x.in ...) into y (row m at y + m * ldy).
+void quant_rows_range(const QMatrix& w, const Q8Rows& x, int64_t rows, const float* bias, float* y, int64_t ldy,
+                      int64_t o0, int64_t o1) {
+  const int64_t in = x.in, nb = in / 32;
+  int64_t first = 0;  // of the current segment
+  for (int s = 0; s < w.nseg && first < o1; ++s) {
+    const QSegment& g = w.seg[s];
+    const int64_t lo = std::max(o0, first), hi = std::min(o1, first + g.rows);
+    if (lo < hi) {
+      const int64_t stride = (in / block_weights(g.type)) * block_bytes(g.type);
+      DotFn full = dot_fn(g.type, kGroup), tail = dot_fn(g.type, static_cast<int>(rows % kGroup));
+      for (int64_t o = lo; o < hi; ++o) {
+        const uint8_t* wr = g.data + (o - first) * stride;
+        int64_t m = 0;
+        for (; m + kGroup <= rows; m += kGroup)
+          full(wr, in, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + o, ldy);
+        if (m < rows) tail(wr, in, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + o, ldy);
+      }
+    }
+    first += g.rows;
+  }
+  if (bias != nullptr)
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t o = o0; o < o1; ++o) y[m * ldy + o] += bias[o];
+}
+
+}  // namespace
+
+int64_t quant_row_bytes(int32_t type, int64_t in) {
+  const int64_t bw = block_weights(type), bb = block_bytes(type);
+  if (bb == 0 || in <= 0 || in % bw) return 0;
+  return in / bw * bb;
+}
+
+void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int threads) {
+  const QMatrix& w = *wp;
+  const int64_t in = w.in, out = w.out, nb = in / 32;
+  // The rows in tiles whose int8 copy fits kTileBytes (a whole number of groups), each quantized then multiplied.
+  const int64_t tile = std::max<int64_t>(kGroup, std::min<int64_t>(rows, kTileBytes / in / kGroup * kGroup));
+  std::vector<int8_t> q(tile * in);
+  std::vector<float> d(tile * nb), s(tile * nb);
+  // Outputs in chunks of 16 rows, handed out in shrinking runs (guided): a thread that loses its core for a while
+  // does not hold the others up.
+  const int64_t chunks = (out + 15) / 16;
+  const int nt = team_size(threads, chunks);
+  for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+    const int64_t n = std::min(tile, rows - t0);
+    const Q8Rows xr{q.data(), d.data(), s.data(), in};
+#pragma omp parallel num_threads(team_for_grain(nt, n * in, 1 << 14))
+    {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < n; ++m)
+        quantize_row(x + (t0 + m) * in, in, q.data() + m * in, d.data() + m * nb, s.data() + m * nb);
+    }
+#pragma omp parallel for schedule(guided) num_threads(nt)
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      quant_rows_range(w, xr, n, bias, y + t0 * out, out, ch * 16, std::min(out, ch * 16 + 16));
+  }
+}
+
+void quant_dequantize_rows(float* out, const QMatrix* wp, const int64_t* ids, int64_t n, int threads) {
+  const QMatrix& w = *wp;
+#pragma omp parallel for schedule(static) num_threads(team_for_grain(threads, n * w.in, 1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t type;
+    const uint8_t* row = row_of(w, ids[i], type);
+    dequant_row(type, row, w.in, out + i * w.in);
+  }
+}
+
+void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s) { quantize_row(x, in, q, d, s); }
+
+void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const float* s, const float* bias, float* y,
+                      int64_t o0, int64_t o1) {
+  quant_rows_range(w, Q8Rows{const_cast<int8_t*>(q), const_cast<float*>(d), const_cast<float*>(s), w.in}, 1, bias,
+                   y, w.out, o0, o1);
+}
+
+}  // namespace pagedllm
