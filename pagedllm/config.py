@@ -186,6 +186,9 @@ class ModelConfig:
     max_model_len: int
     served_model_name: str
     seed: int = 0
+    # "gguf": a GGUF file's quantized tensors run as stored (where the native kernels run them); None: every weight
+    # in `dtype` (an HF folder, or a GGUF de-quantized at load with --quantization none).
+    quantization: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -73,6 +73,14 @@ class EngineArgs:
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
     dtype: str = _arg("auto", "weights and activations; auto is float32", choices=DTYPE_NAMES)
+    quantization: str | None = _arg(
+        None,
+        "how a GGUF model's quantized weights run: as stored by default (gguf: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K "
+        "on the native CPU kernels; other types are de-quantized at load), or none: every weight de-quantized at "
+        "load to --dtype (the float32 reference path)",
+        aliases=("-q",),
+        choices=("gguf", "none"),
+    )
     seed: int = _arg(0, "seed of the engine's random state")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's limit)")
     block_size: int = _arg(16, "tokens per KV cache block, a power of two")
@@ -226,6 +234,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             seed=self.seed,
+            quantization=self.quantization,
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
         return model_config

@@ -20,6 +20,7 @@ from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
 
 logger = logging.getLogger(__name__)
+QUANTIZATIONS = (None, "gguf", "none")
 # Bumped when what the config cache holds changes.
 _CONFIG_CACHE_FORMAT = 1
 
@@ -163,7 +164,12 @@ def load_model_config(
     max_model_len: int | None = None,
     served_model_name: str | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> ModelConfig:
+    """The ModelConfig of an HF folder or .gguf file. `quantization`: None (a GGUF runs as stored), "gguf" (the
+    same, and the model must be a GGUF file) or "none" (a GGUF is de-quantized at load to `dtype`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of gguf, none")
     path = os.path.abspath(os.path.expanduser(model))
     gguf_file = None
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -175,11 +181,14 @@ def load_model_config(
             ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
             if len(ggufs) == 1:
                 return load_model_config(
-                    os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len, served_model_name, seed
+                    os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len, served_model_name, seed,
+                    quantization,
                 )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
         from transformers import AutoConfig
 
+        if quantization == "gguf":
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {model!r}")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         tok_dir = path
         default_name = os.path.basename(path.rstrip("/"))
@@ -199,4 +208,5 @@ def load_model_config(
         max_model_len=_max_len(hf_config, max_model_len),
         served_model_name=served_model_name or default_name,
         seed=seed,
+        quantization=None if gguf_file is None or quantization == "none" else "gguf",
     )

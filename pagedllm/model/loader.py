@@ -1,8 +1,12 @@
 """Checkpoint -> model: safetensors folders and GGUF files feed the same HF-named tensors to `load_weights`.
 
-GGUF tensors are dequantized by the `gguf` package to float32 and then cast to the compute dtype. llama.cpp
-stores Llama query/key weights with the rows of each head interleaved for its rotary layout; they are
-un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding expects.
+GGUF tensors of a type the native kernels run (pagedllm.model.quant.NATIVE_TYPES) reach the layers as stored, as
+`QuantTensor`s, when the model config says so (`quantization == "gguf"`, the default for a .gguf file) and the
+native ops are there; every other tensor is de-quantized by the `gguf` package to float32 (through the weight cache,
+weight_cache.py, when nothing stays quantized) and cast to the compute dtype, and the types de-quantized that way
+are logged once. llama.cpp stores Llama query/key weights with the rows of each head interleaved for its rotary
+layout; they are un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding expects:
+whole rows move, so a quantized tensor is un-permuted exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.linear import prepare_for_inference
+from pagedllm.model.quant import NATIVE_TYPES, QuantTensor, type_name
 from pagedllm.model.registry import get_model_class
 from pagedllm.model.weight_cache import gguf_weights
 
@@ -64,27 +69,54 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf(
+    path: str, hf_config, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """(HF name, tensor) of a GGUF file: float32, or with `keep_quantized` a QuantTensor (a view of the mapped file)
+    for every tensor of a native type."""
+    import warnings
+
     import gguf
 
     reader = open_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+    dequantized: set[str] = set()
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
+        heads = None
+        if arch in ("llama", "mistral"):
+            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                heads = n_head
+            elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                heads = n_kv
+        shape = tuple(reversed([int(d) for d in t.shape]))  # numpy order: [rows (out), cols (in)]
+        qtype = int(t.tensor_type)
+        if keep_quantized and qtype in NATIVE_TYPES and len(shape) == 2:
+            with warnings.catch_warnings():  # the mapping is read-only; the layers copy what they keep
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(t.data)
+            q = QuantTensor(qtype, data, shape)
+            if heads is not None:
+                q = q.index_rows(unpermute_rotary(np.arange(shape[0]), heads))
+            yield name, q
+            continue
+        if qtype not in (int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16)):
+            dequantized.add(type_name(qtype))
         # dequantize gives the logical shape in numpy order: [rows (out), cols (in)]
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if arch in ("llama", "mistral"):
-            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-                w = unpermute_rotary(w, n_head)
-            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-                w = unpermute_rotary(w, n_kv)
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if heads is not None:
+            w = unpermute_rotary(w, heads)
         # dequantize may return a read-only view of the mapped file; torch needs a writable array.
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+    if keep_quantized and dequantized:
+        logger.info(
+            "GGUF tensors of type %s have no native kernel: de-quantized to float32 at load", ", ".join(sorted(dequantized))
+        )
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,7 +142,16 @@ def load_model(
         model = cls(model_config.hf_config, dtype=model_config.torch_dtype, kernels=kernels)
     path = model_config.model
     if path.endswith(".gguf"):
-        weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
+        keep = model_config.quantization == "gguf" and kernels is not None and kernels.cpu_for(model_config.torch_dtype) is not None
+        if model_config.quantization == "gguf" and not keep:
+            logger.warning(
+                "GGUF weights run as stored only with the native CPU kernels in float32 activations: "
+                "de-quantizing %s to %s", os.path.basename(path), model_config.dtype
+            )
+        if keep:
+            weights = iterate_gguf(path, model_config.hf_config, keep_quantized=True)
+        else:
+            weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
     else:
         weights = iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)

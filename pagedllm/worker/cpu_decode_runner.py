@@ -1,7 +1,8 @@
 """The fused one-token decoder on the CPU: a whole Llama-family decoder stack in one native call per step.
 
 Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
-Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32, every linear with its panels, one rank), else
+Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32, every linear with its panels or its quantized
+weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, seq_lens)` computes the
 final hidden state [1, hidden] of a step whose batch is one decode token, writing that token's keys and values into
 every layer's cache, exactly as the model's layer-by-layer forward does (which stays the path for every other step
@@ -64,7 +65,8 @@ class CpuDecodeRunner:
             attn = _get(layer, "self_attn")
             for path in _LINEARS:
                 lin = _get(layer, path)
-                if lin is None or getattr(lin, "panels", None) is None or getattr(lin, "tp_size", 1) != world_size:
+                runs = lin is not None and (getattr(lin, "panels", None) is not None or lin.qweight is not None)
+                if not runs or getattr(lin, "tp_size", 1) != world_size:
                     return False
             rope = _get(layer, "self_attn.rotary_emb")
             if rope is None or rope.cos_sin_cache.dtype != torch.float32:
@@ -76,8 +78,8 @@ class CpuDecodeRunner:
         return True
 
     def _layer_weights(self) -> list[torch.Tensor]:
-        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels, an empty
-        tensor for an absent bias or q/k norm."""
+        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels (empty
+        where the layer is quantized), an empty tensor for an absent bias or q/k norm."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         for layer in self.model.model.layers:
@@ -89,13 +91,20 @@ class CpuDecodeRunner:
             def norm(n: Any) -> torch.Tensor:
                 return none if n is None else n.weight
 
+            def panels(lin: Any) -> torch.Tensor:
+                return none if lin.panels is None else lin.panels.data
+
             weights += [
-                layer.input_layernorm.weight, attn.qkv_proj.panels.data, bias(attn.qkv_proj),
-                norm(attn.q_norm), norm(attn.k_norm), attn.o_proj.panels.data, bias(attn.o_proj),
-                layer.post_attention_layernorm.weight, mlp.gate_up_proj.panels.data, bias(mlp.gate_up_proj),
-                mlp.down_proj.panels.data, bias(mlp.down_proj),
+                layer.input_layernorm.weight, panels(attn.qkv_proj), bias(attn.qkv_proj),
+                norm(attn.q_norm), norm(attn.k_norm), panels(attn.o_proj), bias(attn.o_proj),
+                layer.post_attention_layernorm.weight, panels(mlp.gate_up_proj), bias(mlp.gate_up_proj),
+                panels(mlp.down_proj), bias(mlp.down_proj),
             ]  # fmt: skip
         return weights
+
+    def _quant_weights(self) -> list[Any]:
+        """Four entries per layer (qkv, o, gate_up, down): the layer's QuantMatrix, or None for its panels."""
+        return [_get(layer, path).qweight for layer in self.model.model.layers for path in _LINEARS]
 
     def _decoder(self) -> Any:
         """The native DecodeModel, built once per KV cache allocation (it holds the caches' pointers)."""
@@ -108,6 +117,7 @@ class CpuDecodeRunner:
                 self._layer_weights(), [a.attn.kv_cache[0] for a in attns],
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
+                self._quant_weights(),
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

@@ -12,6 +12,7 @@
 // same kernel serves a decode step (the weights streamed once) and a prefill (compute bound). Without AVX2 the same
 // integer arithmetic runs in plain C++.
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "internal.h"
@@ -317,12 +318,14 @@ constexpr bool kUnitScales = T != PQ_Q6_K;
 template <int32_t T, int MB>
 void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                int64_t ldb, float* out, int64_t ldo) {
-  __m256 acc[MB];
-  float off[MB];
-  for (int m = 0; m < MB; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    off[m] = 0.f;
-  }
+  // Even and odd chunks in separate accumulators where registers allow: one chain of dependent FMAs would bound a
+  // single row's product by the FMA latency.
+  constexpr int NA = MB <= 2 ? 2 : 1;
+  __m256 acc[MB][NA];
+  __m256 off[NA];  // lane m: row m's sum of b * sx (m < MB <= 4)
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < NA; ++u) acc[m][u] = _mm256_setzero_ps();
+  for (int u = 0; u < NA; ++u) off[u] = _mm256_setzero_ps();
   visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
     const __m256i aq = kSigned<T> ? _mm256_sign_epi8(q, q) : q;  // |q| (vpsignb: q * sign(q))
 #pragma GCC unroll 4
@@ -338,11 +341,30 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 #else
       p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), sc16);
 #endif
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[m * ldb + c]), acc[m]);
-      if constexpr (kOffset<T>) off[m] += b * xs[m * ldb + c];
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[m * ldb + c]), acc[m][0]);
+    }
+    if constexpr (kOffset<T>) {
+      __m256 sx;
+      if constexpr (MB == 1) sx = _mm256_set1_ps(xs[c]);
+      else if constexpr (MB == 2) sx = _mm256_setr_ps(xs[c], xs[ldb + c], 0, 0, 0, 0, 0, 0);
+      else if constexpr (MB == 3) sx = _mm256_setr_ps(xs[c], xs[ldb + c], xs[2 * ldb + c], 0, 0, 0, 0, 0);
+      else sx = _mm256_setr_ps(xs[c], xs[ldb + c], xs[2 * ldb + c], xs[3 * ldb + c], 0, 0, 0, 0);
+      off[0] = _mm256_fmadd_ps(sx, _mm256_set1_ps(b), off[0]);
+    }
+    if constexpr (NA == 2) {  // the next chunk adds to the other accumulators (a register rename, not a move)
+      for (int m = 0; m < MB; ++m) std::swap(acc[m][0], acc[m][1]);
+      std::swap(off[0], off[1]);
     }
   });
-  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + off[m];
+  float offs[8];
+  __m256 o = off[0];
+  for (int u = 1; u < NA; ++u) o = _mm256_add_ps(o, off[u]);
+  _mm256_storeu_ps(offs, o);
+  for (int m = 0; m < MB; ++m) {
+    __m256 a = acc[m][0];
+    for (int u = 1; u < NA; ++u) a = _mm256_add_ps(a, acc[m][u]);
+    out[m * ldo] = hsum(a) + (kOffset<T> ? offs[m] : 0.f);
+  }
 }
 
 #else  // no AVX2: the same integer arithmetic in plain C++

@@ -1,7 +1,9 @@
 """Vocabulary-parallel embedding and LM head.
 
 Each rank holds a contiguous slice of the vocabulary; lookups outside the slice contribute zeros and are
-summed across ranks, and the LM head's partial logits are gathered. On one device both are plain ops.
+summed across ranks, and the LM head's partial logits are gathered. On one device both are plain ops. A quantized
+GGUF table that the native ops run stays as stored: lookups de-quantize their rows, and the LM head (its own table,
+or the embedding's when tied) runs the quantized product.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight, panel_shape
+from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,27 +26,52 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         dtype: torch.dtype = torch.float32,
         tp: TensorParallelGroup | None = None,
+        ops: Any = None,
     ) -> None:
         super().__init__()
+        self.ops = ops  # the native CPU ops (quantized tables, few-row logits on panels), or None
         self.tp = tp or TensorParallelGroup()
         self.tp_size = self.tp.world_size
         self.tp_rank = self.tp.rank
         self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant: QuantParts | None = None  # a quantized table as loaded, until pack_weights
+        self.qweight: Any = None  # the native QuantMatrix of the table, once packed
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
         part = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
+        if isinstance(part, QuantTensor):
+            if part.shape[0] == self.shard_size and keeps(self.ops, part, self.embedding_dim):
+                self.quant = QuantParts(self.shard_size, self.embedding_dim)
+                self.quant.add(0, part)
+                return
+            part = part.dequantize()
         param.data[: part.shape[0]].copy_(part)
+
+    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
+        """Build the quantized table (into `quant_out` when given) and drop the float one."""
+        if self.quant is None:
+            return False
+        self.qweight = self.quant.build(self.ops, quant_out)
+        self.quant = None
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        return True
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.ops.dequantize_rows(self.qweight, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         mask = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = self._lookup(local.masked_fill(mask, 0))
         out.masked_fill_(mask.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -62,24 +90,36 @@ class ParallelLMHead(VocabParallelEmbedding):
         ops: Any = None,
         tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim, dtype, tp)
-        self.ops = ops  # the native CPU ops (few-row logits on panels), or None
+        super().__init__(num_embeddings, embedding_dim, dtype, tp, ops)
+        self.tied: VocabParallelEmbedding | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = embedding
+
+    def _tied_quantized(self) -> bool:
+        return self.tied is not None and (self.tied.quant is not None or self.tied.qweight is not None)
 
     def panel_shape(self) -> tuple[int, int, int] | None:
+        if self.quant is not None or self.qweight is not None or self._tied_quantized():
+            return None
         return panel_shape(self.weight, self.ops)
 
-    def pack_weights(self, panels_out: torch.Tensor | None = None) -> bool:
-        """Build oneDNN's copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`); the plain
-        weight, which may be the embedding's, is kept."""
+    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
+        """Build the quantized table (tied: the embedding's, packed before this), else oneDNN's copy and the panels
+        (into `panels_out` when given: a tensor of `panel_shape()`); the plain weight, which may be the
+        embedding's, is kept."""
+        if self.tied is not None and self.tied.qweight is not None:
+            self.qweight = self.tied.qweight
+            return True
+        if super().pack_weights(panels_out, quant_out):
+            return True
         self.packed_weight = pack_weight(self.weight)
         self.panels = pack_panels(self.weight, self.ops, panels_out)
         return self.packed_weight is not None or self.panels is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels, self.ops)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight)
         if self.tp_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import Shard, TensorParallelGroup, attention_shard
 from pagedllm.model import hugepages
+from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm): MKL's own
 # threading of skinny GEMMs leaves most of the memory bandwidth unused on the CPUs we measure on (bench/RESULTS.md).
@@ -80,10 +81,13 @@ def linear(
     packed: torch.Tensor | None = None,
     panels: Panels | None = None,
     ops: Any = None,
+    qweight: Any = None,
 ) -> torch.Tensor:
-    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the native panels
-    (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `packed` and `panels`
-    cover it."""
+    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the quantized
+    weight as stored (`qweight`, a QuantMatrix of `ops`), the native panels (with `ops`) for a few rows, oneDNN's
+    packed copy, or torch. `weight` may be empty when `qweight`, or `packed` and `panels`, cover it."""
+    if qweight is not None:
+        return ops.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias).view(*x.shape[:-1], -1)
     if panels is not None and ops is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS:
         return ops.panel_linear(x.contiguous(), panels.data, bias, panels.out_features)
     if packed is not None and x.dim() == 2:
@@ -109,14 +113,36 @@ def prepare_for_inference(model: nn.Module) -> int:
     """Prepack the weights of every layer that supports it (call after loading); returns how many. Layers built with
     the native CPU ops also get their weights' panels, packed straight into one huge-page arena laid out in the order
     a forward pass reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and the panels
-    cover every batch size."""
+    cover every batch size. Quantized weights are copied from the file into a second such arena, in the same
+    order, and run as stored."""
     modules = [module for module in model.modules() if getattr(module, "pack_weights", None) is not None]
+    for module in modules:
+        settle = getattr(module, "settle_quant", None)
+        if settle is not None:
+            settle()
     arena = panel_arena(modules)
+    quant = quant_arena(modules)
     count = 0
     for module in modules:
-        if module.pack_weights(arena.get(module)):
+        if module.pack_weights(arena.get(module), quant.get(module)):
             count += 1
     return count
+
+
+def quant_arena(modules: list[nn.Module]) -> dict[nn.Module, list[torch.Tensor]]:
+    """Where each of these modules' quantized segments go: views of one huge-page byte arena, back to back."""
+    shapes: dict[nn.Module, list[tuple[int, int]]] = {}
+    for module in modules:
+        parts = getattr(module, "quant", None)
+        if isinstance(parts, QuantParts):
+            shapes[module] = parts.shapes()
+    if not shapes:
+        return {}
+    _, views = hugepages.arena([shape for module_shapes in shapes.values() for shape in module_shapes], torch.uint8)
+    out: dict[nn.Module, list[torch.Tensor]] = {}
+    for module, module_shapes in shapes.items():
+        out[module], views = views[: len(module_shapes)], views[len(module_shapes) :]
+    return out
 
 
 def panel_arena(modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
@@ -140,8 +166,10 @@ def _set_loader(param: nn.Parameter, loader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    """Copy a whole tensor (replicated parameters)."""
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
+    """Copy a whole tensor (replicated parameters); a quantized one is de-quantized."""
+    if isinstance(loaded_weight, QuantTensor):
+        loaded_weight = loaded_weight.dequantize()
     if param.shape != loaded_weight.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
@@ -168,12 +196,42 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.panels: Panels | None = None
+        self.quant: QuantParts | None = None  # quantized rows as loaded, until pack_weights
+        self.qweight: Any = None  # the native QuantMatrix the layer runs on, once packed
+
+    def put_rows(self, param: nn.Parameter, first_row: int, tensor: torch.Tensor | QuantTensor) -> None:
+        """Load `tensor` into rows [first_row, ...) of `param`: a quantized weight the native ops run is kept as
+        stored, anything else (de-quantized if need be) copied."""
+        if isinstance(tensor, QuantTensor):
+            if param is self.weight and keeps(self.ops, tensor, self.input_size):
+                if self.quant is None:
+                    self.quant = QuantParts(self.output_size, self.input_size)
+                self.quant.add(first_row, tensor)
+                return
+            tensor = tensor.dequantize()
+        param.data.narrow(0, first_row, tensor.shape[0]).copy_(tensor)
+
+    def settle_quant(self) -> None:
+        """After loading: a weight only partly quantized (some of its checkpoint tensors of a type without a
+        kernel) is de-quantized whole."""
+        if self.quant is not None and not self.quant.complete():
+            self.quant.dequantize_into(self.weight.data)
+            self.quant = None
 
     def panel_shape(self) -> tuple[int, int, int] | None:
+        if self.quant is not None or self.qweight is not None:
+            return None
         return panel_shape(self.weight, self.ops)
 
-    def pack_weights(self, panels_out: torch.Tensor | None = None) -> bool:
-        """Build oneDNN's copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`)."""
+    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
+        """Build the quantized weight (into `quant_out` when given: tensors of `quant.shapes()`), or else oneDNN's
+        copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`)."""
+        self.settle_quant()
+        if self.quant is not None:
+            self.qweight = self.quant.build(self.ops, quant_out)
+            self.quant = None
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            return True
         self.packed_weight = pack_weight(self.weight)
         self.panels = pack_panels(self.weight, self.ops, panels_out)
         if self.packed_weight is None:
@@ -184,7 +242,7 @@ class LinearBase(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.panels, self.ops)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -194,9 +252,14 @@ class ReplicatedLinear(LinearBase):
         self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32, ops: Any = None
     ) -> None:
         super().__init__(input_size, output_size, bias, dtype, ops)
-        _set_loader(self.weight, default_weight_loader)
+        _set_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
+        if tuple(param.shape) != tuple(loaded_weight.shape):
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+        self.put_rows(param, 0, loaded_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -220,9 +283,9 @@ class ColumnParallelLinear(LinearBase):
     def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
         return tp.shard(output_size).count
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
         shard = self.tp.shard(loaded_weight.shape[0])
-        param.data.copy_(loaded_weight.narrow(0, shard.first, shard.count))
+        self.put_rows(param, 0, loaded_weight.narrow(0, shard.first, shard.count))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -243,10 +306,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
         return sum(tp.shard(size).count for size in self.output_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor, shard_id: int = 0
+    ) -> None:
         offset = sum(self.tp.shard(size).count for size in self.output_sizes[:shard_id])
         part = self.tp.shard(self.output_sizes[shard_id])
-        param.data.narrow(0, offset, part.count).copy_(loaded_weight.narrow(0, part.first, part.count))
+        self.put_rows(param, offset, loaded_weight.narrow(0, part.first, part.count))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -274,7 +339,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str = "q") -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor, shard_id: str = "q"
+    ) -> None:
         d, h = self.head_dim, self.heads
         q_size, kv_size = h.num_heads * d, h.num_kv_heads * d
         if shard_id == "q":
@@ -285,7 +352,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, first = q_size + kv_size, kv_size, h.first_kv_head * d
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, first, size))
+        self.put_rows(param, offset, loaded_weight.narrow(0, first, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -309,10 +376,11 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        param.data.copy_(loaded_weight.narrow(1, self.input_shard.first, self.input_shard.count))
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
+        # A quantized weight stays so when this rank's columns are whole blocks (else the slice is de-quantized).
+        self.put_rows(param, 0, loaded_weight.narrow(1, self.input_shard.first, self.input_shard.count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight))
         return y + self.bias if self.bias is not None else y

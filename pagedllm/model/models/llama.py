@@ -123,7 +123,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype, kernels.tp, kernels.cpu_for(dtype)
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels) for _ in range(config.num_hidden_layers)
         )
