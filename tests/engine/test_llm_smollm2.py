@@ -1,7 +1,9 @@
 """End-to-end tests of the offline LLM on the real default model (SmolLM2-135M-Instruct, GGUF).
 
 The reference is HF transformers loading the same GGUF file in the test, generating one prompt at a time
-(no padding), greedy. After every test the KV block pool holds no block in use.
+(no padding), greedy. The engine runs the file de-quantized to float32 (`quantization="none"`, the exact path);
+tests/engine/test_quantized.py covers the default, which runs it as stored. After every test the KV block pool
+holds no block in use.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm():
     # The default attention backend (the native CPU decode kernel here); the tiny models also check the torch one.
-    engine = LLM(kv_cache_memory_bytes="256MiB", max_model_len=2048)
+    engine = LLM(kv_cache_memory_bytes="256MiB", max_model_len=2048, quantization="none")
     yield engine
     engine.shutdown()
 

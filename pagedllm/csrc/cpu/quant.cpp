@@ -320,7 +320,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
                int64_t ldb, float* out, int64_t ldo) {
   // Even and odd chunks in separate accumulators where registers allow: one chain of dependent FMAs would bound a
   // single row's product by the FMA latency.
-  constexpr int NA = MB <= 2 ? 2 : 1;
+  constexpr int NA = 2;
   __m256 acc[MB][NA];
   __m256 off[NA];  // lane m: row m's sum of b * sx (m < MB <= 4)
   for (int m = 0; m < MB; ++m)
