@@ -25,7 +25,8 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("pagedllm", "csrc", "cpu")
 KERNEL_SOURCES = [
-    os.path.join(CSRC, f) for f in ("attention.cpp", "elementwise.cpp", "linear.cpp", "decoder.cpp", "quant.cpp", "ops.cpp")
+    os.path.join(CSRC, f)
+    for f in ("attention.cpp", "elementwise.cpp", "linear.cpp", "decoder.cpp", "quant.cpp", "ops.cpp")
 ]
 # Every build bakes in the hash of all these sources (the loader checks it), so a change to any of them rebuilds all.
 ALL_SOURCES = sorted(os.path.join(CSRC, f) for f in os.listdir(os.path.join(ROOT, CSRC)) if f.endswith((".cpp", ".h")))
@@ -35,7 +36,14 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
     # AVX-512 with VNNI (int8 dot products) and BF16: Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids.
     "avx512bf16": [
-        "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx512vnni",
+        "-mavx512bf16",
+        "-mavx2",
+        "-mfma",
         "-mf16c",
     ],
 }

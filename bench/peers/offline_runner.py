@@ -2,10 +2,16 @@
 
 The peer harness (`run.py`) writes the workload (prompt token ids and output lengths) to a JSON file and starts
 this script once per engine, each in its own interpreter: pagedllm and HF transformers from the project's
-virtualenv, vLLM from its own (`setup_vllm.sh`), so this file imports nothing from pagedllm at module level.
+virtualenv, vLLM and llama.cpp from their own (`setup_vllm.sh`, `setup_llamacpp.sh`), so this file imports nothing
+from pagedllm at module level.
 
-    python offline_runner.py --engine {pagedllm,hf,vllm} --model DIR --workload W.json --mode {throughput,decode}
-                             --out R.json [--num-iters N] [--num-threads 2]
+    python offline_runner.py --engine {pagedllm,hf,vllm,llamacpp} --model DIR|FILE.gguf --workload W.json
+                             --mode {throughput,decode} --out R.json [--num-iters N] [--num-threads 2]
+
+llama.cpp runs through llama-cpp-python's bindings of llama.cpp's own C API (the `batched` example's loop): every
+prompt's tokens go in batches of up to 512, each sequence with its own id in one unified KV cache, and then each
+step decodes one token of every unfinished sequence in one `llama_decode`; the next token is the argmax of its
+logits. At batch 1 that is llama.cpp's plain decode loop.
 
 Every engine gets the same treatment: load (timed apart), one small untimed warm-up, then the timed calls.
 throughput mode: all requests in one `generate` (HF: static batches of --hf-batch-size, as its users run it);
@@ -68,6 +74,69 @@ class VLLMEngine:
         del self.llm
 
 
+class LlamaCppEngine:
+    def __init__(self, model: str, num_threads: int, max_seqs: int = 64, n_ctx: int = 40960) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(model.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {model}")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 512, 512, max_seqs
+        cp.n_threads = cp.n_threads_batch = num_threads
+        cp.kv_unified = True  # one cache shared by all sequences (else n_ctx is split evenly between them)
+        cp.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.max_seqs = max_seqs
+        self.batch = llama_cpp.llama_batch_init(512, 0, max_seqs)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        for k, (token, pos, seq, logits) in enumerate(entries):
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = token, pos, 1, logits
+            b.seq_id[k][0] = seq
+        b.n_tokens = len(entries)
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, k: int) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, k), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        if len(prompts) > self.max_seqs:
+            raise ValueError(f"at most {self.max_seqs} sequences")
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)  # no reuse of an earlier call's KV
+        outs: list[list[int]] = [[] for _ in prompts]
+        # Prefill: every prompt's tokens in batches of up to 512; logits at each prompt's last token.
+        pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        for start in range(0, len(pending), 512):
+            chunk = pending[start : start + 512]
+            self._decode(chunk)
+            for k, (_, _, seq, last) in enumerate(chunk):
+                if last:
+                    outs[seq].append(self._argmax(k))
+        # Decode: one token of every unfinished sequence per step.
+        while True:
+            live = [s for s in range(len(prompts)) if len(outs[s]) < output_lens[s]]
+            if not live:
+                return outs
+            self._decode([(outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True) for s in live])
+            for k, s in enumerate(live):
+                outs[s].append(self._argmax(k))
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
 class HFEngine:
     def __init__(self, model: str, num_threads: int, batch_size: int) -> None:
         from pagedllm.benchmarks.throughput import HFRunner
@@ -88,9 +157,10 @@ def _timed(fn: Any, *args: Any) -> tuple[float, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+    if args.engine != "llamacpp":  # llama.cpp's virtualenv has no torch; it takes its thread count itself
+        import torch
 
-    torch.set_num_threads(args.num_threads)
+        torch.set_num_threads(args.num_threads)
     with open(args.workload) as f:
         w = json.load(f)
     prompts, output_lens = w["prompts"], w["output_lens"]
@@ -98,10 +168,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads)
     elif args.engine == "vllm":
         load_s, engine = _timed(VLLMEngine, args.model, args.num_threads)
+    elif args.engine == "llamacpp":
+        load_s, engine = _timed(LlamaCppEngine, args.model, args.num_threads)
     else:
         load_s, engine = _timed(HFEngine, args.model, args.num_threads, args.hf_batch_size)
     engine.generate(WARMUP["prompts"], WARMUP["output_lens"])
-    result: dict[str, Any] = {"engine": args.engine, "load_s": load_s, "threads": torch.get_num_threads()}
+    result: dict[str, Any] = {"engine": args.engine, "load_s": load_s, "threads": args.num_threads}
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(output_lens)
     if args.mode == "throughput":
         walls, outs = [], []
@@ -147,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm"], required=True)
+    parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm", "llamacpp"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--workload", required=True, help="JSON with prompts (token id lists) and output_lens")
     parser.add_argument("--mode", choices=["throughput", "decode"], default="throughput")

@@ -181,7 +181,12 @@ def load_model_config(
             ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
             if len(ggufs) == 1:
                 return load_model_config(
-                    os.path.join(path, ggufs[0]), tokenizer, dtype, max_model_len, served_model_name, seed,
+                    os.path.join(path, ggufs[0]),
+                    tokenizer,
+                    dtype,
+                    max_model_len,
+                    served_model_name,
+                    seed,
                     quantization,
                 )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")

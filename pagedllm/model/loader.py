@@ -114,9 +114,8 @@ def iterate_gguf(
         # dequantize may return a read-only view of the mapped file; torch needs a writable array.
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     if keep_quantized and dequantized:
-        logger.info(
-            "GGUF tensors of type %s have no native kernel: de-quantized to float32 at load", ", ".join(sorted(dequantized))
-        )
+        kinds = ", ".join(sorted(dequantized))
+        logger.info("GGUF tensors of type %s have no native kernel: de-quantized to float32 at load", kinds)
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,13 +141,17 @@ def load_model(
         model = cls(model_config.hf_config, dtype=model_config.torch_dtype, kernels=kernels)
     path = model_config.model
     if path.endswith(".gguf"):
-        keep = model_config.quantization == "gguf" and kernels is not None and kernels.cpu_for(model_config.torch_dtype) is not None
+        native = kernels is not None and kernels.cpu_for(model_config.torch_dtype) is not None
+        keep = model_config.quantization == "gguf" and native
         if model_config.quantization == "gguf" and not keep:
             logger.warning(
                 "GGUF weights run as stored only with the native CPU kernels in float32 activations: "
-                "de-quantizing %s to %s", os.path.basename(path), model_config.dtype
+                "de-quantizing %s to %s",
+                os.path.basename(path),
+                model_config.dtype,
             )
         if keep:
+            logger.info("weight cache: off (the GGUF's quantized tensors run as stored)")
             weights = iterate_gguf(path, model_config.hf_config, keep_quantized=True)
         else:
             weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
@@ -159,3 +162,57 @@ def load_model(
     prepare_for_inference(model)
     logger.info("startup: weights %.2f s, packing %.2f s", loaded - start, time.perf_counter() - loaded)
     return model.eval()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory a tensor lives in (an opaque oneDNN tensor: its own data)."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(t), t.numel() * t.element_size()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of memory the model's weights hold, each allocation counted once: its parameters and every packed copy
+    of them (oneDNN's, the native panels, which share huge-page arenas, and the quantized matrices)."""
+    storages: dict[int, int] = {}
+    quant: dict[int, int] = {}
+    for t in model.parameters():
+        if t.numel():
+            key, size = _storage_key(t)
+            storages[key] = size
+    for module in model.modules():
+        for name in ("packed_weight", "panels"):
+            t = getattr(module, name, None)
+            t = getattr(t, "data", t)  # Panels(data, out_features)
+            if isinstance(t, torch.Tensor) and t.numel():
+                key, size = _storage_key(t)
+                storages[key] = size
+        q = getattr(module, "qweight", None)
+        if q is not None:
+            quant[id(q)] = q.nbytes
+    return sum(storages.values()) + sum(quant.values())
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Weight bytes one decode token reads: every linear layer's and the LM head's, in the form the few-row path
+    runs (quantized as stored, else the float panels or the plain weight), and the norms."""
+    from pagedllm.model.layers.embedding import ParallelLMHead
+    from pagedllm.model.layers.linear import LinearBase
+    from pagedllm.model.layers.norm import RMSNorm
+
+    total = 0
+    for module in model.modules():
+        q = getattr(module, "qweight", None)
+        panels = getattr(module, "panels", None)
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            if q is not None:
+                total += q.nbytes
+            elif panels is not None:
+                total += panels.data.numel() * panels.data.element_size()
+            else:
+                total += module.weight.numel() * module.weight.element_size()
+        elif isinstance(module, RMSNorm):
+            total += module.weight.numel() * module.weight.element_size()
+    return total

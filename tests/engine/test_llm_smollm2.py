@@ -93,7 +93,13 @@ def test_greedy_matches_hf_token_for_token(llm, hf_reference):
 def test_stress_preemption_chunking_no_prefix_cache(hf_reference):
     """Prefix caching off, 32-token budget (chunked prefill), a KV cache too small for the batch."""
     ids, ref = hf_reference
-    engine = LLM(enable_prefix_caching=False, max_num_batched_tokens=32, max_model_len=128, num_gpu_blocks_override=16)
+    engine = LLM(
+        enable_prefix_caching=False,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        num_gpu_blocks_override=16,
+        quantization="none",
+    )
     try:
         outs = engine.generate(
             [{"prompt_token_ids": p} for p in ids],

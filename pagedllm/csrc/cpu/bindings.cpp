@@ -231,6 +231,7 @@ class CpuOps {
   }
 
   int64_t quant_row_bytes(int64_t type, int64_t in) const { return t_->quant_row_bytes(static_cast<int32_t>(type), in); }
+  int64_t quant_dot_max_rows() const { return t_->quant_dot_max_rows(); }
 
  private:
   const PagedllmCpuOps* t_;
@@ -486,6 +487,8 @@ PYBIND11_MODULE(_C, m) {
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())
       .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
            py::arg("out_features"))
+      .def("quant_dot_max_rows", &CpuOps::quant_dot_max_rows,
+           "rows up to which quant_linear runs on int8 products (more: de-quantized float32 panels)")
       .def("quant_row_bytes", &CpuOps::quant_row_bytes, py::arg("type"), py::arg("in_features"),
            "bytes of a row of in_features weights of GGML type `type`; 0 when no kernel runs it")
       .def(

@@ -22,11 +22,20 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const fl
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
 
+// Input rows up to which quant_linear runs on int8 products (beyond: de-quantized float32 panels).
+constexpr int64_t kQuantDotMaxRows = 32;
+int64_t quant_dot_max_rows();
+
 // Quantized weights (quant.cpp): an input row x [in] (in a multiple of 32) to int8 blocks of 32 (q [in]; d, s
 // [in / 32]: each block's scale and scale times the sum of its q); then outputs [o0, o1) of one such row on W.
 void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
 void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const float* s, const float* bias, float* y,
                       int64_t o0, int64_t o1);
+
+// One panel (kPanel outputs of a weight, [in, kPanel]) against mb input rows held transposed (xb[i * mb + m]): row
+// m's outputs [0, nout) go to y + m * ys (bias added when given).
+void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
+                 int64_t nout);
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
 // quant.cpp).

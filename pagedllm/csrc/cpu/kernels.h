@@ -130,10 +130,14 @@ struct PagedllmCpuOps {
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.
   int64_t (*quant_row_bytes)(int32_t type, int64_t in);
-  // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp).
+  // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp): up to quant_dot_max_rows()
+  // rows with the inputs quantized to int8 in blocks of 32, more on the de-quantized weight in float32.
   void (*quant_linear)(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
   // out [n, w.in] = rows ids[0..n) of W in float32 (ids in range).
   void (*quant_dequantize_rows)(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
+  // quant_linear runs up to this many rows on int8 products (each row's result independent of the others), more
+  // on float32 panels de-quantized per call.
+  int64_t (*quant_dot_max_rows)(void);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

@@ -75,6 +75,16 @@ static PanelRowsFn panel_rows_for(int mb, std::integer_sequence<int, Ms...>) {
 
 }  // namespace
 
+void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
+                 int64_t nout) {
+  for (int64_t m0 = 0; m0 < mb; m0 += kPanelBlock) {
+    const int64_t n = std::min<int64_t>(kPanelBlock, mb - m0);
+    // xb holds the rows transposed, mb to an input column; a block of n of them starts at column offset m0.
+    panel_rows_for(static_cast<int>(n), std::make_integer_sequence<int, kPanelBlock>{})(panel, xb + m0, mb, in,
+                                                                                        y + m0 * ys, ys, bias, nout);
+  }
+}
+
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in) {
   for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
     const int64_t base = p * kPanel;

@@ -26,6 +26,7 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::quant_row_bytes,
       pagedllm::quant_linear,
       pagedllm::quant_dequantize_rows,
+      pagedllm::quant_dot_max_rows,
   };
   return &table;
 }

@@ -5,12 +5,15 @@
 // 32 weights, each of the form w[i] = a * sc[i / 16] * q[i] + b with small integers q and sc (sc is 1 but for Q6_K,
 // whose 16-weight sub-blocks have their own scales): `decode_chunk` below says how each type's bytes give them.
 //
-// y = x W^T runs as ggml does: each input row is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
+// Up to kQuantDotMaxRows input rows (decode steps), y = x W^T runs as ggml does: each input row is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
 // chunk's product is a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products (AVX2: vpmaddubsw,
 // then vpmaddwd by the 16-bit scales; AVX-512 VNNI: vpdpbusd where the scales are all 1). Each output row's chunks are
 // decoded once for a group of up to kGroup input rows, and the rows go in tiles whose int8 copy stays in L2, so the
-// same kernel serves a decode step (the weights streamed once) and a prefill (compute bound). Without AVX2 the same
-// integer arithmetic runs in plain C++.
+// weights are streamed once for all the rows. Without AVX2 the same integer arithmetic runs in plain C++. A row's
+// result does not depend on the other rows of the call. More rows (prefill) are compute bound: there each thread
+// de-quantizes kPanel output rows at a time into a float32 panel and runs linear.cpp's panel kernels over all the
+// input rows, exact products of the de-quantized weights (the int8 inputs would cost accuracy, and on AVX2 they are
+// no faster once compute bound).
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -26,6 +29,7 @@ namespace {
 #endif
 
 constexpr int kGroup = 4;            // input rows sharing one decode of a weight row's chunks
+
 constexpr int64_t kTileBytes = 96 << 10;  // int8 input rows per tile: ~96 KiB, well inside L2
 
 float half_to_float(uint16_t h) {
@@ -159,7 +163,7 @@ inline const uint8_t* row_of(const QMatrix& w, int64_t r, int32_t& type) {
   return nullptr;
 }
 
-void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
+void dequant_row_scalar(int32_t type, const uint8_t* row, int64_t in, float* out) {
   Chunk k;
   for (int64_t c = 0; c < in / 32; ++c) {
     decode_chunk(type, row, c, k);
@@ -308,6 +312,24 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
   }
 }
 
+// A row de-quantized to float32, vectorized: each chunk's 32 integers widened to float and scaled (a * sc, b).
+template <int32_t T>
+void dequant_row_avx2(const uint8_t* row, int64_t in, float* out) {
+  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const float a0 = a * static_cast<float>(_mm256_extract_epi16(sc16, 0));
+    const float a1 = a * static_cast<float>(_mm256_extract_epi16(sc16, 8));
+    const __m256 bv = _mm256_set1_ps(b), av0 = _mm256_set1_ps(a0), av1 = _mm256_set1_ps(a1);
+    constexpr bool sgn = T == PQ_Q8_0 || T == PQ_Q6_K;
+    auto widen = [&](__m128i v) { return sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
+    float* o = out + 32 * c;
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(lo)), av0, bv));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(lo, 8))), av0, bv));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(hi)), av1, bv));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(hi, 8))), av1, bv));
+  });
+}
+
 template <int32_t T>
 constexpr bool kSigned = T == PQ_Q8_0 || T == PQ_Q6_K;
 template <int32_t T>
@@ -390,6 +412,22 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 
 #endif
 
+void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
+#if defined(PAGEDLLM_QUANT_AVX2)
+  switch (type) {
+    case PQ_Q4_0: return dequant_row_avx2<PQ_Q4_0>(row, in, out);
+    case PQ_Q4_1: return dequant_row_avx2<PQ_Q4_1>(row, in, out);
+    case PQ_Q8_0: return dequant_row_avx2<PQ_Q8_0>(row, in, out);
+    case PQ_Q4_K: return dequant_row_avx2<PQ_Q4_K>(row, in, out);
+    case PQ_Q5_K: return dequant_row_avx2<PQ_Q5_K>(row, in, out);
+    case PQ_Q6_K: return dequant_row_avx2<PQ_Q6_K>(row, in, out);
+    default: return;
+  }
+#else
+  dequant_row_scalar(type, row, in, out);
+#endif
+}
+
 using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float*,
                        int64_t);
 
@@ -443,14 +481,64 @@ void quant_rows_range(const QMatrix& w, const Q8Rows& x, int64_t rows, const flo
 
 }  // namespace
 
+int64_t quant_dot_max_rows() { return kQuantDotMaxRows; }
+
 int64_t quant_row_bytes(int32_t type, int64_t in) {
   const int64_t bw = block_weights(type), bb = block_bytes(type);
   if (bb == 0 || in <= 0 || in % bw) return 0;
   return in / bw * bb;
 }
 
+namespace {
+
+// Many rows: each thread de-quantizes a panel of kPanel output rows at a time into float32 (the layout of
+// linear.cpp's panels) and runs the float panel kernels over all the input rows, in tiles whose transposed copy
+// stays in L2. The weight is de-quantized once per call, which many rows amortize; the products are float32.
+void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float* bias, int64_t rows, int threads) {
+  const int64_t in = w.in, out = w.out, np = (out + kPanel - 1) / kPanel;
+  const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * 4) / kPanelBlock * kPanelBlock);
+  // x in tiles of `tile` rows, each transposed ([in, tile rows]).
+  std::vector<float> xt(rows * in);
+  for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+    const int64_t n = std::min(tile, rows - t0);
+    float* dst = xt.data() + t0 * in;
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t i = 0; i < in; ++i) dst[i * n + m] = x[(t0 + m) * in + i];
+  }
+  const int nt = team_size(threads, np);
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> panel(in * kPanel), row(in);
+#pragma omp for schedule(guided)
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
+      for (int64_t k = 0; k < kPanel; ++k) {
+        if (k < nout) {
+          int32_t type;
+          const uint8_t* src = row_of(w, base + k, type);
+          dequant_row(type, src, in, row.data());
+          for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
+        } else {
+          for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
+        }
+      }
+      for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+        const int64_t n = std::min(tile, rows - t0);
+        panel_block(panel.data(), xt.data() + t0 * in, n, in, y + t0 * out + base, out, bias ? bias + base : nullptr,
+                    nout);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int threads) {
   const QMatrix& w = *wp;
+  if (rows > kQuantDotMaxRows) {
+    quant_linear_panels(y, x, w, bias, rows, threads);
+    return;
+  }
   const int64_t in = w.in, out = w.out, nb = in / 32;
   // The rows in tiles whose int8 copy fits kTileBytes (a whole number of groups), each quantized then multiplied.
   const int64_t tile = std::max<int64_t>(kGroup, std::min<int64_t>(rows, kTileBytes / in / kGroup * kGroup));

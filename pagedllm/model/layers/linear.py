@@ -258,7 +258,9 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
         if tuple(param.shape) != tuple(loaded_weight.shape):
-            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+            raise ValueError(
+                f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
+            )
         self.put_rows(param, 0, loaded_weight)
 
 
@@ -306,9 +308,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _local_output_size(self, output_size: int, tp: TensorParallelGroup) -> int:
         return sum(tp.shard(size).count for size in self.output_sizes)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor, shard_id: int = 0
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor, shard_id: int = 0) -> None:
         offset = sum(self.tp.shard(size).count for size in self.output_sizes[:shard_id])
         part = self.tp.shard(self.output_sizes[shard_id])
         self.put_rows(param, offset, loaded_weight.narrow(0, part.first, part.count))

