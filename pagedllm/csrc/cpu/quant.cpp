@@ -255,9 +255,14 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
     constexpr int64_t bytes = T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34;
     for (int64_t c = 0; c < in / 32; ++c) {
       const uint8_t* blk = row + c * bytes;
-      const float d = f16_at(blk);
+      const float d = T == PQ_Q4_1 ? 0.f : f16_at(blk);
       if constexpr (T == PQ_Q4_0) f(c, nibbles16(blk + 2), ones, d, -8.f * d);
-      if constexpr (T == PQ_Q4_1) f(c, nibbles16(blk + 4), ones, d, f16_at(blk + 2));
+      if constexpr (T == PQ_Q4_1) {  // d and m side by side: both converted in one instruction
+        int32_t dm;
+        std::memcpy(&dm, blk, 4);
+        const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        f(c, nibbles16(blk + 4), ones, _mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both)));
+      }
       if constexpr (T == PQ_Q8_0)
         f(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), ones, d, 0.f);
     }
@@ -348,6 +353,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
   for (int m = 0; m < MB; ++m)
     for (int u = 0; u < NA; ++u) acc[m][u] = _mm256_setzero_ps();
   for (int u = 0; u < NA; ++u) off[u] = _mm256_setzero_ps();
+  float off1 = 0.f, off2 = 0.f;  // one row: its two offset sums as scalars (same arithmetic, fewer instructions)
   visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
     const __m256i aq = kSigned<T> ? _mm256_sign_epi8(q, q) : q;  // |q| (vpsignb: q * sign(q))
 #pragma GCC unroll 4
@@ -365,10 +371,11 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 #endif
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[m * ldb + c]), acc[m][0]);
     }
-    if constexpr (kOffset<T>) {
+    if constexpr (kOffset<T> && MB == 1) {
+      off1 = std::fma(b, xs[c], off1);  // the same rounding as a vector lane's fma below
+    } else if constexpr (kOffset<T>) {
       __m256 sx;
-      if constexpr (MB == 1) sx = _mm256_set1_ps(xs[c]);
-      else if constexpr (MB == 2) sx = _mm256_setr_ps(xs[c], xs[ldb + c], 0, 0, 0, 0, 0, 0);
+      if constexpr (MB == 2) sx = _mm256_setr_ps(xs[c], xs[ldb + c], 0, 0, 0, 0, 0, 0);
       else if constexpr (MB == 3) sx = _mm256_setr_ps(xs[c], xs[ldb + c], xs[2 * ldb + c], 0, 0, 0, 0, 0);
       else sx = _mm256_setr_ps(xs[c], xs[ldb + c], xs[2 * ldb + c], xs[3 * ldb + c], 0, 0, 0, 0);
       off[0] = _mm256_fmadd_ps(sx, _mm256_set1_ps(b), off[0]);
@@ -376,12 +383,14 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
     if constexpr (NA == 2) {  // the next chunk adds to the other accumulators (a register rename, not a move)
       for (int m = 0; m < MB; ++m) std::swap(acc[m][0], acc[m][1]);
       std::swap(off[0], off[1]);
+      std::swap(off1, off2);
     }
   });
   float offs[8];
   __m256 o = off[0];
   for (int u = 1; u < NA; ++u) o = _mm256_add_ps(o, off[u]);
   _mm256_storeu_ps(offs, o);
+  if constexpr (MB == 1) offs[0] = off1 + off2;
   for (int m = 0; m < MB; ++m) {
     __m256 a = acc[m][0];
     for (int u = 1; u < NA; ++u) a = _mm256_add_ps(a, acc[m][u]);
