@@ -49,8 +49,11 @@ def _advise(address: int, length: int) -> None:
     logger.debug("huge-page advice refused (%s): this memory uses normal pages", reason)
 
 
-def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialised tensor, huge-page backed on a Linux CPU when it spans at least one huge page."""
+def empty(
+    shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu", huge: bool = True
+) -> torch.Tensor:
+    """An uninitialised tensor, huge-page backed on a Linux CPU when it spans at least one huge page (with `huge`;
+    else a fresh mapping of normal pages, still untouched until used)."""
     shape = tuple(int(s) for s in shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = itemsize * int(torch.Size(shape).numel())
@@ -66,17 +69,20 @@ def empty(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.d
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     base = raw.data_ptr()
     start = -base % HUGE_PAGE
-    _advise(base + start, span)
+    if huge:
+        _advise(base + start, span)
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-def zeros(shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def zeros(
+    shape: Sequence[int] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu", huge: bool = True
+) -> torch.Tensor:
     """Like `empty`, filled with zeros (a fresh mapping is, without touching a page; a small tensor is cleared)."""
     shape = tuple(int(s) for s in shape)
     nbytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(shape).numel())
     if not applies(device) or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return empty(shape, dtype, device)
+    return empty(shape, dtype, device, huge)
 
 
 def arena(

@@ -89,8 +89,8 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Huge pages on the CPU: decode reads every running request's blocks, scattered over the cache.
             attn.kv_cache = (
-                hugepages.zeros(shape, dtype=dtype, device=self.device),
-                hugepages.zeros(shape, dtype=dtype, device=self.device),
+                hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
+                hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
             )
 
     # ---- one step ----------------------------------------------------------------------------------

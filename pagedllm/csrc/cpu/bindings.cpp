@@ -184,6 +184,56 @@ class CpuOps {
     return y;
   }
 
+  // A weight W [O, I] in bf16 pair panels: bfloat16 [ceil(O / w), ceil(I / 2), w, 2] ([..., 0] the even input),
+  // rounded to nearest even, zero past O and I; written into `out` when given.
+  torch::Tensor bf16_pack_panels(torch::Tensor weight, std::optional<torch::Tensor> out) const {
+    check_float(weight, "weight");
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0, "weight must be a non-empty [O, I]");
+    const int64_t rows = weight.size(0), in = weight.size(1);
+    torch::Tensor panels;
+    if (out.has_value()) {
+      panels = *out;
+      check_bf16_panels(panels, rows, in, "out");
+    } else {
+      panels = torch::empty(bf16_panel_shape(rows, in), weight.options().dtype(torch::kBFloat16));
+    }
+    t_->bf16_pack_panels(reinterpret_cast<uint32_t*>(panels.data_ptr()), weight.data_ptr<float>(), rows, in,
+                         at::get_num_threads());
+    return panels;
+  }
+
+  std::vector<int64_t> bf16_panel_shape(int64_t out, int64_t in) const {
+    const int64_t w = t_->panel_width;
+    return {(out + w - 1) / w, (in + 1) / 2, w, 2};
+  }
+
+  void check_bf16_panels(const torch::Tensor& panels, int64_t out, int64_t in, const char* what) const {
+    TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous(), what,
+                " must be a contiguous bfloat16 CPU tensor");
+    TORCH_CHECK(panels.sizes().vec() == bf16_panel_shape(out, in), what, " bf16 panels must be ",
+                c10::IntArrayRef(bf16_panel_shape(out, in)));
+  }
+
+  torch::Tensor bf16_panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
+                                  int64_t out_features) const {
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && out_features >= 1, "x must be [M, I]");
+    check_bf16_panels(panels, out_features, x.size(1), "panels");
+    const float* bp = nullptr;
+    if (bias.has_value()) {
+      check_float(*bias, "bias");
+      TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
+      bp = bias->data_ptr<float>();
+    }
+    auto y = torch::empty({x.size(0), out_features}, x.options());
+    t_->bf16_panel_linear(y.data_ptr<float>(), x.data_ptr<float>(),
+                          reinterpret_cast<const uint32_t*>(panels.data_ptr()), bp, x.size(0), x.size(1), out_features,
+                          at::get_num_threads());
+    return y;
+  }
+
+  bool bf16_native() const { return t_->bf16_native() != 0; }
+
   void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_table, torch::Tensor seq_lens, double scale) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
@@ -487,6 +537,11 @@ PYBIND11_MODULE(_C, m) {
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())
       .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
            py::arg("out_features"))
+      .def("bf16_pack_panels", &CpuOps::bf16_pack_panels, py::arg("weight"), py::arg("out") = py::none())
+      .def("bf16_panel_shape", &CpuOps::bf16_panel_shape, py::arg("out_features"), py::arg("in_features"))
+      .def("bf16_panel_linear", &CpuOps::bf16_panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
+           py::arg("out_features"))
+      .def("bf16_native", &CpuOps::bf16_native, "whether this build multiplies bf16 in hardware (AVX512-BF16)")
       .def("quant_dot_max_rows", &CpuOps::quant_dot_max_rows,
            "rows up to which quant_linear runs on int8 products (more: de-quantized float32 panels)")
       .def("quant_row_bytes", &CpuOps::quant_row_bytes, py::arg("type"), py::arg("in_features"),

@@ -22,8 +22,14 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const fl
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
 
-// Input rows up to which quant_linear runs on int8 products (beyond: de-quantized float32 panels).
+// Input rows up to which quant_linear runs on int8 products (beyond: de-quantized panels). With AVX512-BF16 the
+// de-quantized bf16 panels overtake the int8 products from about 5 rows (~400 against ~80 GFLOP/s on Zen 4, with a
+// de-quantization per call that costs about as much as 4 rows of int8 products); on float32 panels from about 32.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr int64_t kQuantDotMaxRows = 4;
+#else
 constexpr int64_t kQuantDotMaxRows = 32;
+#endif
 int64_t quant_dot_max_rows();
 
 // Quantized weights (quant.cpp): an input row x [in] (in a multiple of 32) to int8 blocks of 32 (q [in]; d, s
@@ -36,6 +42,17 @@ void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const f
 // m's outputs [0, nout) go to y + m * ys (bias added when given).
 void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
                  int64_t nout);
+
+// bfloat16 (bf16.cpp): round-to-nearest-even of one float; a row of n floats to bf16; one bf16 pair panel (kPanel
+// outputs, ceil(in / 2) pairs) from nout float32 rows `ld` apart (zero past them); input rows [rows, in] to bf16
+// pairs transposed (xt[i2 * rows + m]); and one panel against mb such rows (row m's outputs [0, nout) to y + m * ys).
+uint16_t to_bf16(float f);
+void bf16_round_row(uint16_t* dst, const float* x, int64_t n);
+void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_t nout, int64_t in);
+void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t in);
+void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
+                      const float* bias, int64_t nout);
+bool bf16_native();
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
 // quant.cpp).
@@ -56,5 +73,9 @@ void decoder_destroy(void* decoder);
 int64_t quant_row_bytes(int32_t type, int64_t in);
 void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
 void quant_dequantize_rows(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
+void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, int threads);
+void bf16_panel_linear(float* y, const float* x, const uint32_t* panels, const float* bias, int64_t rows, int64_t in,
+                       int64_t out, int threads);
+int32_t bf16_has_native();
 
 }  // namespace pagedllm

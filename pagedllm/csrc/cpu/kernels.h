@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 3
+#define PAGEDLLM_CPU_ABI 4
 
 // A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous float32.
 struct PagedCache {
@@ -138,6 +138,13 @@ struct PagedllmCpuOps {
   // quant_linear runs up to this many rows on int8 products (each row's result independent of the others), more
   // on float32 panels de-quantized per call.
   int64_t (*quant_dot_max_rows)(void);
+  // dst [ceil(out / panel_width), ceil(in / 2), panel_width] uint32 = w [out, in] rounded to bf16 pairs (bf16.cpp).
+  void (*bf16_pack_panels)(uint32_t* dst, const float* w, int64_t out, int64_t in, int threads);
+  // y [rows, out] = x [rows, in] W^T (+ bias) from W's bf16 panels, x rounded to bf16, float32 sums.
+  void (*bf16_panel_linear)(float* y, const float* x, const uint32_t* panels, const float* bias, int64_t rows,
+                            int64_t in, int64_t out, int threads);
+  // 1 where this build multiplies bf16 in hardware (AVX512-BF16), 0 where it widens to float32.
+  int32_t (*bf16_native)(void);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

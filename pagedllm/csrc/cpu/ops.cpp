@@ -27,6 +27,9 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::quant_linear,
       pagedllm::quant_dequantize_rows,
       pagedllm::quant_dot_max_rows,
+      pagedllm::bf16_pack_panels,
+      pagedllm::bf16_panel_linear,
+      pagedllm::bf16_has_native,
   };
   return &table;
 }

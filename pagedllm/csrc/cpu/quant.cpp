@@ -5,15 +5,16 @@
 // 32 weights, each of the form w[i] = a * sc[i / 16] * q[i] + b with small integers q and sc (sc is 1 but for Q6_K,
 // whose 16-weight sub-blocks have their own scales): `decode_chunk` below says how each type's bytes give them.
 //
-// Up to kQuantDotMaxRows input rows (decode steps), y = x W^T runs as ggml does: each input row is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
+// Up to kQuantDotMaxRows input rows (decode steps; internal.h), y = x W^T runs as ggml does: each input row is
+// quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
 // chunk's product is a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products (AVX2: vpmaddubsw,
 // then vpmaddwd by the 16-bit scales; AVX-512 VNNI: vpdpbusd where the scales are all 1). Each output row's chunks are
 // decoded once for a group of up to kGroup input rows, and the rows go in tiles whose int8 copy stays in L2, so the
 // weights are streamed once for all the rows. Without AVX2 the same integer arithmetic runs in plain C++. A row's
 // result does not depend on the other rows of the call. More rows (prefill) are compute bound: there each thread
-// de-quantizes kPanel output rows at a time into a float32 panel and runs linear.cpp's panel kernels over all the
-// input rows, exact products of the de-quantized weights (the int8 inputs would cost accuracy, and on AVX2 they are
-// no faster once compute bound).
+// de-quantizes kPanel output rows at a time into a panel and runs a panel GEMM kernel over all the input rows: bf16
+// panels and inputs where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the
+// de-quantized weights (linear.cpp). The int8 inputs would cost accuracy, and are no faster once compute bound.
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -500,16 +501,24 @@ int64_t quant_row_bytes(int32_t type, int64_t in) {
 
 namespace {
 
-// Many rows: each thread de-quantizes a panel of kPanel output rows at a time into float32 (the layout of
-// linear.cpp's panels) and runs the float panel kernels over all the input rows, in tiles whose transposed copy
-// stays in L2. The weight is de-quantized once per call, which many rows amortize; the products are float32.
+// Many rows: each thread de-quantizes a panel of kPanel output rows at a time and runs a panel kernel over all the
+// input rows, in tiles whose transposed copy stays in L2. The weight is de-quantized once per call, which many rows
+// amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the panel is rounded to bf16 and the inputs too
+// (bf16.cpp: twice the float32 multiply rate, float32 sums); elsewhere the panel and the products are float32.
 void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float* bias, int64_t rows, int threads) {
-  const int64_t in = w.in, out = w.out, np = (out + kPanel - 1) / kPanel;
-  const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * 4) / kPanelBlock * kPanelBlock);
-  // x in tiles of `tile` rows, each transposed ([in, tile rows]).
-  std::vector<float> xt(rows * in);
+  const int64_t in = w.in, out = w.out, np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
+  const bool bf16 = bf16_native();
+  const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
+  const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
+  // x in tiles of `tile` rows, each transposed ([in, tile rows], or [in2, tile rows] of bf16 pairs).
+  std::vector<float> xt(bf16 ? 0 : rows * in);
+  std::vector<uint32_t> xp(bf16 ? rows * in2 : 0);
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
     const int64_t n = std::min(tile, rows - t0);
+    if (bf16) {
+      bf16_pairs_transposed(xp.data() + t0 * in2, x + t0 * in, n, in);
+      continue;
+    }
     float* dst = xt.data() + t0 * in;
     for (int64_t m = 0; m < n; ++m)
       for (int64_t i = 0; i < in; ++i) dst[i * n + m] = x[(t0 + m) * in + i];
@@ -517,11 +526,20 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int nt = team_size(threads, np);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> panel(in * kPanel), row(in);
+    std::vector<float> panel(bf16 ? 0 : in * kPanel), row(bf16 ? in * kPanel : in);
+    std::vector<uint32_t> bpanel(bf16 ? in2 * kPanel : 0);
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
       for (int64_t k = 0; k < kPanel; ++k) {
+        if (bf16) {
+          if (k < nout) {
+            int32_t type;
+            const uint8_t* src = row_of(w, base + k, type);
+            dequant_row(type, src, in, row.data() + k * in);
+          }
+          continue;
+        }
         if (k < nout) {
           int32_t type;
           const uint8_t* src = row_of(w, base + k, type);
@@ -531,10 +549,15 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
         }
       }
+      if (bf16) bf16_panel_from_rows(bpanel.data(), row.data(), in, nout, in);
       for (int64_t t0 = 0; t0 < rows; t0 += tile) {
         const int64_t n = std::min(tile, rows - t0);
-        panel_block(panel.data(), xt.data() + t0 * in, n, in, y + t0 * out + base, out, bias ? bias + base : nullptr,
-                    nout);
+        float* yt = y + t0 * out + base;
+        const float* bt = bias ? bias + base : nullptr;
+        if (bf16)
+          bf16_panel_block(bpanel.data(), xp.data() + t0 * in2, n, in2, yt, out, bt, nout);
+        else
+          panel_block(panel.data(), xt.data() + t0 * in, n, in, yt, out, bt, nout);
       }
     }
   }
