@@ -11,9 +11,11 @@ several tensors (parameters or not) into an arena, in the order given, and rebin
 (values unchanged).
 
 Why: single-request decode reads every weight once per token, and with 4 KiB pages every 4 KiB of a streamed
-weight costs a TLB miss and restarts the hardware prefetcher; the paged KV cache, read in small blocks scattered
-over hundreds of MB, gains less (figures in bench/RESULTS.md). The KV cache's mapping is never touched at startup:
-a 2 GiB `torch.zeros` took seconds to fault in and clear every page before the first request.
+weight costs a TLB miss and restarts the hardware prefetcher. The paged KV cache, read in small blocks scattered
+over hundreds of MB, gains nothing measurable, and its huge pages are faulted in while requests run, where the
+kernel's direct compaction (THP defrag "madvise") stalled them: it takes `huge=False`, a fresh mapping of normal
+pages. Either way it is never touched at startup: a 2 GiB `torch.zeros` took seconds to fault in and clear every
+page before the first request.
 """
 
 from __future__ import annotations

@@ -87,7 +87,9 @@ class ModelRunner:
         dtype = self.config.model_config.torch_dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            # Huge pages on the CPU: decode reads every running request's blocks, scattered over the cache.
+            # A fresh mapping, untouched until a block is first written, of normal pages: where THP defrag is
+            # "madvise", huge pages faulted in mid-run stalled on compaction (1.9 s of a 20 s batched run, against
+            # 0.5 s with normal pages), and decode attention was no faster on them (bench/RESULTS.md).
             attn.kv_cache = (
                 hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
                 hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
