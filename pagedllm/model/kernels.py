@@ -90,11 +90,14 @@ def load_cpu_ops(isa: str = "auto") -> Any:
 class KernelDispatch:
     """What the layers of one model run: `cpu` the native CPU ops (None: plain torch; they apply to float32 CPU
     tensors only, so the loader gives them only to such a model), `attention` the attention backend, and `tp` the
-    tensor-parallel group the layers shard themselves over (one rank by default)."""
+    tensor-parallel group the layers shard themselves over (one rank by default). `bf16_weights`: the linear layers
+    and the LM head keep their weights in bf16 panels and the embedding table in bf16 (`--dtype bfloat16` on the
+    native ops; the model itself is built in float32)."""
 
     attention: AttentionBackend
     cpu: Any = None
     tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
+    bf16_weights: bool = False
 
     def cpu_for(self, dtype: torch.dtype) -> Any:
         """The native ops for a layer whose tensors are `dtype`, or None."""

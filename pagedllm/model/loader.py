@@ -159,7 +159,7 @@ def load_model(
         weights = iterate_safetensors(path)
     model.load_weights((name, t.to(device)) for name, t in weights)
     loaded = time.perf_counter()
-    prepare_for_inference(model)
+    prepare_for_inference(model, bf16=kernels is not None and kernels.bf16_weights)
     logger.info("startup: weights %.2f s, packing %.2f s", loaded - start, time.perf_counter() - loaded)
     return model.eval()
 
@@ -175,7 +175,8 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of memory the model's weights hold, each allocation counted once: its parameters and every packed copy
-    of them (oneDNN's, the native panels, which share huge-page arenas, and the quantized matrices)."""
+    of them (oneDNN's, the native float32 or bf16 panels, which share huge-page arenas, and the quantized
+    matrices)."""
     storages: dict[int, int] = {}
     quant: dict[int, int] = {}
     for t in model.parameters():
@@ -183,7 +184,7 @@ def weight_bytes(model: nn.Module) -> int:
             key, size = _storage_key(t)
             storages[key] = size
     for module in model.modules():
-        for name in ("packed_weight", "panels"):
+        for name in ("packed_weight", "panels", "bf16_panels"):
             t = getattr(module, name, None)
             t = getattr(t, "data", t)  # Panels(data, out_features)
             if isinstance(t, torch.Tensor) and t.numel():
@@ -197,7 +198,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Weight bytes one decode token reads: every linear layer's and the LM head's, in the form the few-row path
-    runs (quantized as stored, else the float panels or the plain weight), and the norms."""
+    runs (quantized as stored, else the float32 or bf16 panels or the plain weight), and the norms."""
     from pagedllm.model.layers.embedding import ParallelLMHead
     from pagedllm.model.layers.linear import LinearBase
     from pagedllm.model.layers.norm import RMSNorm
@@ -205,7 +206,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     total = 0
     for module in model.modules():
         q = getattr(module, "qweight", None)
-        panels = getattr(module, "panels", None)
+        panels = getattr(module, "panels", None) or getattr(module, "bf16_panels", None)
         if isinstance(module, (LinearBase, ParallelLMHead)):
             if q is not None:
                 total += q.nbytes

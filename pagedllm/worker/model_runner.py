@@ -13,7 +13,7 @@ otherwise `execute_model` samples at once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -45,26 +45,38 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         # The kernels are chosen once, here: the attention backend, and the native CPU ops the layers pick up when
         # they are built (RMSNorm, SiLU-and-mul, rotary, few-row linears on panels) and the fused decoder.
-        cpu_ops = self._cpu_ops()
+        model_config = config.model_config
+        bf16 = model_config.torch_dtype == torch.bfloat16
+        cpu_ops = self._cpu_ops(torch.float32 if bf16 else model_config.torch_dtype)
+        # --dtype bfloat16 on the native ops: the weights in bf16 (bf16 products, float32 sums), the model built in
+        # float32 (activations, norms, KV cache). Without the native ops, plain torch runs everything in bf16.
+        self.bf16_weights = bf16 and cpu_ops is not None
+        if self.bf16_weights:
+            model_config = replace(model_config, dtype="float32")
+            logger.info(
+                "dtype bfloat16: weights in bf16 panels, activations and KV cache in float32; bf16 products %s",
+                "in hardware (AVX512-BF16)" if cpu_ops.bf16_native() else "widened to float32 (no AVX512-BF16 here)",
+            )
+        self.model_config = model_config  # what the model runs in
         self.attn_backend = select_attention_backend(
-            config.device_config.attention_backend, device, config.model_config.torch_dtype, cpu_ops
+            config.device_config.attention_backend, device, model_config.torch_dtype, cpu_ops
         )
         if self.attn_backend.name != "cpu_native":
             cpu_ops = None  # the torch backend is the reference path: plain torch throughout
         logger.info(
             "attention backend %s, native CPU ops %s", self.attn_backend.name, cpu_ops.isa if cpu_ops else "off"
         )
-        kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp)
-        self.model = load_model(config.model_config, device, kernels)
+        kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
+        self.model = load_model(model_config, device, kernels)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         self.sampler = Sampler()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
         self._pending: _PendingSample | None = None
 
-    def _cpu_ops(self):
+    def _cpu_ops(self, dtype: torch.dtype):
         """The native CPU ops where they can apply (the CPU in float32, not turned off), else None; logged once."""
         dc = self.config.device_config
-        if not native_applies(self.device, self.config.model_config.torch_dtype) or dc.attention_backend == "torch":
+        if not native_applies(self.device, dtype) or dc.attention_backend == "torch":
             return None
         if not dc.cpu_kernels:
             logger.info("native CPU kernels turned off (PAGEDLLM_CPU_KERNELS=0): running on plain torch")
@@ -81,10 +93,10 @@ class ModelRunner:
         per_token = 0
         for attn in self.model.attention_layers():
             per_token += 2 * attn.num_kv_heads * attn.head_dim
-        return per_token * self.block_size * torch.finfo(self.config.model_config.torch_dtype).bits // 8
+        return per_token * self.block_size * torch.finfo(self.model_config.torch_dtype).bits // 8
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        dtype = self.config.model_config.torch_dtype
+        dtype = self.model_config.torch_dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # A fresh mapping, untouched until a block is first written, of normal pages: where THP defrag is

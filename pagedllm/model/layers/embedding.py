@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.model.layers.linear import Panels, linear, pack_panels, pack_weight, panel_shape
+from pagedllm.model.layers.linear import (
+    Bf16Panels,
+    Panels,
+    linear,
+    pack_bf16_panels,
+    pack_panels,
+    pack_weight,
+    panel_shape,
+)
 from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
 
@@ -41,6 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.quant: QuantParts | None = None  # a quantized table as loaded, until pack_weights
         self.qweight: Any = None  # the native QuantMatrix of the table, once packed
+        self.bf16_table: Any = None  # tied with --dtype bfloat16: the LM head's Bf16Panels, read in place of a table
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
         part = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
@@ -52,9 +61,20 @@ class VocabParallelEmbedding(nn.Module):
             part = part.dequantize()
         param.data[: part.shape[0]].copy_(part)
 
-    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
-        """Build the quantized table (into `quant_out` when given) and drop the float one."""
+    def pack_weights(
+        self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None, bf16: bool = False
+    ) -> bool:
+        """Build the quantized table (into `quant_out` when given) and drop the float one; else with `bf16` keep the
+        table in bfloat16 (rows widened to float32 when looked up)."""
         if self.quant is None:
+            if (
+                bf16
+                and self.ops is not None
+                and self.weight.dtype == torch.float32
+                and type(self) is VocabParallelEmbedding
+            ):
+                self.weight.data = self.weight.data.bfloat16()
+                return True
             return False
         self.qweight = self.quant.build(self.ops, quant_out)
         self.quant = None
@@ -64,6 +84,13 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.ops.dequantize_rows(self.qweight, ids)
+        if self.bf16_table is not None:  # row r: panel r // w, lane r % w, all its pairs
+            panels = self.bf16_table.data
+            flat = ids.reshape(-1)
+            rows = panels[flat // panels.shape[2], :, flat % panels.shape[2], :].reshape(flat.shape[0], -1)
+            return rows[:, : self.embedding_dim].float().view(*ids.shape, -1)
+        if self.weight.dtype == torch.bfloat16 and self.ops is not None:
+            return F.embedding(ids, self.weight).float()
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -81,6 +108,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight: torch.Tensor | None = None
     panels: Panels | None = None
+    bf16_panels: Bf16Panels | None = None
 
     def __init__(
         self,
@@ -100,26 +128,40 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _tied_quantized(self) -> bool:
         return self.tied is not None and (self.tied.quant is not None or self.tied.qweight is not None)
 
-    def panel_shape(self) -> tuple[int, int, int] | None:
+    def panel_shape(self, bf16: bool = False) -> tuple[int, ...] | None:
         if self.quant is not None or self.qweight is not None or self._tied_quantized():
             return None
-        return panel_shape(self.weight, self.ops)
+        return panel_shape(self.weight, self.ops, bf16)
 
-    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
-        """Build the quantized table (tied: the embedding's, packed before this), else oneDNN's copy and the panels
-        (into `panels_out` when given: a tensor of `panel_shape()`); the plain weight, which may be the
-        embedding's, is kept."""
+    def pack_weights(
+        self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None, bf16: bool = False
+    ) -> bool:
+        """Build the quantized table (tied: the embedding's, packed before this), else with `bf16` the bf16 panels,
+        else oneDNN's copy and the panels (into `panels_out` when given: a tensor of `panel_shape(bf16)`); the plain
+        weight, which may be the embedding's, is kept (untied and bf16: dropped)."""
         if self.tied is not None and self.tied.qweight is not None:
             self.qweight = self.tied.qweight
             return True
-        if super().pack_weights(panels_out, quant_out):
-            return True
+        if self.quant is not None:
+            return super().pack_weights(panels_out, quant_out)
+        if bf16:
+            # tied, the table is bf16 by now (the embedding packs first): its values are those of the float32 one
+            self.bf16_panels = pack_bf16_panels(self.weight.float(), self.ops, panels_out)
+            if self.bf16_panels is not None:
+                # one bf16 copy: tied, the embedding then reads its rows from these panels
+                if self.tied is not None and self.tied.tp_size == 1:
+                    self.tied.bf16_table = self.bf16_panels
+                if self.tied is None or self.tied.bf16_table is not None:
+                    self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+                return True
         self.packed_weight = pack_weight(self.weight)
         self.panels = pack_panels(self.weight, self.ops, panels_out)
         return self.packed_weight is not None or self.panels is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight)
+        logits = linear(
+            hidden, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels
+        )
         if self.tp_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.num_embeddings else logits[..., : self.num_embeddings]

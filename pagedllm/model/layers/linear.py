@@ -38,6 +38,14 @@ class Panels(NamedTuple):
     out_features: int
 
 
+class Bf16Panels(NamedTuple):
+    """A weight [out_features, I] rounded to bfloat16 in the native ops' pair panels, [ceil(O / w), ceil(I / 2), w,
+    2] (csrc/cpu/bf16.cpp): `--dtype bfloat16` on the CPU."""
+
+    data: torch.Tensor
+    out_features: int
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-prepacked copy of a float32 CPU weight, or None where that path does not exist (on the CPUs we
     measure on, oneDNN's prepacked GEMM is well ahead of MKL's sgemm: bench/RESULTS.md)."""
@@ -55,15 +63,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def panel_shape(weight: torch.Tensor, ops: Any) -> tuple[int, int, int] | None:
-    """The shape of a weight's panels for the native ops, [ceil(O / w), I, w], or None where they do not apply (no
-    ops, or not a non-empty float32 CPU matrix)."""
+def panel_shape(weight: torch.Tensor, ops: Any, bf16: bool = False) -> tuple[int, ...] | None:
+    """The shape of a weight's panels for the native ops, [ceil(O / w), I, w] (with `bf16`: its bf16 pair panels'),
+    or None where they do not apply (no ops, or not a non-empty float32 CPU matrix)."""
     if ops is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     if not weight.numel():
         return None
+    if bf16:
+        return tuple(ops.bf16_panel_shape(weight.shape[0], weight.shape[1]))
     width = ops.panel_width()
     return -(-weight.shape[0] // width), weight.shape[1], width
+
+
+def pack_bf16_panels(weight: torch.Tensor, ops: Any, out: torch.Tensor | None = None) -> Bf16Panels | None:
+    """The native ops' bf16 pair panels of a float32 CPU weight (into `out` when given), or None where they do not
+    apply."""
+    if panel_shape(weight, ops, bf16=True) is None:
+        return None
+    return Bf16Panels(ops.bf16_pack_panels(weight.detach().contiguous(), out), weight.shape[0])
 
 
 def pack_panels(weight: torch.Tensor, ops: Any, out: torch.Tensor | None = None) -> Panels | None:
@@ -82,12 +100,19 @@ def linear(
     panels: Panels | None = None,
     ops: Any = None,
     qweight: Any = None,
+    bf16_panels: Bf16Panels | None = None,
 ) -> torch.Tensor:
     """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the quantized
-    weight as stored (`qweight`, a QuantMatrix of `ops`), the native panels (with `ops`) for a few rows, oneDNN's
-    packed copy, or torch. `weight` may be empty when `qweight`, or `packed` and `panels`, cover it."""
+    weight as stored (`qweight`, a QuantMatrix of `ops`), its bf16 panels (`--dtype bfloat16`), the native panels
+    (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `qweight`,
+    `bf16_panels`, or `packed` and `panels`, cover it."""
     if qweight is not None:
         return ops.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias).view(*x.shape[:-1], -1)
+    if bf16_panels is not None:
+        y = ops.bf16_panel_linear(
+            x.reshape(-1, x.shape[-1]).contiguous(), bf16_panels.data, bias, bf16_panels.out_features
+        )
+        return y.view(*x.shape[:-1], -1)
     if panels is not None and ops is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS:
         return ops.panel_linear(x.contiguous(), panels.data, bias, panels.out_features)
     if packed is not None and x.dim() == 2:
@@ -109,22 +134,23 @@ def linear(
     return y + bias if bias is not None else y
 
 
-def prepare_for_inference(model: nn.Module) -> int:
+def prepare_for_inference(model: nn.Module, bf16: bool = False) -> int:
     """Prepack the weights of every layer that supports it (call after loading); returns how many. Layers built with
     the native CPU ops also get their weights' panels, packed straight into one huge-page arena laid out in the order
     a forward pass reads them (see hugepages.py); the plain weight is then dropped where oneDNN's copy and the panels
-    cover every batch size. Quantized weights are copied from the file into a second such arena, in the same
-    order, and run as stored."""
+    cover every batch size. With `bf16` (`--dtype bfloat16` on the native ops) the panels are bf16 pair panels that
+    serve every batch size, and the embedding table is kept in bf16: one bf16 copy of each weight. Quantized
+    weights are copied from the file into a second such arena, in the same order, and run as stored."""
     modules = [module for module in model.modules() if getattr(module, "pack_weights", None) is not None]
     for module in modules:
         settle = getattr(module, "settle_quant", None)
         if settle is not None:
             settle()
-    arena = panel_arena(modules)
+    arena = panel_arena(modules, bf16)
     quant = quant_arena(modules)
     count = 0
     for module in modules:
-        if module.pack_weights(arena.get(module), quant.get(module)):
+        if module.pack_weights(arena.get(module), quant.get(module), bf16):
             count += 1
     return count
 
@@ -145,20 +171,21 @@ def quant_arena(modules: list[nn.Module]) -> dict[nn.Module, list[torch.Tensor]]
     return out
 
 
-def panel_arena(modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
-    """Where each of these modules' panels go (the modules whose `panel_shape()` is not None): views of one huge-page
-    arena, back to back, the linear layers' in the order given (a forward pass's, for model.modules()), then the
-    others' (the LM head's, read last). Packing into them directly spares a second copy of every weight."""
-    shapes: dict[nn.Module, tuple[int, int, int]] = {}
+def panel_arena(modules: list[nn.Module], bf16: bool = False) -> dict[nn.Module, torch.Tensor]:
+    """Where each of these modules' panels go (the modules whose `panel_shape(bf16)` is not None): views of one
+    huge-page arena (float32, or bfloat16 with `bf16`), back to back, the linear layers' in the order given (a forward
+    pass's, for model.modules()), then the others' (the LM head's, read last). Packing into them directly spares a
+    second copy of every weight."""
+    shapes: dict[nn.Module, tuple[int, ...]] = {}
     for module in modules:
         shape_of = getattr(module, "panel_shape", None)
-        shape = shape_of() if shape_of is not None else None
+        shape = shape_of(bf16) if shape_of is not None else None
         if shape is not None:
             shapes[module] = shape
     order = [m for m in shapes if isinstance(m, LinearBase)] + [m for m in shapes if not isinstance(m, LinearBase)]
     if not order:
         return {}
-    _, views = hugepages.arena([shapes[m] for m in order], torch.float32)
+    _, views = hugepages.arena([shapes[m] for m in order], torch.bfloat16 if bf16 else torch.float32)
     return dict(zip(order, views, strict=True))
 
 
@@ -196,6 +223,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.panels: Panels | None = None
+        self.bf16_panels: Bf16Panels | None = None
         self.quant: QuantParts | None = None  # quantized rows as loaded, until pack_weights
         self.qweight: Any = None  # the native QuantMatrix the layer runs on, once packed
 
@@ -218,20 +246,28 @@ class LinearBase(nn.Module):
             self.quant.dequantize_into(self.weight.data)
             self.quant = None
 
-    def panel_shape(self) -> tuple[int, int, int] | None:
+    def panel_shape(self, bf16: bool = False) -> tuple[int, ...] | None:
         if self.quant is not None or self.qweight is not None:
             return None
-        return panel_shape(self.weight, self.ops)
+        return panel_shape(self.weight, self.ops, bf16)
 
-    def pack_weights(self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None) -> bool:
-        """Build the quantized weight (into `quant_out` when given: tensors of `quant.shapes()`), or else oneDNN's
-        copy and the panels (into `panels_out` when given: a tensor of `panel_shape()`)."""
+    def pack_weights(
+        self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None, bf16: bool = False
+    ) -> bool:
+        """Build the quantized weight (into `quant_out` when given: tensors of `quant.shapes()`), else with `bf16`
+        the bf16 panels, else oneDNN's copy and the panels (into `panels_out` when given: a tensor of
+        `panel_shape(bf16)`)."""
         self.settle_quant()
         if self.quant is not None:
             self.qweight = self.quant.build(self.ops, quant_out)
             self.quant = None
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
             return True
+        if bf16:
+            self.bf16_panels = pack_bf16_panels(self.weight, self.ops, panels_out)
+            if self.bf16_panels is not None:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+                return True
         self.packed_weight = pack_weight(self.weight)
         self.panels = pack_panels(self.weight, self.ops, panels_out)
         if self.packed_weight is None:
@@ -242,7 +278,9 @@ class LinearBase(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight)
+        return linear(
+            x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -382,5 +420,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight))
+        y = self.tp.all_reduce(
+            linear(x, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels)
+        )
         return y + self.bias if self.bias is not None else y
