@@ -72,7 +72,12 @@ class EngineArgs:
     )
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
-    dtype: str = _arg("auto", "weights and activations; auto is float32", choices=DTYPE_NAMES)
+    dtype: str = _arg(
+        "auto",
+        "weights and activations; auto is float32. bfloat16 on the native CPU kernels: bf16 weights and products, "
+        "float32 sums, activations and KV cache",
+        choices=DTYPE_NAMES,
+    )
     quantization: str | None = _arg(
         None,
         "how a GGUF model's quantized weights run: as stored by default (gguf: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K "
