@@ -167,17 +167,20 @@ class CpuOps {
                 what, " panels must be [ceil(", out, " / ", w, "), ", in, ", ", w, "]");
   }
 
+  // A linear layer's optional bias [O] as a pointer (null when absent), checked.
+  static const float* bias_ptr(const std::optional<torch::Tensor>& bias, int64_t out_features) {
+    if (!bias.has_value()) return nullptr;
+    check_float(*bias, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
+    return bias->data_ptr<float>();
+  }
+
   torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
                              int64_t out_features) const {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && out_features >= 1, "x must be [M, I]");
     check_panels(panels, out_features, x.size(1), "panels");
-    const float* bp = nullptr;
-    if (bias.has_value()) {
-      check_float(*bias, "bias");
-      TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
-      bp = bias->data_ptr<float>();
-    }
+    const float* bp = bias_ptr(bias, out_features);
     auto y = torch::empty({x.size(0), out_features}, x.options());
     t_->panel_linear(y.data_ptr<float>(), x.data_ptr<float>(), panels.data_ptr<float>(), bp, x.size(0), x.size(1),
                      out_features, at::get_num_threads());
@@ -219,12 +222,7 @@ class CpuOps {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && out_features >= 1, "x must be [M, I]");
     check_bf16_panels(panels, out_features, x.size(1), "panels");
-    const float* bp = nullptr;
-    if (bias.has_value()) {
-      check_float(*bias, "bias");
-      TORCH_CHECK(bias->numel() == out_features, "bias must be [O]");
-      bp = bias->data_ptr<float>();
-    }
+    const float* bp = bias_ptr(bias, out_features);
     auto y = torch::empty({x.size(0), out_features}, x.options());
     t_->bf16_panel_linear(y.data_ptr<float>(), x.data_ptr<float>(),
                           reinterpret_cast<const uint32_t*>(panels.data_ptr()), bp, x.size(0), x.size(1), out_features,
