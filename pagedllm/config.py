@@ -152,6 +152,7 @@ def cpu_isa() -> str:
 
 
 DTYPE_NAMES = tuple(_DTYPES)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -206,6 +207,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    # Element type of the KV cache (KV_CACHE_DTYPES): "auto" follows the model's --dtype.
+    cache_dtype: str = "auto"
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's torch dtype for a model run in `model_dtype` (--dtype as the user gave it)."""
+        return model_dtype if self.cache_dtype == "auto" else resolve_dtype(self.cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pagedllm.config import (
     ATTENTION_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_NAMES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -75,7 +76,7 @@ class EngineArgs:
     dtype: str = _arg(
         "auto",
         "weights and activations; auto is float32. bfloat16 on the native CPU kernels: bf16 weights and products, "
-        "float32 sums, activations and KV cache",
+        "float32 sums and activations (the KV cache: see --kv-cache-dtype)",
         choices=DTYPE_NAMES,
     )
     quantization: str | None = _arg(
@@ -89,6 +90,12 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the engine's random state")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's limit)")
     block_size: int = _arg(16, "tokens per KV cache block, a power of two")
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "element type of the KV cache: auto is --dtype's (float32 by default); bfloat16 halves its bytes and the "
+        "bytes decode attention reads (attention still sums in float32)",
+        choices=KV_CACHE_DTYPES,
+    )
     kv_cache_memory_bytes: int | str | None = _arg(
         None,
         "KV cache budget, e.g. 4GiB, 512MiB or a byte count; wins over --gpu-memory-utilization "
@@ -198,6 +205,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self._kv_cache_bytes(device),
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
@@ -260,6 +268,8 @@ class EngineArgs:
         for f in dataclasses.fields(self):
             if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override", "num_threads"):

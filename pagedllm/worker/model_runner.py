@@ -51,12 +51,15 @@ class ModelRunner:
         # --dtype bfloat16 on the native ops: the weights in bf16 (bf16 products, float32 sums), the model built in
         # float32 (activations, norms, KV cache). Without the native ops, plain torch runs everything in bf16.
         self.bf16_weights = bf16 and cpu_ops is not None
+        # The KV cache's dtype follows --dtype as given (auto), or --kv-cache-dtype.
+        self.kv_dtype = config.cache_config.kv_dtype(model_config.torch_dtype)
         if self.bf16_weights:
             model_config = replace(model_config, dtype="float32")
             logger.info(
-                "dtype bfloat16: weights in bf16 panels, activations and KV cache in float32; bf16 products %s",
+                "dtype bfloat16: weights in bf16 panels, activations in float32; bf16 products %s",
                 "in hardware (AVX512-BF16)" if cpu_ops.bf16_native() else "widened to float32 (no AVX512-BF16 here)",
             )
+        logger.info("KV cache in %s", str(self.kv_dtype).removeprefix("torch."))
         self.model_config = model_config  # what the model runs in
         self.attn_backend = select_attention_backend(
             config.device_config.attention_backend, device, model_config.torch_dtype, cpu_ops
@@ -93,10 +96,10 @@ class ModelRunner:
         per_token = 0
         for attn in self.model.attention_layers():
             per_token += 2 * attn.num_kv_heads * attn.head_dim
-        return per_token * self.block_size * torch.finfo(self.model_config.torch_dtype).bits // 8
+        return per_token * self.block_size * torch.finfo(self.kv_dtype).bits // 8
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        dtype = self.model_config.torch_dtype
+        dtype = self.kv_dtype
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # A fresh mapping, untouched until a block is first written, of normal pages: where THP defrag is

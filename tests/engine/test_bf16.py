@@ -1,6 +1,7 @@
 """`dtype="bfloat16"` on the native CPU kernels: the default model's weights (de-quantized from its GGUF, as an HF
 folder's float weights would be) held in bf16 panels, products in bf16 (in hardware where the CPU has AVX512-BF16,
-widened to float32 elsewhere), float32 sums, activations and KV cache; against the same weights in float32.
+widened to float32 elsewhere), float32 sums and activations, the KV cache in bf16 (kv_cache_dtype auto follows
+--dtype); against the same weights in float32.
 
 * Teacher forcing over a fixed text: the top-1 token agrees at >= 98% of the positions, perplexity within 2%.
 * Greedy decoding, one request and several: the tokens are float32's top-1 at >= 95% of the positions.
@@ -49,8 +50,8 @@ def test_weights_are_held_once_in_bf16(bf16) -> None:
     assert model.lm_head.bf16_panels is not None
     assert model.model.embed_tokens.bf16_table is model.lm_head.bf16_panels
     assert not model.model.embed_tokens.weight.numel()
-    # activations and the KV cache stay float32
-    assert model.model.layers[0].self_attn.attn.kv_cache[0].dtype == torch.float32
+    # the KV cache follows --dtype (kv_cache_dtype auto): bf16
+    assert model.model.layers[0].self_attn.attn.kv_cache[0].dtype == torch.bfloat16
     ids = torch.tensor([5, 49151, 0])
     params = sum(int(t.n_elements) for t in open_gguf(default_model_path()).tensors)
     assert weight_bytes(model) <= 0.55 * 4 * params, (weight_bytes(model), 4 * params)

@@ -111,8 +111,9 @@ def _decode_layer_reference(x, residual, first, w, rope, position, k_cache, v_ca
     q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
     k_cache.view(-1, hkv, d)[slot] = k[0]
     v_cache.view(-1, hkv, d)[slot] = v[0]
-    keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
-    values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+    # [1, Hkv, L, D], widened from a bf16 cache
+    keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None].float()
+    values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None].float()
     att = F.scaled_dot_product_attention(q.view(1, hq, 1, d), keys, values, scale=d**-0.5, enable_gqa=True)
     res = res + F.linear(att.reshape(1, hq * d), w["o"], w["o_b"])
     gu = F.linear(_rms(res, w["n2"], eps), w["gu"], w["gu_b"])
@@ -179,6 +180,47 @@ def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot
     for cache, ref in zip(caches, refs):
         torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x, out_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, hq, hkv, d, block, seq_len", [(576, 1536, 9, 3, 64, 16, 40), (48, 40, 3, 1, 16, 4, 9)]
+)
+def test_decode_model_bf16_cache(ops, hidden, inter, hq, hkv, d, block, seq_len) -> None:
+    """A bfloat16 KV cache (--kv-cache-dtype bfloat16): the new token's keys and values rounded into it, the context
+    read widened, against the unfused layers on the same bf16 caches (torch rounds the same way)."""
+    g = torch.Generator().manual_seed(hidden + seq_len)
+    num_layers, blocks, eps = 2, 12, 1e-5
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, False) for _ in range(num_layers)]
+    final_norm = torch.randn(hidden, generator=g)
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    caches = [torch.randn(2, blocks, block, hkv, d, generator=g).bfloat16() for _ in range(num_layers)]
+    table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
+    slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
+    x = torch.randn(1, hidden, generator=g)
+    refs = [c.clone() for c in caches]
+    out_ref, res_ref = x, None
+    for w, (k_ref, v_ref) in zip(layers, refs):
+        out_ref, res_ref = _decode_layer_reference(
+            out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
+        )
+    out_ref = _rms(out_ref + res_ref, final_norm, eps)
+    stack = ops.decode_model(
+        _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
+        eps, final_norm,
+    )  # fmt: skip
+    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
+    for cache, ref in zip(caches, refs):
+        assert cache.dtype == torch.bfloat16
+        # the same float32 values rounded by both; a value on a rounding boundary may land one bf16 step apart
+        torch.testing.assert_close(cache.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        assert (cache != ref).sum() <= 2
+    torch.testing.assert_close(x, out_ref, atol=1e-3, rtol=1e-3)
+    mixed = [caches[0][0], caches[1][0].float()]
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.decode_model(
+            _flat(ops, layers), mixed, [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5, eps,
+            final_norm,
+        )  # fmt: skip
 
 
 def test_decode_model_refuses_bad_input(ops) -> None:

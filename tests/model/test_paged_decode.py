@@ -67,6 +67,24 @@ def test_kernel_matches_sdpa(isa_ops, n: int, width: int, hq: int, hkv: int, d: 
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, table, lens, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "n, width, hq, hkv, d, block", [(5, 7, 9, 3, 64, 16), (3, 4, 8, 2, 128, 8), (7, 5, 6, 2, 16, 4)]
+)
+def test_kernel_bf16_cache(isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int) -> None:
+    """A bfloat16 cache (--kv-cache-dtype bfloat16) is read widened: the result is SDPA's over the same values in
+    float32, to float32 accuracy (the specialised AVX-512 path and the generic one)."""
+    op = isa_ops.paged_decode_attention
+    q, k_cache, v_cache, table, lens, scale = make_case(n * 31 + d, n, width, hq, hkv, d, block)
+    kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
+    out = torch.full_like(q, float("nan"))
+    op(out, q, kb, vb, table, lens, scale)
+    torch.testing.assert_close(out, reference(q, kb.float(), vb.float(), table, lens, scale), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(out, q, kb, v_cache, table, lens, scale)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(out, q, k_cache.half(), v_cache.half(), table, lens, scale)
+
+
 @pytest.mark.parametrize("bad", ["block id", "seq_len zero", "seq_len past table", "dtype"])
 def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
     op = isa_ops.paged_decode_attention

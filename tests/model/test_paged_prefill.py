@@ -69,6 +69,20 @@ def test_kernel_matches_sdpa(isa_ops, segs, hq: int, hkv: int, d: int, block: in
     assert out[others].isnan().all(), "rows outside every segment were written"
 
 
+@pytest.mark.parametrize(
+    "segs, hq, hkv, d, block", [([(7, 0), (33, 40)], 9, 3, 64, 16), ([(21, 0), (5, 13)], 6, 2, 16, 4)]
+)
+def test_kernel_bf16_cache(isa_ops, segs, hq: int, hkv: int, d: int, block: int) -> None:
+    """A bfloat16 cache (--kv-cache-dtype bfloat16) is read widened: SDPA's result over the same values in float32."""
+    q, k_cache, v_cache, tables, segments, scale = make_case(len(segs) * 11 + d, segs, hq, hkv, d, block)
+    kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
+    out = torch.full_like(q, float("nan")).contiguous()
+    isa_ops.paged_prefill_attention(out, q, kb, vb, tables, segments, scale)
+    ref = reference(q, kb.float(), vb.float(), tables, segments, scale)
+    rows = torch.cat([torch.arange(s, s + n) for s, n, _ in segments.tolist()])
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad", ["block id", "past the table", "rows past q", "empty segment", "dtype", "shape"])
 def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
     module = isa_ops

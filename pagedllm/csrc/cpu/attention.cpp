@@ -1,7 +1,8 @@
 // Paged attention over a block KV cache, reading keys and values in place from their blocks (no gather, no mask):
 // single-query decode (flash-decoding partial results per span, merged per head) and causal prefill of multi-token
 // segments (16 query rows x 8 keys a tile in the vector lanes, flash-attention style). With AVX-512 the decode span
-// takes 16 keys at a time and reduces their dot products together. Figures: bench/RESULTS.md.
+// takes 16 keys at a time and reduces their dot products together. The cache holds float32 or bfloat16 (KV below:
+// float or uint16_t), widened to float32 as it is read; scores and sums are float32. Figures: bench/RESULTS.md.
 #include <vector>
 
 #include "internal.h"
@@ -10,21 +11,25 @@
 namespace pagedllm {
 namespace {
 
+// Elements of a KV cache in one 64-byte cache line.
+template <typename KV>
+constexpr int64_t kLine = 64 / sizeof(KV);
+
 // Calls f(row, l) for every token l0 <= l < l1 of a paged context, in order: `row` points at the token's cached row
-// (all KV heads: `row` floats); `table` maps block index -> cache block.
-template <typename F>
-static inline void for_each_token(const float* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
+// (all KV heads: `row` elements); `table` maps block index -> cache block.
+template <typename KV, typename F>
+static inline void for_each_token(const KV* cache, const int64_t* table, int64_t l0, int64_t l1, int64_t bs,
                                   int64_t row, F&& f) {
   while (l0 < l1) {
     const int64_t b = l0 / bs;
-    const float* block = cache + table[b] * bs * row;
+    const KV* block = cache + table[b] * bs * row;
     const int64_t t0 = l0 % bs, m = std::min(bs, t0 + l1 - l0);
     // The blocks are scattered, so the hardware prefetcher stops at each block's end: while on token t of this
     // block, fetch token t of the next one.
-    const float* next = (b + 1) * bs < l1 ? cache + table[b + 1] * bs * row : nullptr;
+    const KV* next = (b + 1) * bs < l1 ? cache + table[b + 1] * bs * row : nullptr;
     for (int64_t t = t0; t < m; ++t) {
       if (next != nullptr)
-        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + t * row + c);
+        for (int64_t c = 0; c < row; c += kLine<KV>) __builtin_prefetch(next + t * row + c);
       f(block + t * row, l0 - t0 + t);
     }
     l0 += m - t0;
@@ -58,17 +63,17 @@ static inline __m512 sum16x16(const __m512* v) {
 
 // acc[i] += sum over the tile's tokens c < nt of p[i * stride + c] * value row c (at offset ko), for NR query heads
 // of one KV head, the NR x D / 16 accumulators held in registers.
-template <int D, int NR>
-static inline void values_tile(float* acc, const float* p, int64_t stride, const float* const* rows, int64_t ko,
+template <int D, int NR, typename KV>
+static inline void values_tile(float* acc, const float* p, int64_t stride, const KV* const* rows, int64_t ko,
                                int64_t nt) {
   constexpr int DV = D / 16;
   __m512 av[NR][DV];
   for (int i = 0; i < NR; ++i)
     for (int v = 0; v < DV; ++v) av[i][v] = _mm512_loadu_ps(acc + i * D + 16 * v);
   for (int64_t c = 0; c < nt; ++c) {
-    const float* vr = rows[c] + ko;
+    const KV* vr = rows[c] + ko;
     __m512 vv[DV];
-    for (int v = 0; v < DV; ++v) vv[v] = _mm512_loadu_ps(vr + 16 * v);
+    for (int v = 0; v < DV; ++v) vv[v] = kv_load16(vr + 16 * v);
     for (int i = 0; i < NR; ++i) {
       const __m512 pi = _mm512_set1_ps(p[i * stride + c]);
       for (int v = 0; v < DV; ++v) av[i][v] = _mm512_fmadd_ps(pi, vv[v], av[i][v]);
@@ -83,19 +88,19 @@ static inline void values_tile(float* acc, const float* p, int64_t stride, const
 // their dot products reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads
 // of one KV head at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's
 // work: blocks are scattered, which stops the hardware prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
-template <int D>
-static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+template <int D, typename KV>
+static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
                                const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
                                int64_t g, float sc, std::vector<float>& scores) {
   constexpr int DV = D / 16, T = 16, kAhead = 2;
   constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
   const int64_t span = l1 - l0, stride = (span + T - 1) / T * T;
-  const int64_t used = ((hq - 1) / g + 1) * D;  // floats of each token row this span reads
+  const int64_t used = ((hq - 1) / g + 1) * D;  // elements of each token row this span reads
   scores.resize(hq * stride);
   float* s = scores.data();
-  const float* kr[T];
-  const float* nxt[T];
-  auto rows_of = [&](const float* base, int64_t t0, const float** out) {
+  const KV* kr[T];
+  const KV* nxt[T];
+  auto rows_of = [&](const KV* base, int64_t t0, const KV** out) {
     const int64_t nt = std::min<int64_t>(T, l1 - t0);
     int64_t b = t0 / bs, o = t0 % bs;
     for (int c = 0; c < nt; ++c) {
@@ -105,19 +110,19 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
     for (int c = nt; c < T; ++c) out[c] = out[nt - 1];  // past the span: repeat its last token (never used)
     return nt;
   };
-  const float* pf[T];
+  const KV* pf[T];
   int64_t pf_lines = 0;
-  const int64_t lpr = used / 16;
+  const int64_t lpr = std::max<int64_t>(1, used / kLine<KV>);
   // Prefetch lines [i0, i1) of the tile kAhead ahead (rows pf, pf_lines lines in all).
   auto prefetch = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < std::min(i1, pf_lines); ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(pf[i / lpr] + (i % lpr) * 16), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf[i / lpr] + (i % lpr) * kLine<KV>), _MM_HINT_T1);
   };
   const int64_t ntiles = stride / T;
   // The tiles are read in the order K 0 .. ntiles-1, then V 0 .. ntiles-1: aim kAhead tiles ahead in it.
   auto plan_prefetch = [&](int64_t tile) {
     int64_t ahead = tile + kAhead;
-    const float* base = ahead < ntiles ? kc : vc;
+    const KV* base = ahead < ntiles ? kc : vc;
     if (ahead >= ntiles) ahead -= ntiles;
     pf_lines = ahead < ntiles ? rows_of(base, l0 + ahead * T, pf) * lpr : 0;
   };
@@ -139,9 +144,9 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
       for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
 #pragma GCC unroll 16
       for (int c = 0; c < T; ++c) {
-        const float* k = kr[c] + ko;
-        __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), x);
+        const KV* k = kr[c] + ko;
+        __m512 x = _mm512_mul_ps(qv[0], kv_load16(k));
+        for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], kv_load16(k + 16 * v), x);
         a[c] = x;
       }
       _mm512_storeu_ps(s + r * stride + (t0 - l0), sum16x16(a));
@@ -188,8 +193,8 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
 // heads); a cached token is `row` floats, read once for every head. The result is flash-decoding's unnormalised
 // partial result, per head: its score max m[r], its sum of exp lsum[r] and
 // acc[r] = sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
-template <int D>
-static void attend_span(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
+template <int D, typename KV>
+static void attend_span(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
                         const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
                         int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
   const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
@@ -199,15 +204,15 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   if (span <= 0) return;
 #if defined(__AVX512F__)
   if constexpr (D > 0 && D % 16 == 0) {
-    attend_span_avx512<D>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, sc, scores);
+    attend_span_avx512<D, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, sc, scores);
     return;
   }
 #endif
   scores.resize(hq * span);
   float* s = scores.data();
-  for_each_token(kc, table, l0, l1, bs, row, [&](const float* kt, int64_t l) {
+  for_each_token(kc, table, l0, l1, bs, row, [&](const KV* kt, int64_t l) {
     for (int64_t r = 0; r < hq; ++r) {
-      const float v = dot(q + r * d, kt + (r / g) * d, d) * sc;
+      const float v = dot_kv(q + r * d, kt + (r / g) * d, d) * sc;
       s[r * span + l - l0] = v;
       m[r] = std::max(m[r], v);
     }
@@ -215,28 +220,28 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   for (int64_t r = 0; r < hq; ++r) {
     lsum[r] = exp_in_place(s + r * span, span, m[r]);
   }
-  for_each_token(vc, table, l0, l1, bs, row, [&](const float* vt, int64_t l) {
+  for_each_token(vc, table, l0, l1, bs, row, [&](const KV* vt, int64_t l) {
     for (int64_t r = 0; r < hq; ++r) {
       const float p = s[r * span + l - l0];
-      const float* vr = vt + (r / g) * d;
+      const KV* vr = vt + (r / g) * d;
       float* ar = acc + r * d;
 #pragma omp simd
-      for (int64_t x = 0; x < d; ++x) ar[x] += p * vr[x];
+      for (int64_t x = 0; x < d; ++x) ar[x] += p * kv_f(vr[x]);
     }
   });
 }
 
 // Single-query attention of `rows` consecutive query heads q [rows, d] over one request's whole paged context of
 // `len` tokens, query row r reading KV head kv0 + r / g: attend_span over [0, len), normalised into out.
-template <int D>
-static void attend_item(float* out, const float* q, const float* kp, const float* vp, const int64_t* table,
+template <int D, typename KV>
+static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, const int64_t* table,
                         int64_t len, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g, int64_t d_rt,
                         float sc, AttendScratch& s) {
   const int64_t d = D > 0 ? D : d_rt;
   s.mx.resize(rows);
   s.sum.resize(rows);
   s.acc.resize(rows * d);
-  attend_span<D>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, 0, len, bs, row,
+  attend_span<D, KV>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, 0, len, bs, row,
                  rows, g, d, sc, s.scores);
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / s.sum[r];
@@ -249,12 +254,12 @@ static void attend_item(float* out, const float* q, const float* kp, const float
 // Every request of the batch, in parallel over items. An item is one request's KV heads [h0, h0 + hs) and their
 // query heads: all KV heads when there are enough requests to keep every thread busy (each cached token row is
 // then read whole and in order), one each otherwise.
-template <int D>
-static void decode_loop(float* op, const float* qp, const float* kp, const float* vp, const int64_t* tp,
+template <int D, typename KV>
+static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, const int64_t* tp,
                         const int64_t* lp, int64_t n, int64_t hq, int64_t hkv, int64_t bs, int64_t width,
                         int64_t d, float sc, int threads) {
   const int64_t g = hq / hkv;
-  const int64_t row = hkv * d;  // floats between consecutive tokens of one block
+  const int64_t row = hkv * d;  // elements between consecutive tokens of one block
   const int64_t hs = n >= 4 * threads ? hkv : 1;
   const int64_t per_req = hkv / hs, items = n * per_req;
   // Longest contexts first, handed out one at a time: the threads finish together even when the lengths differ
@@ -270,7 +275,7 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = order[item / per_req], h0 = (item % per_req) * hs;
       const int64_t first = i * hq + h0 * g;  // the item's query heads are consecutive
-      attend_item<D>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
+      attend_item<D, KV>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
                      scratch);
     }
   }
@@ -284,9 +289,9 @@ static void decode_loop(float* op, const float* qp, const float* kp, const float
 // kc, vc point at the query head's KV head within token rows of `row` floats; ot is [d, R] scratch.
 constexpr int kPrefillRows = 16, kPrefillKeys = 8;
 
-template <int D>
-static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const float* kc,
-                         const float* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
+template <int D, typename KV>
+static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const KV* kc,
+                         const KV* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
   constexpr int R = kPrefillRows, C = kPrefillKeys;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
@@ -296,8 +301,8 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
   std::fill(ot, ot + d * R, 0.f);
   for (int64_t j0 = 0; j0 < klen; j0 += C) {
     const int64_t nc = std::min<int64_t>(C, klen - j0);
-    const float* kr[C];
-    const float* vr[C];
+    const KV* kr[C];
+    const KV* vr[C];
     for (int c = 0; c < C; ++c) {  // past the context, repeat its last token (masked below)
       const int64_t j = j0 + std::min<int64_t>(c, nc - 1);
       const int64_t off = (table[j / bs] * bs + j % bs) * row;
@@ -309,7 +314,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
       const float* qx = qt + x * R;
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const float kv = kr[c][x];
+        const float kv = kv_f(kr[c][x]);
 #pragma omp simd
         for (int i = 0; i < R; ++i) s[c][i] += kv * qx[i];
       }
@@ -345,7 +350,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
       for (int i = 0; i < R; ++i) acc[i] = o[i] * alpha[i];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const float vv = vr[c][x];
+        const float vv = kv_f(vr[c][x]);
 #pragma omp simd
         for (int i = 0; i < R; ++i) acc[i] += s[c][i] * vv;
       }
@@ -363,36 +368,39 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
 struct PrefillTask {
   int64_t seg, i0, h, cost;
 };
-}  // namespace
 
-void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
-                     const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq, int64_t g,
-                     int64_t d, float sc, std::vector<float>& scores) {
-  if (d == 64) attend_span<64>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
-  else if (d == 128) attend_span<128>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
-  else attend_span<0>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+template <typename KV>
+static void attend_span_typed(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
+                              const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
+                              int64_t g, int64_t d, float sc, std::vector<float>& scores) {
+  if (d == 64) attend_span<64, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else if (d == 128) attend_span<128, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
+  else attend_span<0, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
 }
 
-
-void paged_decode(const PagedDecodeArgs* a) {
+template <typename KV>
+static void decode_typed(const PagedDecodeArgs* a) {
   const PagedCache& c = a->cache;
   const int64_t d = c.head_dim;
+  const KV* kp = static_cast<const KV*>(c.k);
+  const KV* vp = static_cast<const KV*>(c.v);
   switch (d) {
     case 64:
-      decode_loop<64>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
-                      c.block_size, a->table_width, 64, a->scale, a->threads);
+      decode_loop<64, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                          c.block_size, a->table_width, 64, a->scale, a->threads);
       break;
     case 128:
-      decode_loop<128>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
-                       c.block_size, a->table_width, 128, a->scale, a->threads);
+      decode_loop<128, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                           c.block_size, a->table_width, 128, a->scale, a->threads);
       break;
     default:
-      decode_loop<0>(a->out, a->q, c.k, c.v, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
-                     c.block_size, a->table_width, d, a->scale, a->threads);
+      decode_loop<0, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+                         c.block_size, a->table_width, d, a->scale, a->threads);
   }
 }
 
-void paged_prefill(const PagedPrefillArgs* a) {
+template <typename KV>
+static void prefill_typed(const PagedPrefillArgs* a) {
   const PagedCache& c = a->cache;
   const int64_t hq = a->q_heads, d = c.head_dim, bs = c.block_size, g = hq / c.kv_heads, row = c.kv_heads * d;
   const int64_t width = a->table_width, qstride = a->q_stride, nseg = a->num_segments;
@@ -409,8 +417,8 @@ void paged_prefill(const PagedPrefillArgs* a) {
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const PrefillTask& x, const PrefillTask& y) { return x.cost > y.cost; });
   const float* qp = a->q;
-  const float* kp = c.k;
-  const float* vp = c.v;
+  const KV* kp = static_cast<const KV*>(c.k);
+  const KV* vp = static_cast<const KV*>(c.v);
   float* op = a->out;
   const float sc = a->scale;
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -430,19 +438,41 @@ void paged_prefill(const PagedPrefillArgs* a) {
       const int64_t* table = tp + task.seg * width;
       switch (d) {
         case 64:
-          prefill_tile<64>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                           ot.data(), d);
+          prefill_tile<64, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                               ot.data(), d);
           break;
         case 128:
-          prefill_tile<128>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                            ot.data(), d);
+          prefill_tile<128, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                                ot.data(), d);
           break;
         default:
-          prefill_tile<0>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                          ot.data(), d);
+          prefill_tile<0, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
+                              ot.data(), d);
       }
     }
   }
+}
+}  // namespace
+
+void attend_span_any(float* m, float* lsum, float* acc, const float* q, const void* kc, const void* vc,
+                     int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
+                     int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores) {
+  if (kv_dtype == PKV_BF16)
+    attend_span_typed(m, lsum, acc, q, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), table, l0,
+                      l1, bs, row, hq, g, d, sc, scores);
+  else
+    attend_span_typed(m, lsum, acc, q, static_cast<const float*>(kc), static_cast<const float*>(vc), table, l0, l1,
+                      bs, row, hq, g, d, sc, scores);
+}
+
+void paged_decode(const PagedDecodeArgs* a) {
+  if (a->cache.kv_dtype == PKV_BF16) decode_typed<uint16_t>(a);
+  else decode_typed<float>(a);
+}
+
+void paged_prefill(const PagedPrefillArgs* a) {
+  if (a->cache.kv_dtype == PKV_BF16) prefill_typed<uint16_t>(a);
+  else prefill_typed<float>(a);
 }
 
 }  // namespace pagedllm

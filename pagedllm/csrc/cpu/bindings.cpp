@@ -59,13 +59,19 @@ void check_block_ids(const int64_t* row, int64_t blocks, int64_t num_blocks) {
     TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block id ", row[b], " out of range");
 }
 
+// A layer's KV cache pair: contiguous CPU tensors [blocks, B, Hkv, D] of one shape and one dtype, float32 or
+// bfloat16.
 PagedCache paged_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
+  for (const torch::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->is_contiguous() &&
+                    t->device().is_cpu(),
+                "k_cache and v_cache must be contiguous float32 or bfloat16 CPU tensors");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must be of one dtype");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be [blocks, B, Hkv, D] of one shape");
-  return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(0), k_cache.size(1), k_cache.size(2),
-          k_cache.size(3)};
+  const int32_t dtype = k_cache.scalar_type() == at::kBFloat16 ? PKV_BF16 : PKV_F32;
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+          dtype};
 }
 
 // out and q [T, Hq, D] of one shape, float32, out contiguous and q's heads contiguous within a token (its rows may be
@@ -388,6 +394,7 @@ class DecodeModel {
     const PagedCache c0 = paged_cache(k_caches[0], v_caches[0]);
     DecoderSpec& s = spec_;
     s.num_blocks = c0.num_blocks, s.block_size = c0.block_size, s.kv_heads = c0.kv_heads, s.head_dim = c0.head_dim;
+    s.kv_dtype = c0.kv_dtype;
     // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: its quantized weight, or null for panels.
     auto qm = [&](size_t l, int j) -> const QuantMatrix* { return quant_.empty() ? nullptr : quant_[kLinears * l + j].get(); };
     constexpr int kSlot[kLinears] = {1, 5, 8, 10};  // where each linear's panels sit among a layer's tensors
@@ -412,7 +419,8 @@ class DecodeModel {
     for (size_t l = 0; l < layers; ++l) {
       const torch::Tensor* w = layer_w.data() + kPerLayer * l;
       const PagedCache c = paged_cache(k_caches[l], v_caches[l]);
-      TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes(), "caches of one shape");
+      TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && c.kv_dtype == c0.kv_dtype,
+                  "caches of one shape and dtype");
       check_float(w[0], "norm1");
       check_float(w[7], "norm2");
       check_float(cos_sin[l], "cos_sin");
@@ -445,7 +453,7 @@ class DecodeModel {
       L.gate_up_b = optional_ptr(w[9], 2 * s.inter, "gate_up bias");
       L.down_b = optional_ptr(w[11], s.hidden, "down bias");
       L.cos_sin = cos_sin[l].data_ptr<float>();
-      L.k_cache = const_cast<float*>(c.k), L.v_cache = const_cast<float*>(c.v);
+      L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
       layers_.push_back(L);
     }

@@ -123,12 +123,16 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
         if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
         if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
         if (hh < hq + hkv) rotate_head(v, w.cos_sin + cs_off, half);
-        if (hh >= hq + hkv) std::copy(v, v + d, w.v_cache + slot * row + (hh - hq - hkv) * d);
-        else if (hh >= hq) std::copy(v, v + d, w.k_cache + slot * row + (hh - hq) * d);
+        if (hh >= hq) {  // a key or value head: to the cache
+          const int64_t off = slot * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
+          void* cache = hh >= hq + hkv ? w.v_cache : w.k_cache;
+          if (s.kv_dtype == PKV_BF16) kv_store(static_cast<uint16_t*>(cache) + off, v, d);
+          else kv_store(static_cast<float*>(cache) + off, v, d);
+        }
       }
 #pragma omp barrier
-      attend_span_any(pm, pm + hq, pm + 2 * hq, qkv, w.k_cache, w.v_cache, table, a, b, bs, row, hq, g, d, sc,
-                      scores);
+      attend_span_any(pm, pm + hq, pm + 2 * hq, qkv, w.k_cache, w.v_cache, s.kv_dtype, table, a, b, bs, row, hq, g,
+                      d, sc, scores);
 #pragma omp barrier
       for (int64_t r = qa; r < qb; ++r) {  // merge the threads' partial results of query head r
         float mx = -std::numeric_limits<float>::infinity();

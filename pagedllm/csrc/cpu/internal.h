@@ -11,12 +11,12 @@ namespace pagedllm {
 
 // Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
 // query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
-// heads); a cached token is `row` floats, read once for every head. The result is flash-decoding's unnormalised
-// partial result, per head: its score max m[r], its sum of exp lsum[r] and acc[r] = sum of exp(score - m[r]) *
-// value. An empty span gives m = -inf, lsum = 0, acc = 0.
-void attend_span_any(float* m, float* lsum, float* acc, const float* q, const float* kc, const float* vc,
-                     const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq, int64_t g,
-                     int64_t d, float sc, std::vector<float>& scores);
+// heads); a cached token is `row` elements of kv_dtype (PagedllmKvDtype), read once for every head. The result is
+// flash-decoding's unnormalised partial result, per head: its score max m[r], its sum of exp lsum[r] and acc[r] =
+// sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
+void attend_span_any(float* m, float* lsum, float* acc, const float* q, const void* kc, const void* vc,
+                     int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
+                     int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores);
 
 // y[o] for outputs [o0, o1) of one input row x [in] from W's panels (any alignment: a panel shared with a
 // neighbouring range is read whole and written in part); bias may be null.

@@ -16,13 +16,19 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 4
+#define PAGEDLLM_CPU_ABI 5
 
-// A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous float32.
+// The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
+// written; read by widening, so attention still sums in float32).
+enum PagedllmKvDtype { PKV_F32 = 0, PKV_BF16 = 1 };
+
+// A paged KV cache of one layer: keys and values [num_blocks, block_size, kv_heads, head_dim], contiguous, of
+// kv_dtype elements.
 struct PagedCache {
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
   int64_t num_blocks, block_size, kv_heads, head_dim;
+  int32_t kv_dtype;
 };
 
 // Single-query attention of n requests: out, q [n, q_heads, head_dim] contiguous; request i attends the first
@@ -80,7 +86,7 @@ struct DecoderLayer {
   const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
   QMatrix qkv_q, o_q, gate_up_q, down_q;
   const float* cos_sin;  // [max_position, rot]: cos | sin
-  float *k_cache, *v_cache;
+  void *k_cache, *v_cache;  // of the spec's kv_dtype
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
@@ -92,6 +98,7 @@ struct DecoderSpec {
   const float* final_norm;
   int64_t num_blocks, block_size, kv_heads, head_dim, q_heads, hidden, inter, rot, max_position;
   float scale, eps;
+  int32_t kv_dtype;  // PagedllmKvDtype of every layer's cache
   // Tensor parallelism: the partial sums of the attention output projection and of the MLP down projection are
   // all-reduced through this hook (null: one rank), and their biases are added after the reduction.
   AllReduceFn all_reduce;

@@ -81,6 +81,12 @@ class GatherWorkspace:
         out = buf[:numel].view(shape)
         return torch.index_select(cache, 0, blocks, out=out)
 
+    def gather_as(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """gather, in `dtype` (the queries': a KV cache of another dtype, --kv-cache-dtype, is widened or narrowed
+        after the gather, only the rows read)."""
+        out = self.gather(cache, blocks, slot)
+        return out if out.dtype == dtype else out.to(dtype)
+
 
 def length_groups(sorted_lens: np.ndarray, max_waste: float = MAX_GROUP_WASTE) -> list[tuple[int, int]]:
     """Split ascending context lengths into runs whose padding to the run's longest stays under max_waste of the
@@ -137,8 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[s:e] = self._prefill(layer, q[s:e], k[s:e], v[s:e], seg)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
-        return self.workspace.gather(cache, blocks, slot)
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.workspace.gather_as(cache, blocks, slot, dtype)
 
     def _decode(self, layer: AttentionLayer, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         k_cache, v_cache = layer.kv_cache
@@ -146,8 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
         # Gather [n * max_blocks, block_size, Hkv, D] (index_select is several times faster than advanced indexing
         # on the CPU) and view it as [n, L, Hkv, D] without a second copy.
         flat = group.block_table.view(-1)
-        keys = self._gather(k_cache, flat, 0).view(n, -1, hkv, d)
-        values = self._gather(v_cache, flat, 1).view(n, -1, hkv, d)
+        keys = self._gather(k_cache, flat, 0, q.dtype).view(n, -1, hkv, d)
+        values = self._gather(v_cache, flat, 1, q.dtype).view(n, -1, hkv, d)
         if group.mask is None:  # no padding in the gathered blocks: trim to the exact length
             keys, values = keys[:, : group.max_len], values[:, : group.max_len]
         o = F.scaled_dot_product_attention(
@@ -173,7 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
             total = seg.context_len + seg.query_len
             hkv, d = layer.num_kv_heads, layer.head_dim
             table = seg.block_table
-            kh = self._gather(k_cache, table, 0).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            vh = self._gather(v_cache, table, 1).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            kh = self._gather(k_cache, table, 0, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
+            vh = self._gather(v_cache, table, 1, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, scale=layer.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
