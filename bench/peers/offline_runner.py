@@ -36,10 +36,12 @@ WARMUP = {"prompts": [list(range(1000, 1016)), list(range(2000, 2016))], "output
 
 
 class PagedLLMEngine:
-    def __init__(self, model: str, num_threads: int, dtype: str = "float32") -> None:
+    def __init__(self, model: str, num_threads: int, dtype: str = "float32", kv_cache_dtype: str = "auto") -> None:
         from pagedllm import LLM
 
-        self.llm = LLM(model=model, num_threads=num_threads, dtype=dtype, max_model_len=2048)
+        self.llm = LLM(
+            model=model, num_threads=num_threads, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=2048
+        )
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         from pagedllm import SamplingParams
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         w = json.load(f)
     prompts, output_lens = w["prompts"], w["output_lens"]
     if args.engine == "pagedllm":
-        load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads, args.dtype)
+        load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads, args.dtype, args.kv_cache_dtype)
     elif args.engine == "vllm":
         load_s, engine = _timed(VLLMEngine, args.model, args.num_threads)
     elif args.engine == "llamacpp":
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm", "llamacpp"], required=True)
     parser.add_argument("--dtype", default="float32", help="pagedllm's --dtype (float32 or bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype (auto, bfloat16)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--workload", required=True, help="JSON with prompts (token id lists) and output_lens")
     parser.add_argument("--mode", choices=["throughput", "decode"], default="throughput")
