@@ -42,7 +42,7 @@ def test_pack_panels_rounds_like_torch_and_zero_pads(ops, out: int, inp: int) ->
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 13, 14, 15, 29, 70, 300])
-@pytest.mark.parametrize(("out", "inp"), [(96, 128), (45, 77)])
+@pytest.mark.parametrize(("out", "inp"), [(96, 128), (45, 77), (40, 601)])  # 601: three slices of the panel
 def test_panel_linear_is_the_bf16_product(ops, rows: int, out: int, inp: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + inp)
     w, x, bias = torch.randn(out, inp, generator=g), torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
@@ -57,12 +57,13 @@ def test_panel_linear_is_the_bf16_product(ops, rows: int, out: int, inp: int) ->
 
 def test_a_rows_result_does_not_depend_on_the_batch(ops) -> None:
     g = torch.Generator().manual_seed(7)
-    w, x = torch.randn(70, 160, generator=g), torch.randn(40, 160, generator=g)
-    panels = ops.bf16_pack_panels(w)
-    whole = ops.bf16_panel_linear(x, panels, None, 70)
-    for m in (0, 13, 14, 39):
-        assert torch.equal(ops.bf16_panel_linear(x[m : m + 1].contiguous(), panels, None, 70)[0], whole[m])
-    assert torch.equal(ops.bf16_panel_linear(x[5:30].contiguous(), panels, None, 70), whole[5:30])
+    for inp in (160, 600):  # one slice of the panel, and three
+        w, x, b = torch.randn(70, inp, generator=g), torch.randn(40, inp, generator=g), torch.randn(70, generator=g)
+        panels = ops.bf16_pack_panels(w)
+        whole = ops.bf16_panel_linear(x, panels, b, 70)
+        for m in (0, 13, 14, 39):
+            assert torch.equal(ops.bf16_panel_linear(x[m : m + 1].contiguous(), panels, b, 70)[0], whole[m])
+        assert torch.equal(ops.bf16_panel_linear(x[5:30].contiguous(), panels, b, 70), whole[5:30])
 
 
 def test_native_only_in_the_bf16_build(ops) -> None:
