@@ -93,6 +93,21 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_many_rows_are_the_bf16_product_of_the_dequantized_weight(ops, qtype: int) -> None:
+    """Many rows run on panels de-quantized from the blocks: where the build multiplies in bf16, bf16 panels made
+    straight from the blocks, the same result bit for bit as packing the float32 de-quantized weight into bf16
+    panels (a whole panel and a partial one; inputs longer than a panel slice); elsewhere float32 panels, the
+    float32 panel product of the de-quantized weight."""
+    qm, _ = _matrix(ops, [(qtype, 33)], 768, seed=5)
+    dense = ops.dequantize_rows(qm, torch.arange(33))
+    x = torch.randn(3 * ops.quant_dot_max_rows() + 5, 768)
+    if ops.bf16_native():
+        assert torch.equal(ops.quant_linear(x, qm), ops.bf16_panel_linear(x, ops.bf16_pack_panels(dense), None, 33))
+    else:
+        torch.testing.assert_close(ops.quant_linear(x, qm), ops.panel_linear(x, ops.pack_panels(dense), None, 33))
+
+
 def test_mixed_segments_and_bias(ops) -> None:
     qm, w = _matrix(ops, [(Q4_K, 20), (Q6_K, 9), (Q6_K, 7), (Q8_0, 3)], 512, seed=3)
     assert (qm.out_features, qm.in_features) == (39, 512)
