@@ -224,23 +224,6 @@ void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_
   }
 }
 
-void bf16_panel_from_pairs(uint32_t* panel, const uint32_t* pairs, int64_t ld, int64_t nout, int64_t in2) {
-  int64_t done = 0;
-#if defined(PAGEDLLM_NATIVE_BF16)
-  if (nout == kPanel) {  // 16 outputs by 16 pairs at a time, transposed
-    for (; done + 16 <= in2; done += 16)
-      for (int64_t n0 = 0; n0 < kPanel; n0 += 16) {
-        __m512i r[16];
-        for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(pairs + (n0 + k) * ld + done);
-        transpose16(r);
-        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(panel + (done + j) * kPanel + n0, r[j]);
-      }
-  }
-#endif
-  for (int64_t n = 0; n < kPanel; ++n)
-    for (int64_t i2 = done; i2 < in2; ++i2) panel[i2 * kPanel + n] = n < nout ? pairs[n * ld + i2] : 0u;
-}
-
 void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t in) {
   const int64_t in2 = (in + 1) / 2;
   std::vector<uint16_t> r(2 * in2);

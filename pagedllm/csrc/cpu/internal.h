@@ -50,8 +50,6 @@ uint16_t to_bf16(float f);
 void bf16_round_row(uint16_t* dst, const float* x, int64_t n);
 void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_t nout, int64_t in);
 void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t in);
-// One bf16 pair panel from nout rows of in2 pairs each, `ld` pairs apart (zero past them).
-void bf16_panel_from_pairs(uint32_t* panel, const uint32_t* pairs, int64_t ld, int64_t nout, int64_t in2);
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();

@@ -343,38 +343,6 @@ constexpr bool kOffset = !(T == PQ_Q8_0 || T == PQ_Q6_K);  // b != 0
 template <int32_t T>
 constexpr bool kUnitScales = T != PQ_Q6_K;
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define PAGEDLLM_QUANT_BF16 1
-// A row de-quantized straight to bf16 pairs (pairs[i2] = bf16(w[2 i2]) | bf16(w[2 i2 + 1]) << 16): each chunk's 32
-// weights computed as dequant_row_avx2 computes them (the same float32 values), then rounded as
-// bf16_panel_from_rows rounds a float32 row, in registers: half the bytes of a float32 row written and read back.
-template <int32_t T>
-void dequant_row_pairs(const uint8_t* row, int64_t in, uint32_t* pairs) {
-  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const float a0 = a * static_cast<float>(_mm256_extract_epi16(sc16, 0));
-    const float a1 = a * static_cast<float>(_mm256_extract_epi16(sc16, 8));
-    auto widen = [](__m128i v) { return kSigned<T> ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v); };
-    const __m512 bv = _mm512_set1_ps(b);
-    const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(widen(lo)), _mm512_set1_ps(a0), bv);
-    const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(widen(hi)), _mm512_set1_ps(a1), bv);
-    _mm512_storeu_si512(pairs + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
-  });
-}
-
-void dequant_row_pairs_any(int32_t type, const uint8_t* row, int64_t in, uint32_t* pairs) {
-  switch (type) {
-    case PQ_Q4_0: return dequant_row_pairs<PQ_Q4_0>(row, in, pairs);
-    case PQ_Q4_1: return dequant_row_pairs<PQ_Q4_1>(row, in, pairs);
-    case PQ_Q8_0: return dequant_row_pairs<PQ_Q8_0>(row, in, pairs);
-    case PQ_Q4_K: return dequant_row_pairs<PQ_Q4_K>(row, in, pairs);
-    case PQ_Q5_K: return dequant_row_pairs<PQ_Q5_K>(row, in, pairs);
-    case PQ_Q6_K: return dequant_row_pairs<PQ_Q6_K>(row, in, pairs);
-    default: return;
-  }
-}
-#endif
-
 template <int32_t T, int MB>
 void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                int64_t ldb, float* out, int64_t ldo) {
@@ -558,20 +526,18 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int nt = team_size(threads, np);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> panel(bf16 ? 0 : in * kPanel), row(bf16 ? 0 : in);
-    std::vector<uint32_t> bpanel(bf16 ? in2 * kPanel : 0), pairs(bf16 ? in2 * kPanel : 0);
+    std::vector<float> panel(bf16 ? 0 : in * kPanel), row(bf16 ? in * kPanel : in);
+    std::vector<uint32_t> bpanel(bf16 ? in2 * kPanel : 0);
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
       for (int64_t k = 0; k < kPanel; ++k) {
         if (bf16) {
-#if defined(PAGEDLLM_QUANT_BF16)
           if (k < nout) {
             int32_t type;
             const uint8_t* src = row_of(w, base + k, type);
-            dequant_row_pairs_any(type, src, in, pairs.data() + k * in2);
+            dequant_row(type, src, in, row.data() + k * in);
           }
-#endif
           continue;
         }
         if (k < nout) {
@@ -583,7 +549,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
         }
       }
-      if (bf16) bf16_panel_from_pairs(bpanel.data(), pairs.data(), in2, nout, in2);
+      if (bf16) bf16_panel_from_rows(bpanel.data(), row.data(), in, nout, in);
       for (int64_t t0 = 0; t0 < rows; t0 += tile) {
         const int64_t n = std::min(tile, rows - t0);
         float* yt = y + t0 * out + base;
