@@ -1,8 +1,8 @@
 """The fused one-token decoder on the CPU: a whole Llama-family decoder stack in one native call per step.
 
 Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
-Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32, every linear with its panels or its quantized
-weight, one rank or ranks sharing the native all-reduce), else
+Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
+bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, seq_lens)` computes the
 final hidden state [1, hidden] of a step whose batch is one decode token, writing that token's keys and values into
 every layer's cache, exactly as the model's layer-by-layer forward does (which stays the path for every other step
@@ -65,7 +65,8 @@ class CpuDecodeRunner:
             attn = _get(layer, "self_attn")
             for path in _LINEARS:
                 lin = _get(layer, path)
-                runs = lin is not None and (getattr(lin, "panels", None) is not None or lin.qweight is not None)
+                forms = ("panels", "bf16_panels", "qweight")  # float32 panels, bf16 panels, quantized
+                runs = lin is not None and any(getattr(lin, f, None) is not None for f in forms)
                 if not runs or getattr(lin, "tp_size", 1) != world_size:
                     return False
             rope = _get(layer, "self_attn.rotary_emb")
@@ -78,8 +79,8 @@ class CpuDecodeRunner:
         return True
 
     def _layer_weights(self) -> list[torch.Tensor]:
-        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels (empty
-        where the layer is quantized), an empty tensor for an absent bias or q/k norm."""
+        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
+        panels (empty where the layer is quantized), an empty tensor for an absent bias or q/k norm."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         for layer in self.model.model.layers:
@@ -92,6 +93,8 @@ class CpuDecodeRunner:
                 return none if n is None else n.weight
 
             def panels(lin: Any) -> torch.Tensor:
+                if getattr(lin, "bf16_panels", None) is not None:
+                    return lin.bf16_panels.data
                 return none if lin.panels is None else lin.panels.data
 
             weights += [

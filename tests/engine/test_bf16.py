@@ -47,6 +47,7 @@ def test_weights_are_held_once_in_bf16(bf16) -> None:
     assert runner.bf16_weights
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.bf16_panels is not None and not m.weight.numel() for m in linears)
+    assert runner.decode_runner is not None  # one request decodes on the fused decoder, on the bf16 panels
     assert model.lm_head.bf16_panels is not None
     assert model.model.embed_tokens.bf16_table is model.lm_head.bf16_panels
     assert not model.model.embed_tokens.weight.numel()

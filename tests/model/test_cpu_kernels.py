@@ -132,15 +132,12 @@ def _layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm=False):
     return w
 
 
-def _flat(ops, layers):
-    """decode_model's twelve tensors per layer: the linear weights as panels, an empty tensor for an absent bias or
-    q/k norm."""
+def _flat(ops, layers, bf16: bool = False):
+    """decode_model's twelve tensors per layer: the linear weights as panels (bf16 pair panels with `bf16`), an
+    empty tensor for an absent bias or q/k norm."""
     order = ("n1", "qkv", "qkv_b", "q_norm", "k_norm", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
-    return [
-        torch.empty(0) if w[k] is None else ops.pack_panels(w[k]) if w[k].dim() == 2 else w[k]
-        for w in layers
-        for k in order
-    ]
+    pack = ops.bf16_pack_panels if bf16 else ops.pack_panels
+    return [torch.empty(0) if w[k] is None else pack(w[k]) if w[k].dim() == 2 else w[k] for w in layers for k in order]
 
 
 @pytest.mark.parametrize(
@@ -221,6 +218,40 @@ def test_decode_model_bf16_cache(ops, hidden, inter, hq, hkv, d, block, seq_len)
             _flat(ops, layers), mixed, [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5, eps,
             final_norm,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_model_bf16_weights(ops, bias: bool) -> None:
+    """bf16 pair panels (`--dtype bfloat16`): the fused decoder against the unfused layers on the weights rounded to
+    bf16 (the decoder also rounds each linear's input to bf16, relative 2^-9: a loose tolerance; a wrong layout or
+    scale is off by O(1))."""
+    hidden, inter, hq, hkv, d, block, seq_len = 128, 96, 4, 2, 32, 8, 21
+    g = torch.Generator().manual_seed(11 + bias)
+    num_layers, blocks, eps = 2, 10, 1e-5
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias) for _ in range(num_layers)]
+    rounded = [{k: v if v is None or v.dim() != 2 else v.bfloat16().float() for k, v in w.items()} for w in layers]
+    final_norm = torch.randn(hidden, generator=g)
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    caches = [torch.randn(2, blocks, block, hkv, d, generator=g) for _ in range(num_layers)]
+    table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
+    slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
+    x = torch.randn(1, hidden, generator=g)
+    refs = [c.clone() for c in caches]
+    out_ref, res_ref = x, None
+    for w, (k_ref, v_ref) in zip(rounded, refs):
+        out_ref, res_ref = _decode_layer_reference(
+            out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
+        )
+    out_ref = _rms(out_ref + res_ref, final_norm, eps)
+    stack = ops.decode_model(
+        _flat(ops, layers, bf16=True), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * 2,
+        d**-0.5, eps, final_norm,
+    )  # fmt: skip
+    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
+    for cache, ref in zip(caches, refs):
+        torch.testing.assert_close(cache, ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(x, out_ref, atol=3e-2, rtol=3e-2)
+    assert (x - out_ref).abs().mean() < 5e-3 * out_ref.abs().mean() + 1e-4
 
 
 def test_decode_model_refuses_bad_input(ops) -> None:

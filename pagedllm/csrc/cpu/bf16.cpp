@@ -251,6 +251,16 @@ void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int
   }
 }
 
+void bf16_gemv_range(const uint32_t* wp, const uint32_t* x2, const float* bias, float* y, int64_t o0, int64_t o1,
+                     int64_t in2) {
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    const int64_t base = p * kPanel, lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, kPanel);
+    float t[kPanel];
+    bf16_panel_block(wp + p * in2 * kPanel, x2, 1, in2, t, kPanel, bias ? bias + base : nullptr, hi);
+    std::copy(t + lo, t + hi, y + base + lo);
+  }
+}
+
 void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, int threads) {
   const int64_t np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
   const int nt = team_for_grain(threads, np * in * kPanel, int64_t{1} << 16);

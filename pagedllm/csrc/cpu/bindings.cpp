@@ -371,7 +371,7 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
 
 // The fused one-token decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
 // layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
-// weights as panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
+// weights as float32 panels or bf16 pair panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
 // optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
 // panels are then ignored and may be empty), None on its panels.
 // Everything is checked here once; a step passes only the token's few index tensors.
@@ -398,11 +398,13 @@ class DecodeModel {
     // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: its quantized weight, or null for panels.
     auto qm = [&](size_t l, int j) -> const QuantMatrix* { return quant_.empty() ? nullptr : quant_[kLinears * l + j].get(); };
     constexpr int kSlot[kLinears] = {1, 5, 8, 10};  // where each linear's panels sit among a layer's tensors
+    auto bf16 = [](const torch::Tensor& p) { return p.scalar_type() == torch::kBFloat16; };
     auto in_of = [&](int j) -> int64_t {  // input size of layer 0's linear j
       const QuantMatrix* q = qm(0, j);
       if (q != nullptr) return q->in_features();
       const torch::Tensor& p = layer_w[kSlot[j]];
-      TORCH_CHECK(p.dim() == 3, "the linear weights must be panels or quantized");
+      if (bf16(p) && p.dim() == 4) return 2 * p.size(1);  // bf16 pair panels (even input sizes)
+      TORCH_CHECK(p.dim() == 3, "the linear weights must be panels, bf16 panels or quantized");
       return p.size(1);
     };
     s.hidden = in_of(0), s.inter = in_of(3), s.q_heads = in_of(1) / s.head_dim;
@@ -426,15 +428,20 @@ class DecodeModel {
       check_float(cos_sin[l], "cos_sin");
       TORCH_CHECK(w[0].numel() == s.hidden && w[7].numel() == s.hidden, "norm weights must be [H]");
       const float* panels[kLinears];
+      const uint32_t* panels16[kLinears];
       QMatrix quants[kLinears];
       for (int j = 0; j < kLinears; ++j) {
         const QuantMatrix* q = qm(l, j);
         quants[j] = QMatrix{};
         panels[j] = nullptr;
+        panels16[j] = nullptr;
         if (q != nullptr) {
           TORCH_CHECK(q->out_features() == outs[j] && q->in_features() == ins[j], names[j],
                       ": quantized weight must be [", outs[j], ", ", ins[j], "]");
           quants[j] = q->matrix();
+        } else if (bf16(w[kSlot[j]])) {
+          ops_->check_bf16_panels(w[kSlot[j]], outs[j], ins[j], names[j]);
+          panels16[j] = reinterpret_cast<const uint32_t*>(w[kSlot[j]].data_ptr());
         } else {
           ops_->check_panels(w[kSlot[j]], outs[j], ins[j], names[j]);
           panels[j] = w[kSlot[j]].data_ptr<float>();
@@ -455,6 +462,7 @@ class DecodeModel {
       L.cos_sin = cos_sin[l].data_ptr<float>();
       L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
+      L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
       layers_.push_back(L);
     }
     s.layers = layers_.data();

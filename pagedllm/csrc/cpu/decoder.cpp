@@ -18,8 +18,9 @@
 // reads each of its cached tokens once for all heads, and the partial results merge per head); gate and up split on
 // the same rows, so SiLU-and-mul needs no barrier of its own.
 //
-// Quantized weights (a layer's QMatrix with segments) run on int8 copies of their input, which each thread makes
-// itself (a few hundred values, cheaper than sharing one through a barrier).
+// Quantized weights (a layer's QMatrix with segments) run on int8 copies of their input, and bf16 weights
+// (`--dtype bfloat16`) on bf16 copies, which each thread makes itself (a few hundred values, cheaper than sharing
+// one through a barrier).
 //
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
@@ -44,11 +45,21 @@ struct Q8Vec {
   void set(const float* x, int64_t n) { quantize_input(x, n, q.data(), d.data(), s.data()); }
 };
 
-// Outputs [o0, o1) of a linear layer through its panels, or its quantized rows on xq (x quantized).
-inline void gemv_any(const float* panels, const QMatrix& qw, const float* x, const Q8Vec& xq, const float* bias,
-                     float* y, int64_t o0, int64_t o1, int64_t in) {
+// An input vector rounded to bf16 pairs for the bf16 weights (one per thread).
+struct Bf16Vec {
+  std::vector<uint32_t> pairs;
+  explicit Bf16Vec(int64_t n) : pairs((n + 1) / 2) {}
+  void set(const float* x, int64_t n) { bf16_pairs_transposed(pairs.data(), x, 1, n); }
+};
+
+// Outputs [o0, o1) of a linear layer through its panels, its quantized rows on xq (x quantized), or its bf16 panels
+// on xb (x rounded to bf16).
+inline void gemv_any(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, const Q8Vec& xq,
+                     const Bf16Vec& xb, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in) {
   if (qw.nseg > 0)
     quant_gemv_range(qw, xq.q.data(), xq.d.data(), xq.s.data(), bias, y, o0, o1);
+  else if (w16 != nullptr)
+    bf16_gemv_range(w16, xb.pairs.data(), bias, y, o0, o1, (in + 1) / 2);
   else
     gemv_panels(panels, x, bias, y, o0, o1, in);
 }
@@ -98,8 +109,10 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
     float* h = res + hidden;
     std::vector<float> scores;
     Q8Vec xq(std::max({hidden, hq * d, inter}));  // this thread's quantized copy of a quantized layer's input
-    auto quantize = [&](const QMatrix& qw, const float* x, int64_t len) {
+    Bf16Vec xb(std::max({hidden, hq * d, inter}));  // and bf16 copy of a bf16 layer's
+    auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
       if (qw.nseg > 0) xq.set(x, len);
+      else if (w16 != nullptr) xb.set(x, len);
     };
     int64_t a, b, ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
@@ -116,8 +129,8 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
       } else {
         add_rms_row(h, res, xp, w.norm1, hidden, ep);
       }
-      quantize(w.qkv_q, h, hidden);
-      gemv_any(w.qkv, w.qkv_q, h, xq, w.qkv_b, qkv, ha * d, hb * d, hidden);
+      quantize(w.qkv_q, w.qkv16, h, hidden);
+      gemv_any(w.qkv, w.qkv_q, w.qkv16, h, xq, xb, w.qkv_b, qkv, ha * d, hb * d, hidden);
       for (int64_t hh = ha; hh < hb; ++hh) {
         float* v = qkv + hh * d;
         if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
@@ -153,8 +166,8 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
         for (int64_t k = 0; k < d; ++k) o[k] *= inv;
       }
 #pragma omp barrier
-      quantize(w.o_q, att, hq * d);
-      gemv_any(w.o, w.o_q, att, xq, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
+      quantize(w.o_q, w.o16, att, hq * d);
+      gemv_any(w.o, w.o_q, w.o16, att, xq, xb, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(xp, hidden, s.reduce_ctx);
@@ -163,14 +176,14 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
 #pragma omp barrier
       }
       add_rms_row(h, res, xp, w.norm2, hidden, ep);
-      quantize(w.gate_up_q, h, hidden);
-      gemv_any(w.gate_up, w.gate_up_q, h, xq, w.gate_up_b, gu, ia, ib, hidden);
-      gemv_any(w.gate_up, w.gate_up_q, h, xq, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
+      quantize(w.gate_up_q, w.gate_up16, h, hidden);
+      gemv_any(w.gate_up, w.gate_up_q, w.gate_up16, h, xq, xb, w.gate_up_b, gu, ia, ib, hidden);
+      gemv_any(w.gate_up, w.gate_up_q, w.gate_up16, h, xq, xb, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
 #pragma omp simd
       for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
 #pragma omp barrier
-      quantize(w.down_q, act, inter);
-      gemv_any(w.down, w.down_q, act, xq, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
+      quantize(w.down_q, w.down16, act, inter);
+      gemv_any(w.down, w.down_q, w.down16, act, xq, xb, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(xp, hidden, s.reduce_ctx);

@@ -53,6 +53,10 @@ void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t i
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();
+// y[o] for outputs [o0, o1) of one input row, its bf16 pairs x2 [in2] (bf16_pairs_transposed of one row), from W's
+// bf16 panels: the same sums as bf16_panel_linear's for that row; bias may be null.
+void bf16_gemv_range(const uint32_t* wp, const uint32_t* x2, const float* bias, float* y, int64_t o0, int64_t o1,
+                     int64_t in2);
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
 // quant.cpp).

@@ -81,10 +81,12 @@ struct QMatrix {
 };
 
 // One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels), or quantized where
-// the layer's QMatrix has segments (its panel pointer is then unused); a null bias or q/k norm means none.
+// the layer's QMatrix has segments, or in bf16 pair panels where its *16 pointer is set (bf16_pack_panels; the
+// float32 panel pointer is then unused); a null bias or q/k norm means none.
 struct DecoderLayer {
   const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
   QMatrix qkv_q, o_q, gate_up_q, down_q;
+  const uint32_t *qkv16, *o16, *gate_up16, *down16;
   const float* cos_sin;  // [max_position, rot]: cos | sin
   void *k_cache, *v_cache;  // of the spec's kv_dtype
 };
