@@ -154,29 +154,38 @@ def _flat(ops, layers, bf16: bool = False):
 )
 def test_decode_model_matches_unfused(ops, hidden, inter, hq, hkv, d, block, rot, bias, qk_norm, seq_len) -> None:
     g = torch.Generator().manual_seed(hidden + d + seq_len)
-    num_layers, blocks, eps = 3, 30, 1e-5
-    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm) for _ in range(num_layers)]
-    final_norm = torch.randn(hidden, generator=g)
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm) for _ in range(3)]
+    caches = [torch.randn(2, 30, block, hkv, d, generator=g) for _ in range(3)]
     rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=rot)
-    caches = [torch.randn(2, blocks, block, hkv, d, generator=g) for _ in range(num_layers)]
+    x, out_ref, refs = _fused_and_unfused(ops, g, layers, rope, caches, seq_len)
+    for cache, ref in zip(caches, refs):
+        torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x, out_ref, atol=1e-4, rtol=1e-4)
+
+
+def _fused_and_unfused(ops, g, layers, rope, caches, seq_len, ref_layers=None, bf16_weights=False, eps=1e-5):
+    """One decode token at position seq_len - 1 through the fused decoder on `layers` (their linears packed as
+    panels, or bf16 panels) and the caches given, and through the unfused reference layers (`ref_layers`, default
+    the same weights) on copies of the caches: (fused output, reference output, the reference's caches)."""
+    hidden, d = layers[0]["n1"].shape[0], caches[0].shape[-1]
+    blocks, block = caches[0].shape[1], caches[0].shape[2]
+    final_norm = torch.randn(hidden, generator=g)
     table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
     slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block  # the new token's place
     x = torch.randn(1, hidden, generator=g)
     refs = [c.clone() for c in caches]
     out_ref, res_ref = x, None
-    for w, (k_ref, v_ref) in zip(layers, refs):
+    for w, (k_ref, v_ref) in zip(ref_layers or layers, refs):
         out_ref, res_ref = _decode_layer_reference(
             out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
         )
     out_ref = _rms(out_ref + res_ref, final_norm, eps)
     stack = ops.decode_model(
-        _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
-        eps, final_norm,
+        _flat(ops, layers, bf16_weights), [c[0] for c in caches], [c[1] for c in caches],
+        [rope.cos_sin_cache] * len(layers), d**-0.5, eps, final_norm,
     )  # fmt: skip
     stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
-    for cache, ref in zip(caches, refs):
-        torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(x, out_ref, atol=1e-4, rtol=1e-4)
+    return x, out_ref, refs
 
 
 @pytest.mark.parametrize(
@@ -186,26 +195,10 @@ def test_decode_model_bf16_cache(ops, hidden, inter, hq, hkv, d, block, seq_len)
     """A bfloat16 KV cache (--kv-cache-dtype bfloat16): the new token's keys and values rounded into it, the context
     read widened, against the unfused layers on the same bf16 caches (torch rounds the same way)."""
     g = torch.Generator().manual_seed(hidden + seq_len)
-    num_layers, blocks, eps = 2, 12, 1e-5
-    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, False) for _ in range(num_layers)]
-    final_norm = torch.randn(hidden, generator=g)
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, False) for _ in range(2)]
+    caches = [torch.randn(2, 12, block, hkv, d, generator=g).bfloat16() for _ in range(2)]
     rope = RotaryEmbedding(d, 256, 10000.0)
-    caches = [torch.randn(2, blocks, block, hkv, d, generator=g).bfloat16() for _ in range(num_layers)]
-    table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
-    slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
-    x = torch.randn(1, hidden, generator=g)
-    refs = [c.clone() for c in caches]
-    out_ref, res_ref = x, None
-    for w, (k_ref, v_ref) in zip(layers, refs):
-        out_ref, res_ref = _decode_layer_reference(
-            out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
-        )
-    out_ref = _rms(out_ref + res_ref, final_norm, eps)
-    stack = ops.decode_model(
-        _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5,
-        eps, final_norm,
-    )  # fmt: skip
-    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
+    x, out_ref, refs = _fused_and_unfused(ops, g, layers, rope, caches, seq_len)
     for cache, ref in zip(caches, refs):
         assert cache.dtype == torch.bfloat16
         # the same float32 values rounded by both; a value on a rounding boundary may land one bf16 step apart
@@ -215,8 +208,8 @@ def test_decode_model_bf16_cache(ops, hidden, inter, hq, hkv, d, block, seq_len)
     mixed = [caches[0][0], caches[1][0].float()]
     with pytest.raises(RuntimeError, match="dtype"):
         ops.decode_model(
-            _flat(ops, layers), mixed, [c[1] for c in caches], [rope.cos_sin_cache] * num_layers, d**-0.5, eps,
-            final_norm,
+            _flat(ops, layers), mixed, [c[1] for c in caches], [rope.cos_sin_cache] * 2, d**-0.5, 1e-5,
+            torch.ones(hidden),
         )  # fmt: skip
 
 
@@ -227,27 +220,11 @@ def test_decode_model_bf16_weights(ops, bias: bool) -> None:
     scale is off by O(1))."""
     hidden, inter, hq, hkv, d, block, seq_len = 128, 96, 4, 2, 32, 8, 21
     g = torch.Generator().manual_seed(11 + bias)
-    num_layers, blocks, eps = 2, 10, 1e-5
-    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias) for _ in range(num_layers)]
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias) for _ in range(2)]
     rounded = [{k: v if v is None or v.dim() != 2 else v.bfloat16().float() for k, v in w.items()} for w in layers]
-    final_norm = torch.randn(hidden, generator=g)
+    caches = [torch.randn(2, 10, block, hkv, d, generator=g) for _ in range(2)]
     rope = RotaryEmbedding(d, 256, 10000.0)
-    caches = [torch.randn(2, blocks, block, hkv, d, generator=g) for _ in range(num_layers)]
-    table = torch.randperm(blocks, generator=g)[: -(-seq_len // block)]
-    slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
-    x = torch.randn(1, hidden, generator=g)
-    refs = [c.clone() for c in caches]
-    out_ref, res_ref = x, None
-    for w, (k_ref, v_ref) in zip(rounded, refs):
-        out_ref, res_ref = _decode_layer_reference(
-            out_ref, res_ref, res_ref is None, w, rope, seq_len - 1, k_ref, v_ref, slot, table, seq_len, eps
-        )
-    out_ref = _rms(out_ref + res_ref, final_norm, eps)
-    stack = ops.decode_model(
-        _flat(ops, layers, bf16=True), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * 2,
-        d**-0.5, eps, final_norm,
-    )  # fmt: skip
-    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
+    x, out_ref, refs = _fused_and_unfused(ops, g, layers, rope, caches, seq_len, rounded, bf16_weights=True)
     for cache, ref in zip(caches, refs):
         torch.testing.assert_close(cache, ref, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(x, out_ref, atol=3e-2, rtol=3e-2)
