@@ -11,8 +11,6 @@ widened to float32 elsewhere), float32 sums and activations, the KV cache in bf1
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import default_model_path
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.loader import weight_bytes
-from tests.engine.test_quantized import PROMPTS, TEXT, _model, _teacher_forced
+from tests.engine.test_quantized import PROMPTS, _model, _teacher_forced, teacher_forced_against
 
 ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "128MiB", "max_model_len": 1024, "quantization": "none"}
 
@@ -68,13 +66,9 @@ def test_embedding_rows_are_the_bf16_weights(bf16, float32) -> None:
 
 
 def test_teacher_forced_agreement_and_perplexity(bf16, float32) -> None:
-    ids = bf16.get_tokenizer().encode(TEXT)
-    b_top, _, b_lp = _teacher_forced(bf16, ids)
-    f_top, _, f_lp = _teacher_forced(float32, ids)
-    agreement = sum(a == b for a, b in zip(b_top, f_top, strict=True)) / len(b_top)
-    b_ppl, f_ppl = math.exp(-sum(b_lp) / len(b_lp)), math.exp(-sum(f_lp) / len(f_lp))
+    agreement, ppl_ratio = teacher_forced_against(bf16, float32)
     assert agreement >= 0.98, agreement
-    assert abs(b_ppl / f_ppl - 1) <= 0.02, (b_ppl, f_ppl)
+    assert abs(ppl_ratio - 1) <= 0.02, ppl_ratio
 
 
 @pytest.mark.parametrize("batch", [1, 4])

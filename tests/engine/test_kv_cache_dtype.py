@@ -12,14 +12,12 @@ as the user runs it (its GGUF as stored).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-from tests.engine.test_quantized import PROMPTS, TEXT, _model, _teacher_forced
+from tests.engine.test_quantized import PROMPTS, _model, _teacher_forced, teacher_forced_against
 
 ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "64MiB", "max_model_len": 1024}
 
@@ -54,13 +52,9 @@ def test_cache_is_bf16_with_twice_the_blocks(bf16_kv, f32_kv) -> None:
 
 
 def test_teacher_forced_agreement_and_perplexity(bf16_kv, f32_kv) -> None:
-    ids = bf16_kv.get_tokenizer().encode(TEXT)
-    b_top, _, b_lp = _teacher_forced(bf16_kv, ids)
-    f_top, _, f_lp = _teacher_forced(f32_kv, ids)
-    agreement = sum(a == b for a, b in zip(b_top, f_top, strict=True)) / len(b_top)
-    b_ppl, f_ppl = math.exp(-sum(b_lp) / len(b_lp)), math.exp(-sum(f_lp) / len(f_lp))
+    agreement, ppl_ratio = teacher_forced_against(bf16_kv, f32_kv)
     assert agreement >= 0.98, agreement
-    assert abs(b_ppl / f_ppl - 1) <= 0.01, (b_ppl, f_ppl)
+    assert abs(ppl_ratio - 1) <= 0.01, ppl_ratio
 
 
 def _greedy_agreement(llm: LLM, ref: LLM, outs) -> float:

@@ -98,15 +98,21 @@ def test_the_default_gguf_runs_quantized(quantized, float32) -> None:
     assert weight_bytes(f_model) >= 4 * params  # float32 holds at least a copy (panels and oneDNN's copy, today)
 
 
-def test_teacher_forced_agreement_and_perplexity(quantized, float32) -> None:
-    ids = quantized.get_tokenizer().encode(TEXT)
+def teacher_forced_against(llm: LLM, ref: LLM) -> tuple[float, float]:
+    """Over TEXT, teacher-forced: (the fraction of positions where llm's top-1 token is ref's, llm's perplexity over
+    ref's)."""
+    ids = llm.get_tokenizer().encode(TEXT)
     assert len(ids) > 250
-    q_top, _, q_lp = _teacher_forced(quantized, ids)
-    f_top, _, f_lp = _teacher_forced(float32, ids)
-    agreement = sum(a == b for a, b in zip(q_top, f_top, strict=True)) / len(q_top)
-    q_ppl, f_ppl = math.exp(-sum(q_lp) / len(q_lp)), math.exp(-sum(f_lp) / len(f_lp))
+    top, _, lp = _teacher_forced(llm, ids)
+    r_top, _, r_lp = _teacher_forced(ref, ids)
+    agreement = sum(a == b for a, b in zip(top, r_top, strict=True)) / len(top)
+    return agreement, math.exp(-sum(lp) / len(lp)) / math.exp(-sum(r_lp) / len(r_lp))
+
+
+def test_teacher_forced_agreement_and_perplexity(quantized, float32) -> None:
+    agreement, ppl_ratio = teacher_forced_against(quantized, float32)
     assert agreement >= 0.98, agreement
-    assert abs(q_ppl / f_ppl - 1) <= 0.02, (q_ppl, f_ppl)
+    assert abs(ppl_ratio - 1) <= 0.02, ppl_ratio
 
 
 @pytest.mark.parametrize("batch", [1, 4], ids=["fused-decoder", "few-rows"])
