@@ -49,7 +49,11 @@ struct Q8Vec {
 struct Bf16Vec {
   std::vector<uint32_t> pairs;
   explicit Bf16Vec(int64_t n) : pairs((n + 1) / 2) {}
-  void set(const float* x, int64_t n) { bf16_pairs_transposed(pairs.data(), x, 1, n); }
+  void set(const float* x, int64_t n) {  // one row's pairs are its bf16 values in order (an odd tail's pair: zero)
+    auto* half = reinterpret_cast<uint16_t*>(pairs.data());
+    bf16_round_row(half, x, n);
+    if (n & 1) half[n] = 0;
+  }
 };
 
 // Outputs [o0, o1) of a linear layer through its panels, its quantized rows on xq (x quantized), or its bf16 panels
@@ -139,8 +143,8 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
         if (hh >= hq) {  // a key or value head: to the cache
           const int64_t off = slot * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
           void* cache = hh >= hq + hkv ? w.v_cache : w.k_cache;
-          if (s.kv_dtype == PKV_BF16) kv_store(static_cast<uint16_t*>(cache) + off, v, d);
-          else kv_store(static_cast<float*>(cache) + off, v, d);
+          if (s.kv_dtype == PKV_BF16) bf16_round_row(static_cast<uint16_t*>(cache) + off, v, d);  // as torch rounds
+          else std::copy(v, v + d, static_cast<float*>(cache) + off);
         }
       }
 #pragma omp barrier

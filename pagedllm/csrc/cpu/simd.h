@@ -93,17 +93,6 @@ static inline __m512 kv_load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #endif
-// A float32 row stored into a KV cache row of n elements (bfloat16: rounded to nearest even, as torch's .to()).
-static inline void kv_store(float* dst, const float* x, int64_t n) { std::copy(x, x + n, dst); }
-static inline void kv_store(uint16_t* dst, const float* x, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
-    uint32_t u;
-    __builtin_memcpy(&u, x + k, 4);
-    dst[k] = (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((u >> 16) | 0x40)  // NaN stays a quiet NaN
-                                             : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-}
-
 template <typename KV>
 static inline float dot_kv(const float* __restrict a, const KV* __restrict b, int64_t n) {
   float acc = 0.f;
