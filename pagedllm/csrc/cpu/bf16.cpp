@@ -82,7 +82,7 @@ static inline float hi_float(uint32_t pair) {
   return f;
 }
 
-// MB input rows (their pairs transposed: xt[i2 * ld + m]) against one panel of in2 pairs; row m's outputs [0, nout)
+// MB input rows (their pairs interleaved: xt[i2 * ld + m]) against one panel of in2 pairs; row m's outputs [0, nout)
 // go to y + m * ys, bias added when given; with `add`, the sums are added to what y holds (a later slice of the
 // pairs: the caller splits long panels so that a slice stays in L1 for every row block).
 template <int MB>
@@ -118,10 +118,18 @@ static void bf16_rows(const uint32_t* __restrict wp, const uint32_t* __restrict 
   }
 #endif
   for (int m = 0; m < MB; ++m) {
+    float* out = y + m * ys;
+    if (nout == kPanel) {  // a whole panel: vector adds, the same sums as the scalar tail below
+      pvec a0 = acc0[m], a1 = acc1[m];
+      if (bias) a0 = pv_add(a0, pv_load(bias)), a1 = pv_add(a1, pv_load(bias + kLanes));
+      if (add) a0 = pv_add(pv_load(out), a0), a1 = pv_add(pv_load(out + kLanes), a1);
+      pv_store(out, a0);
+      pv_store(out + kLanes, a1);
+      continue;
+    }
     float t[kPanel];
     pv_store(t, acc0[m]);
     pv_store(t + kLanes, acc1[m]);
-    float* out = y + m * ys;
     if (add)
       for (int64_t n = 0; n < nout; ++n) out[n] += bias ? t[n] + bias[n] : t[n];
     else
@@ -224,29 +232,39 @@ void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_
   }
 }
 
-void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t in) {
-  const int64_t in2 = (in + 1) / 2;
-  std::vector<uint16_t> r(2 * in2);
-  for (int64_t m = 0; m < rows; ++m) {
-    bf16_round_row(r.data(), x + m * in, in);
-    if (in & 1) r[in] = 0;
+void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, int threads) {
+  const int64_t in2 = (in + 1) / 2, blocks = (rows + kBf16Block - 1) / kBf16Block;
+#pragma omp parallel num_threads(team_for_grain(threads, rows * in, int64_t{1} << 15))
+  {
+    std::vector<uint16_t> r(2 * in2);
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r.data());
-    for (int64_t i2 = 0; i2 < in2; ++i2) xt[i2 * rows + m] = pairs[i2];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      // Block b's rows [m0, m1), interleaved pair by pair (its few KiB stay in L1 while its rows are written).
+      const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks, mb = m1 - m0;
+      uint32_t* dst = xt + m0 * in2;
+      for (int64_t m = m0; m < m1; ++m) {
+        bf16_round_row(r.data(), x + m * in, in);
+        if (in & 1) r[in] = 0;
+        for (int64_t i2 = 0; i2 < in2; ++i2) dst[i2 * mb + (m - m0)] = pairs[i2];
+      }
+    }
   }
 }
 
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout) {
-  // Near-equal blocks of at most kBf16Block rows (a lone remainder row would waste the panel's pass). The panel
-  // goes in slices of kBf16Slice pairs (16 KiB), each read from L1 by every block (from L2, a long panel was read
-  // ~20% more slowly); every row's sums are split the same way whatever the batch, so its result stays the same.
+  // Near-equal blocks of at most kBf16Block rows (a lone remainder row would waste the panel's pass), each block's
+  // pairs contiguous (bf16_pairs_blocked), so the kernel reads its inputs as one stream. The panel goes in slices
+  // of kBf16Slice pairs (16 KiB), each read from L1 by every block (from L2, a long panel was read ~20% more
+  // slowly); every row's sums are split the same way whatever the batch, so its result stays the same.
   const int64_t blocks = (mb + kBf16Block - 1) / kBf16Block;
   for (int64_t k0 = 0; k0 < in2; k0 += kBf16Slice) {
     const int64_t kn = std::min(kBf16Slice, in2 - k0);
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t m0 = mb * b / blocks, m1 = mb * (b + 1) / blocks;
-      bf16_kernel(m1 - m0)(panel + k0 * kPanel, xt + k0 * mb + m0, mb, kn, y + m0 * ys, ys,
-                           k0 + kn == in2 ? bias : nullptr, nout, k0 > 0);
+      const int64_t m0 = mb * b / blocks, m1 = mb * (b + 1) / blocks, n = m1 - m0;
+      bf16_kernel(n)(panel + k0 * kPanel, xt + m0 * in2 + k0 * n, n, kn, y + m0 * ys, ys,
+                     k0 + kn == in2 ? bias : nullptr, nout, k0 > 0);
     }
   }
 }
@@ -273,13 +291,11 @@ void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, in
 void bf16_panel_linear(float* y, const float* x, const uint32_t* wp, const float* bias, int64_t rows, int64_t in,
                        int64_t out, int threads) {
   const int64_t np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
-  // The rows in tiles whose pairs (transposed) stay in L2 while every panel passes over them.
+  // The rows in tiles whose pairs (blocked) stay in L2 while every panel passes over them.
   const int64_t tile = std::max<int64_t>(kBf16Block, (int64_t{256} << 10) / (in2 * 4) / kBf16Block * kBf16Block);
   std::vector<uint32_t> xt(rows * in2);
-  for (int64_t t0 = 0; t0 < rows; t0 += tile) {
-    const int64_t n = std::min(tile, rows - t0);
-    bf16_pairs_transposed(xt.data() + t0 * in2, x + t0 * in, n, in);
-  }
+  for (int64_t t0 = 0; t0 < rows; t0 += tile)
+    bf16_pairs_blocked(xt.data() + t0 * in2, x + t0 * in, std::min(tile, rows - t0), in, threads);
 #pragma omp parallel for schedule(guided) num_threads(team_size(threads, np))
   for (int64_t p = 0; p < np; ++p) {
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);

@@ -45,15 +45,17 @@ void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, fl
 
 // bfloat16 (bf16.cpp): round-to-nearest-even of one float; a row of n floats to bf16; one bf16 pair panel (kPanel
 // outputs, ceil(in / 2) pairs) from nout float32 rows `ld` apart (zero past them); input rows [rows, in] to bf16
-// pairs transposed (xt[i2 * rows + m]); and one panel against mb such rows (row m's outputs [0, nout) to y + m * ys).
+// pairs in the blocks bf16_panel_block reads (rows in near-equal blocks of at most its block size, rows [m0, m1) at
+// xt + m0 * in2 interleaved pair by pair: xt[m0 * in2 + i2 * (m1 - m0) + m - m0]; one row is its plain pairs); and
+// one panel against mb such rows (row m's outputs [0, nout) to y + m * ys).
 uint16_t to_bf16(float f);
 void bf16_round_row(uint16_t* dst, const float* x, int64_t n);
 void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_t nout, int64_t in);
-void bf16_pairs_transposed(uint32_t* xt, const float* x, int64_t rows, int64_t in);
+void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, int threads);
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();
-// y[o] for outputs [o0, o1) of one input row, its bf16 pairs x2 [in2] (bf16_pairs_transposed of one row), from W's
+// y[o] for outputs [o0, o1) of one input row, its bf16 pairs x2 [in2] (bf16_pairs_blocked of one row), from W's
 // bf16 panels: the same sums as bf16_panel_linear's for that row; bias may be null.
 void bf16_gemv_range(const uint32_t* wp, const uint32_t* x2, const float* bias, float* y, int64_t o0, int64_t o1,
                      int64_t in2);

@@ -510,13 +510,13 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const bool bf16 = bf16_native();
   const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
   const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
-  // x in tiles of `tile` rows, each transposed ([in, tile rows], or [in2, tile rows] of bf16 pairs).
+  // x in tiles of `tile` rows, each transposed ([in, tile rows]), or in bf16 pairs as bf16_panel_block reads them.
   std::vector<float> xt(bf16 ? 0 : rows * in);
   std::vector<uint32_t> xp(bf16 ? rows * in2 : 0);
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
     const int64_t n = std::min(tile, rows - t0);
     if (bf16) {
-      bf16_pairs_transposed(xp.data() + t0 * in2, x + t0 * in, n, in);
+      bf16_pairs_blocked(xp.data() + t0 * in2, x + t0 * in, n, in, threads);
       continue;
     }
     float* dst = xt.data() + t0 * in;

@@ -34,6 +34,7 @@ static inline pvec pv_zero() { return _mm512_setzero_ps(); }
 static inline pvec pv_load(const float* p) { return _mm512_loadu_ps(p); }
 static inline pvec pv_splat(float x) { return _mm512_set1_ps(x); }
 static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline pvec pv_add(pvec a, pvec b) { return _mm512_add_ps(a, b); }
 static inline void pv_store(float* p, pvec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_ISA_NAME "avx2"
@@ -43,6 +44,7 @@ static inline pvec pv_zero() { return _mm256_setzero_ps(); }
 static inline pvec pv_load(const float* p) { return _mm256_loadu_ps(p); }
 static inline pvec pv_splat(float x) { return _mm256_set1_ps(x); }
 static inline pvec pv_fma(pvec a, pvec b, pvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline pvec pv_add(pvec a, pvec b) { return _mm256_add_ps(a, b); }
 static inline void pv_store(float* p, pvec v) { _mm256_storeu_ps(p, v); }
 #else
 #define PAGEDLLM_ISA_NAME "generic"
@@ -56,6 +58,7 @@ static inline pvec pv_load(const float* p) {
 }
 static inline pvec pv_splat(float x) { return pvec{x, x, x, x}; }
 static inline pvec pv_fma(pvec a, pvec b, pvec c) { return a * b + c; }
+static inline pvec pv_add(pvec a, pvec b) { return a + b; }
 static inline void pv_store(float* p, pvec v) { __builtin_memcpy(p, &v, sizeof v); }
 #endif
 // Outputs per panel: two vectors, so the micro-kernels keep two accumulators a row.
