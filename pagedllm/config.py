@@ -281,6 +281,64 @@ ATTENTION_BACKEND_ALIASES = {"native": "cpu_native"}
 CPU_ISAS = ("auto", "avx512bf16", "avx512", "avx2", "generic")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's keys). method "ngram" (prompt lookup): the proposer
+    finds the longest n-gram of `prompt_lookup_min`..`prompt_lookup_max` tokens ending a request's tokens earlier in
+    them and proposes up to `num_speculative_tokens` tokens that followed it; the next step verifies them in one
+    forward pass. That many is an upper bound: the scheduler proposes fewer, or none, where verifying them would
+    cost more than it saves (a large batch, drafts that keep being rejected)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """The config of a dict or its JSON text (None: no speculation); ValueError naming what is wrong."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object or dict, got {value!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown} (known: {sorted(known)})")
+        method = value.get("method", "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        ints: dict[str, int] = {}
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = value.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {key} must be a positive integer, got {v!r}")
+            ints[key] = v
+        # As vLLM: neither bound given is a window of exactly 5 tokens; one given alone sets the other to it.
+        lo, hi = ints.get("prompt_lookup_min"), ints.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+        return cls(method, ints["num_speculative_tokens"], hi, lo)
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
@@ -303,6 +361,8 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     # --reasoning-parser: structured output applies once the model's thinking has ended
     reasoning_parser: str | None = None
+    # --speculative-config: None, no speculative decoding
+    speculative_config: SpeculativeConfig | None = None
     # The EngineArgs this was built from, as plain data: a worker process or Ray actor builds the same config
     # from them (the model's config object does not cross a process boundary).
     engine_args: dict[str, Any] | None = field(default=None, compare=False, repr=False)

@@ -7,6 +7,8 @@ interval) and owns the registry. Names follow vLLM's, under the `pagedllm:` pref
 and an `engine` label (prometheus_client exports counters with a `_total` suffix and histograms as `_bucket`, `_sum` and
 `_count`). A stat logger is anything with `record(scheduler_stats, iteration_stats, engine_idx=0)`, called once
 per engine step with the index of the data-parallel engine that ran it; `AsyncLLM.stat_loggers` holds them.
+With speculative decoding the core also reports its drafts (the `spec_decode_*` counters, and the draft acceptance
+rate and mean acceptance length on the stats line).
 
 The stats line is logged every `stats_log_interval()` seconds while the engine is busy: 5 s, or the value of
 $PAGEDLLM_STATS_LOG_INTERVAL (read here, once, by the server at start-up).
@@ -145,6 +147,9 @@ class PrometheusStatLogger:
         histogram("request_decode_time_seconds", "First token to last token (engine-core clock)", _REQUEST_BUCKETS)
         histogram("request_prompt_tokens", "Prompt tokens per finished request", tokens)
         histogram("request_generation_tokens", "Generated tokens per finished request", tokens)
+        counter("spec_decode_num_drafts", "Speculative decoding: verifications of draft tokens")
+        counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified")
+        counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
         histogram(
             "iteration_tokens",
             "Tokens scheduled per engine step",
@@ -155,6 +160,12 @@ class PrometheusStatLogger:
             "pagedllm:request_success",
             "Finished requests by finish reason",
             labels + ["finished_reason"],
+            registry=registry,
+        )
+        self._per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position",
+            labels + ["position"],
             registry=registry,
         )
         self._engines: dict[int, dict[str, Any]] = {}
@@ -183,6 +194,13 @@ class PrometheusStatLogger:
             m["num_preemptions"].inc(sched.num_preemptions)
             if sched.num_scheduled_tokens:
                 m["iteration_tokens"].observe(sched.num_scheduled_tokens)
+            spec = sched.spec_decoding_stats
+            if spec is not None:
+                m["spec_decode_num_drafts"].inc(spec.num_drafts)
+                m["spec_decode_num_draft_tokens"].inc(spec.num_draft_tokens)
+                m["spec_decode_num_accepted_tokens"].inc(spec.num_accepted_tokens)
+                for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    self._per_pos.labels(self.model_name, str(engine_idx), str(pos)).inc(n)
         m["prompt_tokens"].inc(stats.num_prompt_tokens)
         m["generation_tokens"].inc(stats.num_generation_tokens)
         for v in stats.time_to_first_tokens:
@@ -212,11 +230,13 @@ class LoggingStatLogger:
         self.num_engines = num_engines
         self.last: dict[int, SchedulerStats] = {}
         self._counts: dict[int, list[int]] = {}  # engine -> [prompt, generation, prefix queries, prefix hits]
+        self._spec: dict[int, list[int]] = {}  # engine -> [drafts, draft tokens, accepted] (speculative decoding)
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
         self.since = now
         self._counts = {i: [0, 0, 0, 0] for i in range(self.num_engines)}
+        self._spec = {}
 
     def record(self, sched: SchedulerStats | None, stats: IterationStats, engine_idx: int = 0) -> None:
         counts = self._counts.setdefault(engine_idx, [0, 0, 0, 0])
@@ -226,6 +246,12 @@ class LoggingStatLogger:
             self.last[engine_idx] = sched
             counts[2] += sched.prefix_cache_queries
             counts[3] += sched.prefix_cache_hits
+            spec = sched.spec_decoding_stats
+            if spec is not None:
+                total = self._spec.setdefault(engine_idx, [0, 0, 0])
+                total[0] += spec.num_drafts
+                total[1] += spec.num_draft_tokens
+                total[2] += spec.num_accepted_tokens
         now = time.monotonic()
         if now - self.since >= self.interval:
             self.log(now)
@@ -245,6 +271,15 @@ class LoggingStatLogger:
                 f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
             )
+            spec = self._spec.get(engine_idx)
+            if spec is not None:
+                drafts, drafted, accepted = spec
+                rate = 100.0 * accepted / drafted if drafted else 0.0
+                mean_len = 1 + accepted / drafts if drafts else 0.0
+                line += (
+                    f", Draft acceptance rate: {rate:.1f}% ({accepted} of {drafted} draft tokens), "
+                    f"Mean acceptance length: {mean_len:.2f}"
+                )
             logger.info(line)
             lines.append(line)
         self._reset(now)

@@ -87,6 +87,8 @@ class Request:
         self.events: list[EngineCoreEvent] = []
         # Its grammar, when it asked for structured output (set by the StructuredOutputManager).
         self.structured_output: StructuredOutputRequest | None = None
+        # Draft tokens the worker proposed after its last sample (speculative decoding), verified next step.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:

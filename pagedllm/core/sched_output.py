@@ -45,6 +45,10 @@ class SchedulerOutput:
     # Requests that sample under a grammar this step, in the order of the grammar bitmask's rows: when there are
     # any, execute_model returns None and sample_tokens(grammar_output) samples.
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: the draft tokens scheduled for verification (after the request's last token, counted in
+    # its num_scheduled_tokens), and how many draft tokens each request should propose after this step's sample.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +60,8 @@ class ModelRunnerOutput:
     """What the worker returns for a step; rows are in `req_ids` order."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty for a request still in its prompt
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> of the sampled token
+    # [num_reqs][0 or more]: empty for a request still in its prompt; with drafts, the accepted ones and one more
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> of the sampled tokens
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> for a chunk of the prompt
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens proposed for it

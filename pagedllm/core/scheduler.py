@@ -22,6 +22,16 @@ order, the requests that sample under a grammar in that step; `get_grammar_outpu
 `update_from_output` advances each grammar with the sampled tokens, finishing a request whose grammar is complete.
 The grammar follows the output tokens only, so preemption (recompute) and prefix-cache hits leave it as it is.
 
+Speculative decoding (a SpeculativeConfig given): after sampling, the worker proposes draft tokens for the requests
+`num_spec_tokens_to_propose` names (the DraftPolicy's choice, from the measured cost of steps of each length and
+the request's acceptance rate: few or none where verifying costs more than it saves). A running request whose
+known tokens are all computed but its last is scheduled with its drafts after it, as far as the budget,
+`max_tokens` and `max_model_len` allow, and they are listed in `scheduled_spec_decode_tokens`.
+The worker verifies them and returns the accepted drafts and one token more; `update_from_output` takes the rejected
+drafts back out of `num_computed_tokens` (their KV slots stay allocated and are overwritten later; only blocks full
+of known tokens are ever hashed, so the prefix cache never holds a draft) and checks the stop conditions token by
+token, dropping tokens after one that finishes the request. Requests under a grammar get no drafts.
+
 For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
 SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
 first), PREEMPTED when it is preempted. They travel with the request's next EngineCoreOutput.
@@ -32,12 +42,19 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import RequestQueue, create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedllm.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.engine.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+    SpecDecodingStats,
+)
+from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.structured_output import GRAMMAR_REFUSED
 
 if TYPE_CHECKING:
@@ -51,8 +68,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.draft_policy = DraftPolicy(speculative_config) if speculative_config is not None else None
+        self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
         self.structured_output_manager = structured_output_manager
         # Constrained requests whose grammar is compiling, in arrival order.
         self.waiting_for_fsm: list[Request] = []
@@ -67,6 +87,7 @@ class Scheduler:
         # Requests that left since the last SchedulerOutput: the worker forgets them.
         self._finished_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the last stats report
+        self._step_started: float | None = None  # when a step of decodes only was scheduled (draft policy)
         self.total_preemptions = 0
         self._last_num_scheduled = 0
 
@@ -147,6 +168,8 @@ class Scheduler:
             self.structured_output_manager.wait_for_any(self.waiting_for_fsm, timeout)
 
     def _free_request(self, req: Request) -> None:
+        if self.draft_policy is not None:
+            self.draft_policy.forget(req.request_id)
         self.kv_cache_manager.free(req)
         self._finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
@@ -162,6 +185,7 @@ class Scheduler:
         preempted: set[str] = set()
         now = time.monotonic()  # the events of this schedule
 
+        spec_tokens: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -169,7 +193,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            drafts = self._schedulable_drafts(req, n, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n + len(drafts))
+            if new_blocks is None and drafts:
+                drafts = []  # no room for the drafts: the request decodes plainly rather than preempt another
+                new_blocks = self.kv_cache_manager.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, now)
@@ -183,6 +211,9 @@ class Scheduler:
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            if drafts:
+                spec_tokens[req.request_id] = drafts
+                n += len(drafts)
             num_scheduled[req.request_id] = n
             budget -= n
             i += 1
@@ -224,17 +255,53 @@ class Scheduler:
             budget -= n
 
         constrained: list[str] = []
+        propose: dict[str, int] = {}
+        policy = self.draft_policy
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
             so = req.structured_output
-            if so is not None and so.reasoning_ended and req.num_computed_tokens >= req.num_tokens:
+            samples = req.num_computed_tokens >= req.num_tokens
+            if so is not None and so.reasoning_ended and samples:
                 constrained.append(req_id)  # it samples this step, under its grammar
+            elif policy is not None and samples and so is None:
+                k = policy.num_to_propose(req_id, len(num_scheduled))
+                if k > 0:
+                    propose[req_id] = k
         total = sum(num_scheduled.values())
         self._last_num_scheduled = total
-        out = SchedulerOutput(new_reqs, cached, num_scheduled, total, self._finished_req_ids, preempted, constrained)
+        # A step of decodes only (with or without drafts) is timed for the draft policy's cost model.
+        decodes_only = policy is not None and not new_reqs and all(
+            n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items()
+        )
+        self._step_started = time.monotonic() if decodes_only and not preempted else None
+        out = SchedulerOutput(
+            new_reqs,
+            cached,
+            num_scheduled,
+            total,
+            self._finished_req_ids,
+            preempted,
+            constrained,
+            spec_tokens,
+            propose,
+        )
         self._finished_req_ids = set()
         return out
+
+    def _schedulable_drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step (taking them: a draft is verified once or dropped). Only a
+        request whose one uncomputed token is its last has any; the drafts and the token after them must fit the
+        budget, max_tokens and max_model_len."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return drafts[: max(room, 0)]
 
     def get_grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask rows of the step's constrained requests (None when it has none)."""
@@ -259,6 +326,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self._num_preemptions += 1
         self.total_preemptions += 1
@@ -268,17 +336,32 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._step_started is not None and self.draft_policy is not None:
+            self.draft_policy.observe_step(sched.total_num_scheduled_tokens, time.monotonic() - self._step_started)
+            self._step_started = None
         for row, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # aborted while the step ran
             new_ids = result.sampled_token_ids[row]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                self._take_back_rejected(req, len(drafts), len(new_ids) - 1)
             finished = False
-            if new_ids:
+            if len(new_ids) == 1:
                 req.append_output_token_ids(new_ids)
                 finished = self._check_stop(req)
-                if req.structured_output is not None:
-                    finished = self._advance_grammar(req, new_ids) or finished
+            elif new_ids:
+                for k, token in enumerate(new_ids):
+                    req.append_output_token_ids([token])
+                    finished = self._check_stop(req)
+                    if finished:
+                        new_ids = new_ids[: k + 1]  # what follows a finishing token is not output
+                        break
+            if new_ids and req.structured_output is not None:
+                finished = self._advance_grammar(req, new_ids) or finished
+            if not finished:
+                req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_lp = result.prompt_logprobs.get(req_id)
             if new_ids or prompt_lp is not None:
                 outputs.append(
@@ -297,6 +380,22 @@ class Scheduler:
                 self.running.remove(req)
                 self._free_request(req)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a verification: the rejected drafts' slots are no longer computed tokens; stats and policy."""
+        num_accepted = max(num_accepted, 0)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        assert self.draft_policy is not None and self._spec_stats is not None
+        self.draft_policy.record(req.request_id, num_drafts, num_accepted)
+        stats = self._spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for k in range(num_accepted):
+            per_pos[k] += 1
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> bool:
         """Feed the sampled tokens to the request's grammar; True if that finished the request (the grammar is
@@ -340,6 +439,9 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled,
+            spec_decoding_stats=self._spec_stats,
         )
         self._num_preemptions = 0
+        if self._spec_stats is not None:
+            self._spec_stats = SpecDecodingStats()
         return stats

@@ -36,6 +36,7 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     attention_backend_from_env,
     cpu_isa,
     cpu_kernels_enabled,
@@ -146,6 +147,14 @@ class EngineArgs:
         "reasoning_content, and structured output applies after it",
         choices=REASONING_PARSERS,
     )
+    speculative_config: dict[str, Any] | str | None = _arg(
+        None,
+        'speculative decoding, as JSON (vLLM\'s keys): \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' proposes up to 4 tokens that followed the latest earlier '
+        "occurrence of the request's last 2-4 tokens and verifies them in one forward pass; greedy output is "
+        "unchanged, sampled output keeps its distribution",
+        metavar="JSON",
+    )
     enforce_eager: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager either way"
     )
@@ -223,6 +232,7 @@ class EngineArgs:
                 data_parallel_rank=data_parallel_rank,
             ),
             reasoning_parser=self.reasoning_parser,
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
             device_config=DeviceConfig(
                 device=device,
                 num_threads=num_threads_default() if self.num_threads is None else self.num_threads,
@@ -288,6 +298,7 @@ class EngineArgs:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         self._executor_backend()
+        SpeculativeConfig.from_value(self.speculative_config)
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}")
         util = self.gpu_memory_utilization

@@ -45,7 +45,11 @@ class EngineCore:
             config.model_config, reasoning_parser=config.reasoning_parser
         )
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_blocks, self.structured_output_manager
+            config.scheduler_config,
+            config.cache_config,
+            self.num_blocks,
+            self.structured_output_manager,
+            config.speculative_config,
         )
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)

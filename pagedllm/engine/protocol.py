@@ -116,6 +116,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding since the last report: verifications of drafts, their tokens, the tokens accepted, and
+    `num_accepted_tokens_per_pos[i]`: how many verifications accepted draft position i (vLLM's names)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Scheduler state after a step, for metrics and the stats line."""
 
@@ -126,6 +136,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None  # None without speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

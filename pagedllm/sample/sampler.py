@@ -89,21 +89,11 @@ class Sampler(torch.nn.Module):
         # Raw logprobs first: everything below changes the logits and vLLM reports the raw distribution.
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
 
-        needs_processing = (
-            not metadata.no_penalties or bool(metadata.min_tokens) or any(b is not None for b in metadata.logit_bias)
-        )
-        if metadata.all_greedy and not needs_processing:
+        if metadata.all_greedy and not needs_processing(metadata):
             # Fast path: argmax is exact in the logits' own dtype, no float32 copy needed.
             sampled = logits.argmax(dim=-1)
         else:
-            # One float32 copy that the steps below may modify in place; the caller's logits stay intact.
-            work = logits.to(torch.float32, copy=True)
-            if needs_processing:
-                apply_logit_bias(work, metadata)
-                apply_min_tokens(work, metadata)
-                if not metadata.no_penalties:
-                    work = apply_penalties(work, metadata)
-            sampled = self._sample(work, metadata)
+            sampled = self._sample(processed_logits(logits, metadata), metadata)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -119,26 +109,49 @@ class Sampler(torch.nn.Module):
             assert greedy_sampled is not None
             return greedy_sampled
 
-        temperature = metadata.temperature.to(logits.device)
-        is_greedy = temperature < _GREEDY_EPS
-        # Greedy rows go through the random path too (their result is discarded below); temperature 1
-        # keeps them finite.
-        temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
-        logits = logits.div_(temperature.unsqueeze(1))
-
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-
-        probs = torch.softmax(logits, dim=-1)
-        if metadata.min_p is not None:
-            max_probs = probs.amax(dim=-1, keepdim=True)
-            # Renormalising is unnecessary: the exponential race works on unnormalised weights.
-            probs = probs.masked_fill(probs < metadata.min_p.to(logits.device).unsqueeze(1) * max_probs, 0.0)
-
-        random_sampled = _exponential_race(probs, metadata.generators)
+        probs = sampling_probs(logits, metadata)
+        random_sampled = exponential_race(probs, metadata.generators)
         if greedy_sampled is None:
             return random_sampled
-        return torch.where(is_greedy, greedy_sampled, random_sampled)
+        return torch.where(greedy_rows(metadata), greedy_sampled, random_sampled)
+
+
+def needs_processing(metadata: SamplingMetadata) -> bool:
+    """Whether some row has a logit bias, min_tokens or a penalty (processed_logits then changes the logits)."""
+    return not metadata.no_penalties or bool(metadata.min_tokens) or any(b is not None for b in metadata.logit_bias)
+
+
+def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy of the logits with bias, min_tokens and penalties applied (the caller's stay intact)."""
+    work = logits.to(torch.float32, copy=True)
+    if needs_processing(metadata):
+        apply_logit_bias(work, metadata)
+        apply_min_tokens(work, metadata)
+        if not metadata.no_penalties:
+            work = apply_penalties(work, metadata)
+    return work
+
+
+def greedy_rows(metadata: SamplingMetadata) -> torch.Tensor:
+    """[num_reqs] bool: the rows that take the argmax."""
+    return metadata.temperature < _GREEDY_EPS
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from, from processed logits (modified in place): temperature, top-k,
+    top-p, softmax, then min-p, which zeroes tokens without renormalising. Greedy rows get temperature 1 (their
+    row is only kept finite: the caller takes their argmax instead)."""
+    temperature = metadata.temperature.to(logits.device)
+    temperature = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
+    logits = logits.div_(temperature.unsqueeze(1))
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if metadata.min_p is not None:
+        max_probs = probs.amax(dim=-1, keepdim=True)
+        # Renormalising is unnecessary: the exponential race works on unnormalised weights.
+        probs = probs.masked_fill(probs < metadata.min_p.to(logits.device).unsqueeze(1) * max_probs, 0.0)
+    return probs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +299,7 @@ def _outside_top_p(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (mass_before >= p) & (p < 1.0)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample one token per row from (unnormalised) probs: argmax(probs / E), E ~ Exponential(1).
 
     This equals multinomial sampling, but lets each seeded row draw its noise from its own generator with a

@@ -4,9 +4,10 @@ Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model c
 Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, seq_lens)` computes the
-final hidden state [1, hidden] of a step whose batch is one decode token, writing that token's keys and values into
-every layer's cache, exactly as the model's layer-by-layer forward does (which stays the path for every other step
-and every other model).
+final hidden states [R, hidden] of a step whose batch is one decode token (R = 1), or one request's decode token
+and its draft tokens (speculative decoding: consecutive positions), writing their keys and values into every
+layer's cache, as the model's layer-by-layer forward does (which stays the path for every other step and every
+other model). Each of the R tokens is computed exactly as it would be alone.
 
 Why: a single request's decode step is bound by reading the weights, and dispatching some twelve ops per layer
 (each a fork and join of the thread team) cost a measurable share of that step (bench/RESULTS.md). The C++ side is
@@ -136,7 +137,8 @@ class CpuDecodeRunner:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions, slot_mapping [1]; block_table [1, blocks]; seq_lens [1] -> hidden [1, hidden]."""
+        """input_ids, positions, slot_mapping [R]; block_table [1, blocks]; seq_lens [1] (the first token's context
+        length) -> hidden [R, hidden]."""
         decoder = self._decoder()
         x = self.model.model.embed_tokens(input_ids).contiguous()
         decoder(x, positions, slot_mapping, block_table, seq_lens)

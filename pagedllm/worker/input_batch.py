@@ -3,7 +3,8 @@
 Each request the worker knows keeps a `CachedRequestState` (its tokens, sampling settings, generator) until
 it finishes. Requests in the running set also own a row of the CPU-side arrays, written once when the
 request takes the row (new, or resumed after preemption) and then only extended:
-- token ids and block table: the block table gains the step's new block ids, the token row each sampled token;
+- token ids and block table: the block table gains the step's new block ids, the token row each sampled token
+  (and, for the step that verifies them, the draft tokens after the known ones);
 - sampling state (temperature, top-k/top-p/min-p, penalties, logprobs, seeded generator, logit bias,
   min_tokens, a reference to the output-token history that penalties read): filled from the request's
   `SamplingParams` when it takes the row, so a step only slices it.
@@ -110,6 +111,12 @@ class InputBatch:
             else:
                 self._append_blocks(state, block_ids)
             state.num_computed_tokens = computed
+        # Draft tokens go after the request's known tokens, where the step reads its input ids; they are
+        # overwritten as tokens are accepted or sampled.
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            state = self.requests[req_id]
+            pos = state.num_tokens
+            self.token_ids[state.row, pos : pos + len(drafts)] = drafts
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         pos = state.num_tokens

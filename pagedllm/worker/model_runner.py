@@ -8,6 +8,10 @@ samples nothing), plus every prompt position of requests that asked for prompt l
 The step is two calls when some of its requests sample under a grammar (structured output): `execute_model` runs
 the forward pass and keeps the logits, `sample_tokens(grammar_output)` masks the constrained rows and samples;
 otherwise `execute_model` samples at once.
+Speculative decoding: a request with draft tokens scheduled has logits at its last token and at each draft (k + 1
+rows), and the rejection sampler returns its accepted drafts and one token more. After sampling, the n-gram
+proposer drafts tokens for the requests the scheduler named (`num_spec_tokens_to_propose`); they return in
+`ModelRunnerOutput.spec_token_ids`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pagedllm.model.attention.selector import native_applies, select_attention_b
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.loader import load_model
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -73,6 +79,9 @@ class ModelRunner:
         self.model = load_model(model_config, device, kernels)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         self.sampler = Sampler()
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
         self._pending: _PendingSample | None = None
 
@@ -143,26 +152,46 @@ class ModelRunner:
         num_decodes = int(np.count_nonzero(n_tok == 1))
         common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
         meta = self.attn_backend.build_metadata(common, self.device)
+        spec = sched.scheduled_spec_decode_tokens
         if total == 1 and num_decodes == 1 and self.decode_runner is not None:
             hidden = self.decode_runner(
                 self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
             )
+        elif len(order) == 1 and order[0] in spec and self.decode_runner is not None:
+            # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
+            # bit as a lone decode token would be, so greedy output is what it is without speculation.
+            blocks = -(-(int(starts[0]) + total) // self.block_size)
+            hidden = self.decode_runner(
+                self._t(input_ids),
+                self._t(positions),
+                self._t(slots),
+                self._t(np.ascontiguousarray(batch.block_table[rows[:1], :blocks])),
+                self._t(starts[:1] + 1),
+            )
         else:
             hidden = self.model(self._t(input_ids), self._t(positions), meta)
 
-        # Which requests sample: those whose scheduled tokens reach the end of their known tokens.
+        # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
+        # drafts has logits at its last known token and at each draft.
         sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
+        drafts = [spec.get(order[i], []) for i in sample_rows] if spec else None
         logits = None
         if sample_rows:
             if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
                 rows_to_sample = hidden
-            else:
+            elif drafts is None:
                 rows_to_sample = hidden.index_select(0, torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device))
+            else:
+                ends = cu[1:][sample_rows]
+                index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
+                rows_to_sample = hidden.index_select(0, torch.as_tensor(index, device=self.device))
             logits = self.model.compute_logits(rows_to_sample)
             if logits.dtype != torch.float32:
                 logits = logits.float()
         prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
-        self._pending = _PendingSample(order, states, rows, sample_rows, logits, prompt_lp)
+        self._pending = _PendingSample(
+            order, states, rows, sample_rows, logits, prompt_lp, drafts, sched.num_spec_tokens_to_propose
+        )
         if sched.structured_output_request_ids:
             return None  # sample_tokens(grammar_output) samples, once the grammar bitmask is known
         return self.sample_tokens(None)
@@ -179,21 +208,99 @@ class ModelRunner:
             logits = pending.logits
             if grammar_output is not None and self.tp.rank == 0:  # only rank 0 samples (see _sample)
                 self._apply_grammar(logits, pending, grammar_output)
-            token_ids, lp_lists = self._sample(logits, pending.rows[pending.sample_rows])
-            for j, i in enumerate(pending.sample_rows):
-                state = pending.states[i]
-                self.input_batch.append_token(state, token_ids[j])
-                sampled[i] = [token_ids[j]]
-                k = state.sampling_params.logprobs
-                if lp_lists is not None and k is not None:
-                    logprobs[state.req_id] = _slice_lists(lp_lists, j, k)
-        return ModelRunnerOutput(pending.order, sampled, logprobs, pending.prompt_logprobs)
+            if pending.drafts is None:
+                token_ids, lp_lists = self._sample(logits, pending.rows[pending.sample_rows])
+                for j, i in enumerate(pending.sample_rows):
+                    state = pending.states[i]
+                    self.input_batch.append_token(state, token_ids[j])
+                    sampled[i] = [token_ids[j]]
+                    k = state.sampling_params.logprobs
+                    if lp_lists is not None and k is not None:
+                        logprobs[state.req_id] = _slice_lists(lp_lists, j, k)
+            else:
+                self._verify(logits, pending, sampled, logprobs)
+        spec_tokens = self._propose(pending) if self.proposer is not None and pending.propose else {}
+        return ModelRunnerOutput(pending.order, sampled, logprobs, pending.prompt_logprobs, spec_tokens)
+
+    def _verify(
+        self, logits: torch.Tensor, pending: _PendingSample, sampled: list[list[int]], logprobs: dict[str, object]
+    ) -> None:
+        """Sample a step with drafts: each sampling request's accepted drafts and one more token (the rejection
+        sampler), appended to the batch, into `sampled` and `logprobs` (each token's as if decoded alone)."""
+        assert pending.drafts is not None
+        drafts = pending.drafts
+        counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+        starts = np.zeros(len(drafts), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        rows = pending.rows[pending.sample_rows]
+        metadata = self.input_batch.sampling_metadata(np.repeat(rows, counts), self.vocab_size)
+        # Position j of a request sees its first j drafts as output tokens (penalties, min_tokens read them).
+        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens else ()):
+            for pos in range(1, len(d) + 1):
+                row = int(starts[j]) + pos
+                metadata.output_token_ids[row] = metadata.output_token_ids[row] + d[:pos]
+        if self.tp.rank == 0:
+            tokens = self.rejection_sampler(logits, metadata, drafts, starts.tolist())
+        else:
+            tokens = [[] for _ in drafts]
+        if self.tp.world_size > 1:
+            tokens = self._broadcast_token_lists(tokens, counts)
+        want = metadata.max_num_logprobs
+        lp_lists = None
+        if want is not None and self.tp.rank == 0:
+            index = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, tokens)])
+            flat = torch.tensor([t for ts in tokens for t in ts], device=logits.device)
+            picked = logits.index_select(0, torch.as_tensor(index, device=logits.device))
+            lp_lists = compute_token_logprobs(picked, flat, want).tolists()
+        first = 0
+        for j, i in enumerate(pending.sample_rows):
+            state = pending.states[i]
+            for token in tokens[j]:
+                self.input_batch.append_token(state, token)
+            sampled[i] = tokens[j]
+            k = state.sampling_params.logprobs
+            if lp_lists is not None and k is not None:
+                logprobs[state.req_id] = _slice_lists(lp_lists, first, k, len(tokens[j]))
+            first += len(tokens[j])
+
+    def _broadcast_token_lists(self, tokens: list[list[int]], counts: np.ndarray) -> list[list[int]]:
+        """Rank 0's token lists on every rank: one fixed-size tensor (a row per logits row, -1 past a list)."""
+        flat = torch.full((int(counts.sum()),), -1, dtype=torch.int64, device=self.device)
+        if self.tp.rank == 0:
+            start = 0
+            for ts, n in zip(tokens, counts.tolist()):
+                flat[start : start + len(ts)] = torch.tensor(ts, dtype=torch.int64)
+                start += n
+        flat = self.tp.broadcast_token_ids(flat) if self.vocab_size < 1 << 24 else self.tp.broadcast(flat)
+        values = flat.tolist()
+        out, start = [], 0
+        for n in counts.tolist():
+            out.append([t for t in values[start : start + n] if t >= 0])
+            start += n
+        return out
+
+    def _propose(self, pending: _PendingSample) -> dict[str, list[int]]:
+        """Draft tokens for the requests the scheduler named, from each one's tokens (sampled ones included)."""
+        assert self.proposer is not None
+        batch, out = self.input_batch, {}
+        for req_id, k in pending.propose.items():
+            state = batch.requests.get(req_id)
+            if state is None or state.row < 0:
+                continue
+            drafts = self.proposer.propose(batch.token_ids[state.row, : state.num_tokens], k)
+            if drafts:
+                out[req_id] = drafts
+        return out
 
     def _apply_grammar(self, logits: torch.Tensor, pending: _PendingSample, grammar: GrammarOutput) -> None:
         """-inf where a constrained request's bitmask row has a 0 bit (the row of request r is its position among
         the step's sampling rows). The bits are unpacked on the host (numpy) and the mask moved to the logits'
         device."""
-        position = {pending.order[i]: j for j, i in enumerate(pending.sample_rows)}
+        # A constrained request has no drafts, but others in the step may: its row is after their extra rows.
+        position, row = {}, 0
+        for j, i in enumerate(pending.sample_rows):
+            position[pending.order[i]] = row
+            row += 1 + (len(pending.drafts[j]) if pending.drafts is not None else 0)
         targets = [(position[r], k) for k, r in enumerate(grammar.req_ids) if r in position]
         if not targets:
             return
@@ -265,14 +372,17 @@ class _PendingSample:
     states: list[CachedRequestState]
     rows: np.ndarray  # batch row of each request, in `order`
     sample_rows: list[int]  # indices into `order` of the requests that sample
-    logits: torch.Tensor | None  # [len(sample_rows), vocab]
+    logits: torch.Tensor | None  # [len(sample_rows) + number of drafts, vocab]
     prompt_logprobs: dict[str, object]
+    drafts: list[list[int]] | None  # per sampling request, its draft tokens; None when the step has none
+    propose: dict[str, int]  # req_id -> most draft tokens to propose after sampling
 
 
-def _slice_lists(lists, row: int, k: int):
-    """One request's row of a batch LogprobsLists, keeping the chosen token and its top-k."""
+def _slice_lists(lists, row: int, k: int, num_rows: int = 1):
+    """One request's rows [row, row + num_rows) of a batch LogprobsLists, keeping each chosen token and its top-k."""
+    rows = range(row, row + num_rows)
     return LogprobsLists(
-        token_ids=[lists.token_ids[row][: k + 1]],
-        logprobs=[lists.logprobs[row][: k + 1]],
-        ranks=[lists.ranks[row]],
+        token_ids=[lists.token_ids[r][: k + 1] for r in rows],
+        logprobs=[lists.logprobs[r][: k + 1] for r in rows],
+        ranks=[lists.ranks[r] for r in rows],
     )

@@ -265,8 +265,8 @@ def test_decode_model_refuses_bad_input(ops) -> None:
         ("block_table", torch.tensor([[9, 1]]), "block id"),
         ("seq_lens", torch.tensor([9]), "seq_len"),
         ("positions", torch.tensor([64]), "position"),
-        ("x", torch.randn(2, hidden), r"\[1, H\]"),
-        ("x", torch.randn(1, hidden + 1), r"\[1, H\]"),
+        ("x", torch.randn(2, hidden), "one per row"),
+        ("x", torch.randn(1, hidden + 1), r"\[R, H\]"),
         ("positions", torch.tensor([3], dtype=torch.int32), "int64"),
     ]:
         with pytest.raises(RuntimeError, match=match):

@@ -232,24 +232,37 @@ void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_
   }
 }
 
+namespace {
+
+// Block b of `blocks` of the rows: rows [m0, m1) interleaved pair by pair (its few KiB stay in L1 while its rows
+// are written); r holds one rounded row.
+void pairs_block(uint32_t* xt, const float* x, int64_t rows, int64_t in, int64_t b, int64_t blocks, uint16_t* r) {
+  const int64_t in2 = (in + 1) / 2, m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks, mb = m1 - m0;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r);
+  uint32_t* dst = xt + m0 * in2;
+  for (int64_t m = m0; m < m1; ++m) {
+    bf16_round_row(r, x + m * in, in);
+    if (in & 1) r[in] = 0;
+    for (int64_t i2 = 0; i2 < in2; ++i2) dst[i2 * mb + (m - m0)] = pairs[i2];
+  }
+}
+
+}  // namespace
+
 void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, int threads) {
-  const int64_t in2 = (in + 1) / 2, blocks = (rows + kBf16Block - 1) / kBf16Block;
+  const int64_t blocks = (rows + kBf16Block - 1) / kBf16Block;
 #pragma omp parallel num_threads(team_for_grain(threads, rows * in, int64_t{1} << 15))
   {
-    std::vector<uint16_t> r(2 * in2);
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r.data());
+    std::vector<uint16_t> r(in + 1);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      // Block b's rows [m0, m1), interleaved pair by pair (its few KiB stay in L1 while its rows are written).
-      const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks, mb = m1 - m0;
-      uint32_t* dst = xt + m0 * in2;
-      for (int64_t m = m0; m < m1; ++m) {
-        bf16_round_row(r.data(), x + m * in, in);
-        if (in & 1) r[in] = 0;
-        for (int64_t i2 = 0; i2 < in2; ++i2) dst[i2 * mb + (m - m0)] = pairs[i2];
-      }
-    }
+    for (int64_t b = 0; b < blocks; ++b) pairs_block(xt, x, rows, in, b, blocks, r.data());
   }
+}
+
+void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in) {
+  const int64_t blocks = (rows + kBf16Block - 1) / kBf16Block;
+  std::vector<uint16_t> r(in + 1);
+  for (int64_t b = 0; b < blocks; ++b) pairs_block(xt, x, rows, in, b, blocks, r.data());
 }
 
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
@@ -269,13 +282,15 @@ void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int
   }
 }
 
-void bf16_gemv_range(const uint32_t* wp, const uint32_t* x2, const float* bias, float* y, int64_t o0, int64_t o1,
-                     int64_t in2) {
+void bf16_gemm_range(const uint32_t* wp, const uint32_t* xt, int64_t rows, const float* bias, float* y, int64_t ldy,
+                     int64_t o0, int64_t o1, int64_t in2) {
+  float one[kPanel];
+  std::vector<float> many(rows > 1 ? rows * kPanel : 0);
+  float* t = rows > 1 ? many.data() : one;
   for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
     const int64_t base = p * kPanel, lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, kPanel);
-    float t[kPanel];
-    bf16_panel_block(wp + p * in2 * kPanel, x2, 1, in2, t, kPanel, bias ? bias + base : nullptr, hi);
-    std::copy(t + lo, t + hi, y + base + lo);
+    bf16_panel_block(wp + p * in2 * kPanel, xt, rows, in2, t, kPanel, bias ? bias + base : nullptr, hi);
+    for (int64_t m = 0; m < rows; ++m) std::copy(t + m * kPanel + lo, t + m * kPanel + hi, y + m * ldy + base + lo);
   }
 }
 

@@ -4,7 +4,7 @@
 // build (a shared library from the same sources, see kernels.h), refuses it if this CPU lacks its instructions or if
 // it was built against another interface version, and exposes its kernels on torch tensors: every call checks
 // shapes, dtypes, contiguity and index ranges here (a RuntimeError naming what is wrong), then passes raw pointers
-// and torch's thread count. `DecodeModel` is the fused one-token decoder over a model's weights and KV caches, checked
+// and torch's thread count. `DecodeModel` is the fused decoder (one token or a few of one request) over a model's weights and KV caches, checked
 // once when it is built. `ShmAllReduce` is the tensor-parallel sum between the processes of one machine through
 // shared memory (shm_allreduce.h): `all_reduce(t)` on tensors, `hook()` for the fused decoder.
 #include <ATen/MemoryOverlap.h>
@@ -369,7 +369,7 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
   return t.data_ptr<float>();
 }
 
-// The fused one-token decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
+// The fused decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
 // layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
 // weights as float32 panels or bf16 pair panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
 // optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
@@ -485,24 +485,34 @@ class DecodeModel {
   DecodeModel(const DecodeModel&) = delete;
   DecodeModel& operator=(const DecodeModel&) = delete;
 
-  // x [1, H] in place; the token's position, cache slot, block table row and context length (int64, first element
-  // of each).
+  // x [R, H] in place: R consecutive tokens of one request (one decode token, or it and its drafts). Their
+  // positions and cache slots [R]; the request's block table row and the first token's context length (int64, first
+  // element of each); the positions must follow each other.
   void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
                   torch::Tensor seq_lens) const {
     check_float(x, "x");
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == spec_.hidden, "x must be [1, H]");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == spec_.hidden, "x must be [R, H]");
     for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens}) {
       check_index(*t, "index tensors");
       TORCH_CHECK(t->numel() >= 1, "empty index tensor");
     }
-    const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slot_mapping.data_ptr<int64_t>()[0];
-    const int64_t len = seq_lens.data_ptr<int64_t>()[0], width = block_table.size(-1), bs = spec_.block_size;
+    const int64_t rows = x.size(0);
+    TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows, "positions and slot_mapping must have ",
+                rows, " entries, one per row of x");
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t pos = pp[0], len = seq_lens.data_ptr<int64_t>()[0];
+    const int64_t width = block_table.size(-1), bs = spec_.block_size;
     const int64_t* table = block_table.data_ptr<int64_t>();
-    TORCH_CHECK(pos >= 0 && pos < spec_.max_position, "position ", pos, " out of the rotary table's range");
-    TORCH_CHECK(slot >= 0 && slot < spec_.num_blocks * bs, "slot ", slot, " out of range");
-    TORCH_CHECK(len >= 1 && len <= width * bs, "seq_len ", len, " outside 1..", width * bs);
-    check_block_ids(table, (len + bs - 1) / bs, spec_.num_blocks);
-    t_->decoder_run(handle_, x.data_ptr<float>(), pos, slot, table, len, at::get_num_threads());
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(pp[r] == pos + r, "the rows' positions must be consecutive");
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < spec_.num_blocks * bs, "slot ", slots[r], " out of range");
+    }
+    TORCH_CHECK(pos >= 0 && pos + rows <= spec_.max_position, "positions ", pos, "..", pos + rows - 1,
+                " out of the rotary table's range");
+    TORCH_CHECK(len >= 1 && len + rows - 1 <= width * bs, "seq_len ", len + rows - 1, " outside 1..", width * bs);
+    check_block_ids(table, (len + rows - 1 + bs - 1) / bs, spec_.num_blocks);
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pos, slots, table, len, at::get_num_threads());
   }
 
  private:
@@ -586,7 +596,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{},
-          "the fused one-token decoder over these weights and caches; with tensor parallelism, the all-reduce "
+          "the fused decoder (one token, or a few consecutive ones of one request) over these weights and caches; with tensor parallelism, the all-reduce "
           "hook (a C AllReduceFn and its context, as integers)");
   py::class_<QuantMatrix, std::shared_ptr<QuantMatrix>>(m, "QuantMatrix")
       .def_property_readonly("out_features", &QuantMatrix::out_features)

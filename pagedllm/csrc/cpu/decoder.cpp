@@ -1,4 +1,5 @@
-// The fused one-token decoder: a whole Llama-family decoder stack for one decode token in one parallel region.
+// The fused decoder: a whole Llama-family decoder stack for one decode token in one parallel region, or for a few
+// consecutive tokens of one request (a decode token and its draft tokens, speculative decoding).
 //
 // Per layer (weights of DecoderLayer; linear weights as panels; a null bias or q/k norm means none):
 //   residual += x (residual = x at the first layer); h = rms_norm(residual) * norm1
@@ -17,6 +18,10 @@
 // caches the heads it computed; attention splits the context between the threads (flash-decoding: every thread
 // reads each of its cached tokens once for all heads, and the partial results merge per head); gate and up split on
 // the same rows, so SiLU-and-mul needs no barrier of its own.
+//
+// Several tokens: each goes through exactly the arithmetic it would alone (the same sums in the same order, context
+// spans and merges), so speculative decoding verifies its drafts bit for bit as plain decoding would compute them,
+// while each weight is read once for all of them (linear_rows).
 //
 // Quantized weights (a layer's QMatrix with segments) run on int8 copies of their input, and bf16 weights
 // (`--dtype bfloat16`) on bf16 copies, which each thread makes itself (a few hundred values, cheaper than sharing
@@ -37,35 +42,41 @@ struct Decoder {
   std::vector<DecoderLayer> layers;
 };
 
-// An input vector quantized for the quantized weights (one per thread): q [n], d and s [n / 32].
-struct Q8Vec {
+// The step's input rows quantized for the quantized weights (one per thread): row r of width n at q + r n, d and
+// s + r n / 32.
+struct Q8Rows8 {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  explicit Q8Vec(int64_t n) : q(n), d(n / 32 + 1), s(n / 32 + 1) {}
-  void set(const float* x, int64_t n) { quantize_input(x, n, q.data(), d.data(), s.data()); }
-};
-
-// An input vector rounded to bf16 pairs for the bf16 weights (one per thread).
-struct Bf16Vec {
-  std::vector<uint32_t> pairs;
-  explicit Bf16Vec(int64_t n) : pairs((n + 1) / 2) {}
-  void set(const float* x, int64_t n) {  // one row's pairs are its bf16 values in order (an odd tail's pair: zero)
-    auto* half = reinterpret_cast<uint16_t*>(pairs.data());
-    bf16_round_row(half, x, n);
-    if (n & 1) half[n] = 0;
+  Q8Rows8(int64_t rows, int64_t n) : q(rows * n), d(rows * (n / 32 + 1)), s(rows * (n / 32 + 1)) {}
+  void set(const float* x, int64_t rows, int64_t n) {  // x [rows, n]
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_input(x + r * n, n, q.data() + r * n, d.data() + r * (n / 32), s.data() + r * (n / 32));
   }
 };
 
-// Outputs [o0, o1) of a linear layer through its panels, its quantized rows on xq (x quantized), or its bf16 panels
-// on xb (x rounded to bf16).
-inline void gemv_any(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, const Q8Vec& xq,
-                     const Bf16Vec& xb, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in) {
-  if (qw.nseg > 0)
-    quant_gemv_range(qw, xq.q.data(), xq.d.data(), xq.s.data(), bias, y, o0, o1);
-  else if (w16 != nullptr)
-    bf16_gemv_range(w16, xb.pairs.data(), bias, y, o0, o1, (in + 1) / 2);
-  else
-    gemv_panels(panels, x, bias, y, o0, o1, in);
+// The step's input rows rounded to bf16 pairs for the bf16 weights (one per thread), as bf16_gemm_range reads them.
+struct Bf16Rows {
+  std::vector<uint32_t> pairs;
+  Bf16Rows(int64_t rows, int64_t n) : pairs(rows * ((n + 1) / 2)) {}
+  void set(const float* x, int64_t rows, int64_t n) { bf16_pairs_blocked_serial(pairs.data(), x, rows, n); }
+};
+
+// Outputs [o0, o1) of a linear layer for the step's rows x [rows, in] (outputs of row r at y + r * ys): through its
+// quantized rows on xq (x quantized) or its bf16 panels on xb (x rounded to bf16), each weight decoded or read once
+// for all the rows, or through its panels, a row at a time over 64-output chunks (a chunk's weights are read from
+// memory once and from cache by the other rows). Each row's outputs are what they would be for that row alone.
+inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t rows,
+                        const Q8Rows8& xq, const Bf16Rows& xb, const float* bias, float* y, int64_t ys, int64_t o0,
+                        int64_t o1, int64_t in) {
+  if (qw.nseg > 0) {
+    quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), rows, bias, y, ys, o0, o1);
+  } else if (w16 != nullptr) {
+    bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2);
+  } else {
+    const int64_t step = rows == 1 ? o1 - o0 : 2 * kPanel;
+    for (int64_t c = o0; c < o1; c += step)
+      for (int64_t r = 0; r < rows; ++r) gemv_panels(panels, x + r * in, bias, y + r * ys, c, std::min(c + step, o1), in);
+  }
 }
 
 // y[lo, hi) += bias[lo, hi) (after a reduction).
@@ -85,83 +96,96 @@ void* decoder_create(const DecoderSpec* spec) {
 
 void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
-void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
-                 int threads) {
+void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, const int64_t* slots, const int64_t* table,
+                 int64_t len, int threads) {
   const Decoder& dec = *static_cast<const Decoder*>(decoder);
   const DecoderSpec& s = dec.spec;
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
-  const int64_t inter = s.inter, qkv_out = (hq + 2 * hkv) * d, layers = s.num_layers;
-  const int64_t half = s.rot / 2, cs_off = pos * s.rot, row = hkv * d, g = hq / hkv;
+  const int64_t inter = s.inter, qkv_out = (hq + 2 * hkv) * d, layers = s.num_layers, R = rows;
+  const int64_t half = s.rot / 2, row = hkv * d, g = hq / hkv, pd = hq * (d + 2);
   const float sc = s.scale, ep = s.eps;
   const AllReduceFn reduce = s.all_reduce;
   const int nt = std::max(1, threads);
-  // Shared between the threads: q|k|v, the attention output, SiLU-and-mul's output, and every thread's partial
-  // attention (max, sum, accumulator per head).
-  std::vector<float> shared(qkv_out + hq * d + inter + nt * hq * (d + 2));
+  // Shared between the threads, per token: q|k|v, the attention output, SiLU-and-mul's output, gate|up, and every
+  // thread's partial attention (max, sum, accumulator per head).
+  std::vector<float> shared(R * (qkv_out + hq * d + inter + 2 * inter) + nt * R * pd);
   float* qkv = shared.data();
-  float* att = qkv + qkv_out;
-  float* act = att + hq * d;
-  float* part = act + inter;
-  std::vector<float> gate_up(2 * inter);
-  float* gu = gate_up.data();
+  float* att = qkv + R * qkv_out;
+  float* act = att + R * hq * d;
+  float* gu = act + R * inter;
+  float* part = gu + R * 2 * inter;
 
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    std::vector<float> mine(2 * hidden);
-    float* res = mine.data();  // this thread's copy of the residual stream
-    float* h = res + hidden;
+    std::vector<float> mine(2 * R * hidden);
+    float* res = mine.data();  // this thread's copy of the residual stream of every token
+    float* h = res + R * hidden;
     std::vector<float> scores;
-    Q8Vec xq(std::max({hidden, hq * d, inter}));  // this thread's quantized copy of a quantized layer's input
-    Bf16Vec xb(std::max({hidden, hq * d, inter}));  // and bf16 copy of a bf16 layer's
+    // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
+    const int64_t widest = std::max({hidden, hq * d, inter});
+    Q8Rows8 xq(R, widest);
+    Bf16Rows xb(R, widest);
     auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
-      if (qw.nseg > 0) xq.set(x, len);
-      else if (w16 != nullptr) xb.set(x, len);
+      if (qw.nseg > 0) xq.set(x, R, len);
+      else if (w16 != nullptr) xb.set(x, R, len);
     };
-    int64_t a, b, ha, hb, ia, ib, ra, rb, qa, qb;
+    auto linear = [&](const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t in,
+                      const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
+      linear_rows(panels, qw, w16, x, R, xq, xb, bias, y, ys, o0, o1, in);
+    };
+    int64_t ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
     share(inter, t, n, kPanel, ia, ib);
     share(hidden, t, n, kPanel, ra, rb);
-    share(len, t, n, 1, a, b);  // this thread's span of the context
-    share(hq, t, n, 1, qa, qb);
-    float* pm = part + t * hq * (d + 2);
+    share(R * hq, t, n, 1, qa, qb);  // (token, query head) pairs to merge
+    float* pm = part + t * R * pd;
     for (int64_t l = 0; l < layers; ++l) {
       const DecoderLayer& w = dec.layers[l];
-      if (l == 0) {
-        std::copy(xp, xp + hidden, res);
-        rms_row(h, res, w.norm1, hidden, ep);
-      } else {
-        add_rms_row(h, res, xp, w.norm1, hidden, ep);
-      }
-      quantize(w.qkv_q, w.qkv16, h, hidden);
-      gemv_any(w.qkv, w.qkv_q, w.qkv16, h, xq, xb, w.qkv_b, qkv, ha * d, hb * d, hidden);
-      for (int64_t hh = ha; hh < hb; ++hh) {
-        float* v = qkv + hh * d;
-        if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
-        if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
-        if (hh < hq + hkv) rotate_head(v, w.cos_sin + cs_off, half);
-        if (hh >= hq) {  // a key or value head: to the cache
-          const int64_t off = slot * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
-          void* cache = hh >= hq + hkv ? w.v_cache : w.k_cache;
-          if (s.kv_dtype == PKV_BF16) bf16_round_row(static_cast<uint16_t*>(cache) + off, v, d);  // as torch rounds
-          else std::copy(v, v + d, static_cast<float*>(cache) + off);
+      for (int64_t r = 0; r < R; ++r) {
+        if (l == 0) {
+          std::copy(xp + r * hidden, xp + (r + 1) * hidden, res + r * hidden);
+          rms_row(h + r * hidden, res + r * hidden, w.norm1, hidden, ep);
+        } else {
+          add_rms_row(h + r * hidden, res + r * hidden, xp + r * hidden, w.norm1, hidden, ep);
         }
       }
+      quantize(w.qkv_q, w.qkv16, h, hidden);
+      linear(w.qkv, w.qkv_q, w.qkv16, h, hidden, w.qkv_b, qkv, qkv_out, ha * d, hb * d);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t hh = ha; hh < hb; ++hh) {
+          float* v = qkv + r * qkv_out + hh * d;
+          if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
+          if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
+          if (hh < hq + hkv) rotate_head(v, w.cos_sin + (pos + r) * s.rot, half);
+          if (hh >= hq) {  // a key or value head: to the cache
+            const int64_t off = slots[r] * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
+            void* cache = hh >= hq + hkv ? w.v_cache : w.k_cache;
+            if (s.kv_dtype == PKV_BF16) bf16_round_row(static_cast<uint16_t*>(cache) + off, v, d);  // as torch rounds
+            else std::copy(v, v + d, static_cast<float*>(cache) + off);
+          }
+        }
 #pragma omp barrier
-      attend_span_any(pm, pm + hq, pm + 2 * hq, qkv, w.k_cache, w.v_cache, s.kv_dtype, table, a, b, bs, row, hq, g,
-                      d, sc, scores);
+      for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself: this thread's span of it
+        int64_t a, b;
+        share(len + r, t, n, 1, a, b);
+        float* pr = pm + r * pd;
+        attend_span_any(pr, pr + hq, pr + 2 * hq, qkv + r * qkv_out, w.k_cache, w.v_cache, s.kv_dtype, table, a, b,
+                        bs, row, hq, g, d, sc, scores);
+      }
 #pragma omp barrier
-      for (int64_t r = qa; r < qb; ++r) {  // merge the threads' partial results of query head r
+      for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head
+        const int64_t r = rr / hq, q = rr % hq;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int u = 0; u < n; ++u) mx = std::max(mx, part[u * hq * (d + 2) + r]);
+        for (int u = 0; u < n; ++u) mx = std::max(mx, part[(u * R + r) * pd + q]);
         float total = 0.f;
-        float* o = att + r * d;
+        float* o = att + r * hq * d + q * d;
         std::fill(o, o + d, 0.f);
         for (int u = 0; u < n; ++u) {
-          const float* pu = part + u * hq * (d + 2);
-          const float f = pu[hq + r] > 0.f ? expf(pu[r] - mx) : 0.f;
-          total += f * pu[hq + r];
-          const float* au = pu + 2 * hq + r * d;
+          const float* pu = part + (u * R + r) * pd;
+          const float f = pu[hq + q] > 0.f ? expf(pu[q] - mx) : 0.f;
+          total += f * pu[hq + q];
+          const float* au = pu + 2 * hq + q * d;
 #pragma omp simd
           for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
         }
@@ -171,32 +195,37 @@ void decoder_run(const void* decoder, float* xp, int64_t pos, int64_t slot, cons
       }
 #pragma omp barrier
       quantize(w.o_q, w.o16, att, hq * d);
-      gemv_any(w.o, w.o_q, w.o16, att, xq, xb, reduce ? nullptr : w.o_b, xp, ra, rb, hq * d);
+      linear(w.o, w.o_q, w.o16, att, hq * d, reduce ? nullptr : w.o_b, xp, hidden, ra, rb);
 #pragma omp barrier
       if (reduce != nullptr) {
-        if (t == 0) reduce(xp, hidden, s.reduce_ctx);
+        if (t == 0) reduce(xp, R * hidden, s.reduce_ctx);
 #pragma omp barrier
-        add_bias(xp, w.o_b, ra, rb);  // each thread its rows; the add_rms below reads all: one more barrier
-#pragma omp barrier
+        for (int64_t r = 0; r < R; ++r) add_bias(xp + r * hidden, w.o_b, ra, rb);  // each thread its rows; the
+#pragma omp barrier                                                                 // add_rms below reads all
       }
-      add_rms_row(h, res, xp, w.norm2, hidden, ep);
+      for (int64_t r = 0; r < R; ++r) add_rms_row(h + r * hidden, res + r * hidden, xp + r * hidden, w.norm2, hidden, ep);
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
-      gemv_any(w.gate_up, w.gate_up_q, w.gate_up16, h, xq, xb, w.gate_up_b, gu, ia, ib, hidden);
-      gemv_any(w.gate_up, w.gate_up_q, w.gate_up16, h, xq, xb, w.gate_up_b, gu, inter + ia, inter + ib, hidden);
+      linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, ia, ib);
+      linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, inter + ia, inter + ib);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* gr = gu + r * 2 * inter;
+        float* ar = act + r * inter;
 #pragma omp simd
-      for (int64_t k = ia; k < ib; ++k) act[k] = silu_mul(gu[k], gu[inter + k]);
+        for (int64_t k = ia; k < ib; ++k) ar[k] = silu_mul(gr[k], gr[inter + k]);
+      }
 #pragma omp barrier
       quantize(w.down_q, w.down16, act, inter);
-      gemv_any(w.down, w.down_q, w.down16, act, xq, xb, reduce ? nullptr : w.down_b, xp, ra, rb, inter);
+      linear(w.down, w.down_q, w.down16, act, inter, reduce ? nullptr : w.down_b, xp, hidden, ra, rb);
 #pragma omp barrier
       if (reduce != nullptr) {
-        if (t == 0) reduce(xp, hidden, s.reduce_ctx);
+        if (t == 0) reduce(xp, R * hidden, s.reduce_ctx);
 #pragma omp barrier
-        add_bias(xp, w.down_b, ra, rb);
+        for (int64_t r = 0; r < R; ++r) add_bias(xp + r * hidden, w.down_b, ra, rb);
 #pragma omp barrier
       }
     }
-    if (t == 0) add_rms_row(xp, res, xp, s.final_norm, hidden, ep);
+    if (t == 0)
+      for (int64_t r = 0; r < R; ++r) add_rms_row(xp + r * hidden, res + r * hidden, xp + r * hidden, s.final_norm, hidden, ep);
   }
 }
 

@@ -33,10 +33,12 @@ constexpr int64_t kQuantDotMaxRows = 32;
 int64_t quant_dot_max_rows();
 
 // Quantized weights (quant.cpp): an input row x [in] (in a multiple of 32) to int8 blocks of 32 (q [in]; d, s
-// [in / 32]: each block's scale and scale times the sum of its q); then outputs [o0, o1) of one such row on W.
+// [in / 32]: each block's scale and scale times the sum of its q); then outputs [o0, o1) of `rows` such rows on W
+// (row m: q + m * in, d and s + m * in / 32; its outputs at y + m * ldy), each row's as it would be alone (a weight
+// row is decoded once for up to four input rows, whose sums are kept apart in the same order).
 void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
-void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const float* s, const float* bias, float* y,
-                      int64_t o0, int64_t o1);
+void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
+                     float* y, int64_t ldy, int64_t o0, int64_t o1);
 
 // One panel (kPanel outputs of a weight, [in, kPanel]) against mb input rows held transposed (xb[i * mb + m]): row
 // m's outputs [0, nout) go to y + m * ys (bias added when given).
@@ -52,13 +54,15 @@ uint16_t to_bf16(float f);
 void bf16_round_row(uint16_t* dst, const float* x, int64_t n);
 void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_t nout, int64_t in);
 void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, int threads);
+void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in);  // the calling thread alone
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();
-// y[o] for outputs [o0, o1) of one input row, its bf16 pairs x2 [in2] (bf16_pairs_blocked of one row), from W's
-// bf16 panels: the same sums as bf16_panel_linear's for that row; bias may be null.
-void bf16_gemv_range(const uint32_t* wp, const uint32_t* x2, const float* bias, float* y, int64_t o0, int64_t o1,
-                     int64_t in2);
+// Outputs [o0, o1) of `rows` input rows, their bf16 pairs xt as bf16_pairs_blocked lays them out (one row: its plain
+// pairs), from W's bf16 panels into y (row m at y + m * ldy): the same sums as bf16_panel_linear's for each row
+// whatever the number of rows; bias may be null.
+void bf16_gemm_range(const uint32_t* wp, const uint32_t* xt, int64_t rows, const float* bias, float* y, int64_t ldy,
+                     int64_t o0, int64_t o1, int64_t in2);
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
 // quant.cpp).
@@ -73,8 +77,8 @@ void pack_panels(float* dst, const float* w, int64_t out, int64_t in, int thread
 void panel_linear(float* y, const float* x, const float* panels, const float* bias, int64_t rows, int64_t in,
                   int64_t out, int threads);
 void* decoder_create(const DecoderSpec* spec);
-void decoder_run(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
-                 int threads);
+void decoder_run(const void* decoder, float* x, int64_t rows, int64_t pos, const int64_t* slots, const int64_t* table,
+                 int64_t len, int threads);
 void decoder_destroy(void* decoder);
 int64_t quant_row_bytes(int32_t type, int64_t in);
 void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 5
+#define PAGEDLLM_CPU_ABI 6
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -131,10 +131,12 @@ struct PagedllmCpuOps {
                        int64_t out, int threads);
   void (*paged_decode)(const PagedDecodeArgs* args);
   void (*paged_prefill)(const PagedPrefillArgs* args);
-  // The fused one-token decoder: built once per weights and caches, run per token on x [hidden] in place.
+  // The fused decoder: built once per weights and caches, run per step on x [rows, hidden] in place: `rows`
+  // consecutive tokens of one request (one decode token, or it and its draft tokens), at positions pos .. pos +
+  // rows - 1, cache slots slots[rows], context lengths len .. len + rows - 1.
   void* (*decoder_create)(const DecoderSpec* spec);
-  void (*decoder_run)(const void* decoder, float* x, int64_t pos, int64_t slot, const int64_t* table, int64_t len,
-                      int threads);
+  void (*decoder_run)(const void* decoder, float* x, int64_t rows, int64_t pos, const int64_t* slots,
+                      const int64_t* table, int64_t len, int threads);
   void (*decoder_destroy)(void* decoder);
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.

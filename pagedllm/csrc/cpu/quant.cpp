@@ -607,10 +607,10 @@ void quant_dequantize_rows(float* out, const QMatrix* wp, const int64_t* ids, in
 
 void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s) { quantize_row(x, in, q, d, s); }
 
-void quant_gemv_range(const QMatrix& w, const int8_t* q, const float* d, const float* s, const float* bias, float* y,
-                      int64_t o0, int64_t o1) {
-  quant_rows_range(w, Q8Rows{const_cast<int8_t*>(q), const_cast<float*>(d), const_cast<float*>(s), w.in}, 1, bias,
-                   y, w.out, o0, o1);
+void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
+                     float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  quant_rows_range(w, Q8Rows{const_cast<int8_t*>(q), const_cast<float*>(d), const_cast<float*>(s), w.in}, rows, bias,
+                   y, ldy, o0, o1);
 }
 
 }  // namespace pagedllm

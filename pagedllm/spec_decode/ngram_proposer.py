@@ -1,0 +1,48 @@
+"""N-gram (prompt lookup) proposer: draft tokens copied from where the request's last few tokens occurred before.
+
+Contract: `propose(tokens, k)` looks for the longest n-gram, `min_n <= n <= max_n`, that ends the token sequence and
+also occurs earlier in it; among equally long matches the latest occurrence wins (the most recent context is the
+likeliest to repeat: an edited line, a quoted passage). It returns up to `k` tokens that followed that occurrence,
+fewer when the sequence ends first, and [] when nothing matches. Deterministic, so every tensor-parallel rank would
+propose the same. The search is vectorised with numpy: one comparison over the sequence for the candidates that
+end with the last token, then `max_n - 1` comparisons over those candidates only; no Python loop per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedllm.config import SpeculativeConfig
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to k draft tokens to follow `tokens` [num_tokens] (int), or []."""
+        length = int(tokens.shape[0])
+        if k <= 0 or length <= self.min_n:
+            return []
+        last = tokens[length - 1]
+        # Candidates: positions e < length - 1 holding the last token, each the end of a possible earlier match
+        # (with at least min_n - 1 tokens before it).
+        ends = np.flatnonzero(tokens[: length - 1] == last)
+        ends = ends[ends >= self.min_n - 1]
+        if ends.size == 0:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # tokens matched so far, backwards from each end
+        alive = np.ones(ends.size, dtype=bool)
+        for d in range(1, min(self.max_n, length - 1)):
+            ok = alive & (ends >= d)
+            ok[ok] = tokens[ends[ok] - d] == tokens[length - 1 - d]
+            matched += ok
+            alive = ok
+            if not alive.any():
+                break
+        best = int(matched.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest matches
+        return tokens[end + 1 : end + 1 + k].tolist()
