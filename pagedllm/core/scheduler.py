@@ -73,6 +73,7 @@ class Scheduler:
         self.config = scheduler_config
         self.draft_policy = DraftPolicy(speculative_config) if speculative_config is not None else None
         self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
+        self.total_spec_stats = SpecDecodingStats()  # since the start (the reported ones reset at each report)
         self.structured_output_manager = structured_output_manager
         # Constrained requests whose grammar is compiling, in arrival order.
         self.waiting_for_fsm: list[Request] = []
@@ -271,8 +272,10 @@ class Scheduler:
         total = sum(num_scheduled.values())
         self._last_num_scheduled = total
         # A step of decodes only (with or without drafts) is timed for the draft policy's cost model.
-        decodes_only = policy is not None and not new_reqs and all(
-            n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items()
+        decodes_only = (
+            policy is not None
+            and not new_reqs
+            and all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
         )
         self._step_started = time.monotonic() if decodes_only and not preempted else None
         out = SchedulerOutput(
@@ -387,15 +390,15 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         assert self.draft_policy is not None and self._spec_stats is not None
         self.draft_policy.record(req.request_id, num_drafts, num_accepted)
-        stats = self._spec_stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
-        per_pos = stats.num_accepted_tokens_per_pos
-        if len(per_pos) < num_drafts:
-            per_pos.extend([0] * (num_drafts - len(per_pos)))
-        for k in range(num_accepted):
-            per_pos[k] += 1
+        for stats in (self._spec_stats, self.total_spec_stats):
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_drafts
+            stats.num_accepted_tokens += num_accepted
+            per_pos = stats.num_accepted_tokens_per_pos
+            if len(per_pos) < num_drafts:
+                per_pos.extend([0] * (num_drafts - len(per_pos)))
+            for k in range(num_accepted):
+                per_pos[k] += 1
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> bool:
         """Feed the sampled tokens to the request's grammar; True if that finished the request (the grammar is

@@ -299,12 +299,15 @@ def _outside_top_p(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (mass_before >= p) & (p < 1.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], states_after: dict[int, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Sample one token per row from (unnormalised) probs: argmax(probs / E), E ~ Exponential(1).
 
     This equals multinomial sampling, but lets each seeded row draw its noise from its own generator with a
     batch-independent number of draws (exactly vocab_size uniforms per step). E is drawn as -log(U):
-    on CPU uniform_ + log is several times faster than exponential_.
+    on CPU uniform_ + log is several times faster than exponential_. Seeded rows draw in row order; with
+    `states_after`, each one's generator state after its draw is recorded there (by row), to rewind to.
     """
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
@@ -312,6 +315,8 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise.uniform_()
     for row, gen in generators.items():
         noise[row].uniform_(generator=gen)
+        if states_after is not None:
+            states_after[row] = gen.get_state()
     noise.log_().neg_()
     # Some backends can return U == 1 (E == 0); 0/0 would be NaN, which argmax treats as the maximum and
     # could pick a masked token. Clamping keeps masked tokens at 0 and p / tiny stays finite for p <= 1.

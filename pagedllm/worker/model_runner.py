@@ -78,6 +78,11 @@ class ModelRunner:
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
         self.model = load_model(model_config, device, kernels)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
+        # A quantized LM head computes up to this many rows each as it would compute one (int8 products); more rows
+        # go through other kernels. A request verifying its drafts computes its logits in chunks of this many, so
+        # that they are bit for bit those of plain decoding (0: every path is row for row already).
+        head_quantized = getattr(self.model.lm_head, "qweight", None) is not None and cpu_ops is not None
+        self._logits_rows = int(cpu_ops.quant_dot_max_rows()) if head_quantized else 0
         self.sampler = Sampler()
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
@@ -153,6 +158,7 @@ class ModelRunner:
         common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
         meta = self.attn_backend.build_metadata(common, self.device)
         spec = sched.scheduled_spec_decode_tokens
+        lone_verify = False  # one request verifying its drafts in the fused decoder
         if total == 1 and num_decodes == 1 and self.decode_runner is not None:
             hidden = self.decode_runner(
                 self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
@@ -161,6 +167,7 @@ class ModelRunner:
             # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
             # bit as a lone decode token would be, so greedy output is what it is without speculation.
             blocks = -(-(int(starts[0]) + total) // self.block_size)
+            lone_verify = True
             hidden = self.decode_runner(
                 self._t(input_ids),
                 self._t(positions),
@@ -185,7 +192,11 @@ class ModelRunner:
                 ends = cu[1:][sample_rows]
                 index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
                 rows_to_sample = hidden.index_select(0, torch.as_tensor(index, device=self.device))
-            logits = self.model.compute_logits(rows_to_sample)
+            if lone_verify and 0 < self._logits_rows < rows_to_sample.shape[0]:
+                chunks = rows_to_sample.split(self._logits_rows)
+                logits = torch.cat([self.model.compute_logits(c) for c in chunks])
+            else:
+                logits = self.model.compute_logits(rows_to_sample)
             if logits.dtype != torch.float32:
                 logits = logits.float()
         prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)

@@ -1,0 +1,159 @@
+"""Speculative decoding (n-gram) end to end on the default model (SmolLM2 Q4_1 GGUF, run as stored).
+
+* Greedy output is identical with and without speculation, token for token and logprob for logprob, one request at a
+  time, over prompts whose answer repeats their input (drafts are proposed and accepted: checked) and prompts whose
+  answer does not. That holds because the fused decoder computes each of a request's verified tokens exactly as a
+  lone decode step would (checked directly, bit for bit, on the model's own weights and KV cache).
+* Sampling keeps working: seeded requests are reproducible, `n > 1`, logprobs of every output token, `max_tokens`
+  never exceeded, stop strings, and several requests sharing steps with drafts.
+* After all of it the KV cache holds no blocks and its invariants hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "128MiB", "max_model_len": 1024}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+QUOTE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden press adapted from those used to make wine. Before his invention, books "
+    "in Europe were copied by hand, usually by monks, and a single Bible could take years to finish."
+)
+REPEATING = [
+    "<|im_start|>user\nCopy this text exactly:\n\n" + QUOTE + "<|im_end|>\n<|im_start|>assistant\n",
+    'Here is a quote:\n\n"' + QUOTE + '"\n\nThe same quote again:\n\n"',
+]
+NOT_REPEATING = [
+    "The capital of France is",
+    "<|im_start|>user\nName three planets and one fact about each.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = LLM(**ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec():
+    llm = LLM(speculative_config=SPEC, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def _core(llm: LLM):
+    return llm.engine_core.engine_core
+
+
+def _one_at_a_time(llm: LLM, prompts: list[str], params: SamplingParams):
+    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+
+
+def test_greedy_output_and_logprobs_identical(plain: LLM, spec: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=80, logprobs=2)
+    stats = _core(spec).scheduler.total_spec_stats
+    before = stats.num_accepted_tokens
+    want = _one_at_a_time(plain, REPEATING + NOT_REPEATING, params)
+    got = _one_at_a_time(spec, REPEATING + NOT_REPEATING, params)
+    for w, g in zip(want, got):
+        assert list(g.token_ids) == list(w.token_ids)
+        assert g.text == w.text
+        assert g.logprobs == w.logprobs  # the same numbers: every token computed as a lone decode step
+    # Not vacuous: drafts were verified and most of them accepted on the repeating prompts.
+    assert stats.num_accepted_tokens - before > 40
+    assert stats.num_drafts > 0 and sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+
+
+def test_fused_decoder_rows_are_lone_tokens(spec: LLM) -> None:
+    """Five consecutive tokens of one request through the fused decoder at once: the same hidden states and KV
+    cache contents, bit for bit, as five one-token calls (the quantized weights' int8 products, shared weight
+    decoding for several rows)."""
+    runner = _core(spec).executor.worker.model_runner
+    decoder = runner.decode_runner
+    assert decoder is not None
+    layers = runner.model.model.layers
+    block = runner.block_size
+    rows, first = 5, 37  # the tokens' positions: 37 .. 41, after a context of 37 random tokens' keys and values
+    caches = [layer.self_attn.attn.kv_cache for layer in layers]
+    saved = [(k.clone(), v.clone()) for k, v in caches]
+    table = torch.arange(3, 3 + -(-(first + rows) // block), dtype=torch.int64)[None]
+    g = torch.Generator().manual_seed(5)
+    for k, v in caches:  # a context to attend to in the blocks used (restored at the end)
+        for blk in table[0].tolist():
+            k[blk].copy_(torch.randn(k[blk].shape, generator=g))
+            v[blk].copy_(torch.randn(v[blk].shape, generator=g))
+    context = [(k.clone(), v.clone()) for k, v in caches]
+    ids = torch.randint(100, 40000, (rows,), generator=g)
+    positions = torch.arange(first, first + rows)
+    slots = table[0][positions // block] * block + positions % block
+    try:
+        together = decoder(ids, positions, slots, table, torch.tensor([first + 1]))
+        after_together = [(k.clone(), v.clone()) for k, v in caches]
+        for (k, v), (k0, v0) in zip(caches, context):
+            k.copy_(k0)
+            v.copy_(v0)
+        alone = [
+            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table, torch.tensor([first + r + 1]))
+            for r in range(rows)
+        ]
+        assert torch.equal(together, torch.cat(alone))
+        for (k, v), (ka, va) in zip(caches, after_together):
+            assert torch.equal(k, ka) and torch.equal(v, va)
+    finally:
+        for (k, v), (k0, v0) in zip(caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+
+
+def test_sampling_with_drafts(plain: LLM, spec: LLM) -> None:
+    """A seeded request's t-th token comes from the t-th draw of its generator, drafts or not: the same tokens as
+    without speculation (and so the same on every run, whatever drafts the policy chose)."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=48, ignore_eos=True, logprobs=1)
+    stats = _core(spec).scheduler.total_spec_stats
+    before = stats.num_accepted_tokens
+    want = plain.generate([REPEATING[1]], seeded, use_tqdm=False)[0].outputs[0]
+    a = spec.generate([REPEATING[1]], seeded, use_tqdm=False)[0].outputs[0]
+    assert stats.num_accepted_tokens > before  # sampled tokens were accepted drafts
+    assert list(a.token_ids) == list(want.token_ids)
+    assert a.logprobs == want.logprobs
+    assert len(a.token_ids) == 48  # max_tokens exactly, never more, though a step may accept several tokens
+    assert len(a.logprobs) == 48
+    for token, entry in zip(a.token_ids, a.logprobs):
+        assert token in entry
+    many = spec.generate(
+        [REPEATING[0]], SamplingParams(temperature=1.0, n=3, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert len(many.outputs) == 3 and all(len(o.token_ids) == 30 for o in many.outputs)
+
+
+def test_stop_and_max_tokens_with_drafts(plain: LLM, spec: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    full = _one_at_a_time(plain, REPEATING[:1], greedy)[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    assert stop.strip()
+    for max_tokens in (1, 2, 7):
+        out = _one_at_a_time(spec, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+        assert len(out.token_ids) == max_tokens
+    out = _one_at_a_time(spec, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=60, stop=[stop]))[0]
+    assert out.text == full[: full.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_batch_with_drafts_completes_and_frees_blocks(spec: LLM) -> None:
+    prompts = REPEATING + NOT_REPEATING
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=40 + 5 * i) for i in range(4)]
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        o = out.outputs[0]
+        assert 0 < len(o.token_ids) <= p.max_tokens
+        assert o.finish_reason in ("stop", "length")
+    manager = _core(spec).scheduler.kv_cache_manager
+    manager.check_invariants()
+    assert manager.num_blocks_in_use() == 0
