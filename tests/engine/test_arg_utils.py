@@ -180,3 +180,27 @@ def test_the_engine_core_gets_the_budget_sized_in_the_front_end(model_dir, monke
     assert core_args.kv_cache_memory_bytes == 500 << 20
     assert core_args.create_engine_config() == core_args.create_engine_config()
     assert core_args.create_engine_config().cache_config.kv_cache_memory_bytes == 500 << 20
+
+
+def test_speculative_config_flag(model_dir):
+    """--speculative-config takes vLLM's JSON; the engine config holds it parsed; a bad value is a ValueError naming
+    what is wrong, before anything loads."""
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    args = parse("--model", str(model_dir), "--speculative-config", text)
+    assert args.speculative_config == text
+    spec = args.create_engine_config().speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
+        "ngram",
+        3,
+        4,
+        2,
+    )
+    assert EngineArgs(model=str(model_dir)).create_engine_config().speculative_config is None
+    for bad, match in [
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ("{not json", "JSON"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model=str(model_dir), speculative_config=bad).create_engine_config()

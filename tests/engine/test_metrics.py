@@ -16,6 +16,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutputs, SchedulerStats
 from pagedllm.metrics import STATS_LOG_INTERVAL_ENV, LoggingStatLogger, PrometheusStatLogger, stats_log_interval
+from tests.engine.test_spec_decode import REPEATING
 from tests.model_utils import make_tiny_model, random_prompts
 
 NAMES = [
@@ -239,3 +240,51 @@ def test_stats_log_interval_from_env(monkeypatch):
         monkeypatch.setenv(STATS_LOG_INTERVAL_ENV, bad)
         with pytest.raises(ValueError, match=STATS_LOG_INTERVAL_ENV):
             stats_log_interval()
+
+
+def test_spec_decode_metrics_and_stats_line():
+    """With speculative decoding the core reports its drafts: vLLM's spec_decode_* counters (per draft position too)
+    and the stats line's acceptance rate, checked against the engine core's own running totals."""
+    from pagedllm.engine.protocol import SpecDecodingStats
+
+    registry = CollectorRegistry()
+    prom = PrometheusStatLogger("tiny", 256, registry)
+    line_logger = LoggingStatLogger(interval=3600)
+    for stats in (SpecDecodingStats(2, 7, 4, [2, 1, 1]), SpecDecodingStats(1, 3, 3, [1, 1, 1])):
+        sched = SchedulerStats(spec_decoding_stats=stats)
+        prom.record(sched, IterationStats())
+        line_logger.record(sched, IterationStats())
+    assert _value(registry, "spec_decode_num_drafts_total") == 3
+    assert _value(registry, "spec_decode_num_draft_tokens_total") == 10
+    assert _value(registry, "spec_decode_num_accepted_tokens_total") == 7
+    for pos, want in enumerate([3, 2, 2]):
+        assert _value(registry, "spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == want
+    line = line_logger.log()
+    assert "Draft acceptance rate: 70.0% (7 of 10 draft tokens)" in line
+    assert "Mean acceptance length: 3.33" in line
+
+    async def main() -> None:
+        # The default model, which copies a quote it is asked to repeat (a random tiny model repeats nothing).
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+        engine = AsyncLLM(
+            EngineArgs(
+                max_model_len=512, kv_cache_memory_bytes="32MiB", served_model_name="tiny", speculative_config=spec
+            )
+        )
+        registry = CollectorRegistry()
+        engine.stat_loggers.append(PrometheusStatLogger("tiny", 256, registry))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            async for _ in engine.generate(REPEATING[1], params, "s0"):
+                pass
+        finally:
+            engine.shutdown()
+        drafts = _value(registry, "spec_decode_num_drafts_total")
+        drafted = _value(registry, "spec_decode_num_draft_tokens_total")
+        accepted = _value(registry, "spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and drafts <= drafted <= 3 * drafts and accepted <= drafted
+        per_pos = [_value(registry, "spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+        assert _value(registry, "generation_tokens_total") == 24
+
+    asyncio.run(main())
