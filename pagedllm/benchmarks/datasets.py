@@ -18,6 +18,11 @@ their seed and raise `ValueError` naming a bad value.
   them followed by a random suffix, so that prompt's length is ``prefix_len + suffix_len`` (adjusted as for
   random). Requests are spread evenly over the prefixes and shuffled: a prefix cache can serve the prefixes.
 
+* ``repeat``: prompts whose answer repeats their input, the workload of speculative decoding's n-gram proposer:
+  one of a few built-in passages (prose and code) in a completion that asks for it again ("Here is a quote: ...
+  The same quote again:"), the output length the passage's token count (or ``--repeat-output-len``). Passages
+  are drawn with the seed.
+
 `load_tokenizer` loads a tokenizer from a ``.gguf`` file, a folder holding one, or an HF folder with tokenizer
 files, never from a hub; `add_dataset_args` adds the shared flags and `sample_requests` dispatches on them.
 """
@@ -33,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "prefix-repetition")
+DATASETS = ("random", "sharegpt", "prefix-repetition", "repeat")
 _ADJUST_ROUNDS = 10  # decode -> encode -> fix rounds before settling for the closest length seen
 _HUMAN_ROLES = ("human", "user")
 _GPT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "bing")
@@ -167,6 +172,59 @@ def sample_prefix_repetition(
     return [requests[i] for i in order]
 
 
+REPEAT_PASSAGES = (
+    (
+        "quote",
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+        "metal type, oil-based ink and a wooden press adapted from those used to make wine. Before his invention, "
+        "books in Europe were copied by hand, usually by monks, and a single Bible could take years to finish.",
+    ),
+    (
+        "quote",
+        "A lighthouse keeper's day began before dawn. He trimmed the wick, polished the great lens until it shone, "
+        "wound the clockwork that turned the light, and wrote the weather in the log: wind from the west, sea "
+        "moderate, visibility good. At dusk he climbed the stairs again and lit the lamp for the ships at sea.",
+    ),
+    (
+        "file",
+        "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+        "            out.append(b[j])\n"
+        "            j += 1\n    return out + a[i:] + b[j:]\n",
+    ),
+    (
+        "file",
+        "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, key):\n"
+        "        self.counts[key] = self.counts.get(key, 0) + 1\n\n    def most_common(self):\n"
+        "        return max(self.counts, key=self.counts.get)\n",
+    ),
+    (
+        "quote",
+        "Rivers shape the land they cross. Over thousands of years a river carves its valley, carries sand and stone "
+        "to the sea, and builds wide plains where it floods. Towns grow on its banks because the water brings trade, "
+        "food and power, and because a river is the oldest road there is.",
+    ),
+)
+
+
+def sample_repeat(
+    tokenizer: Any, num_requests: int, output_len: int | None = None, seed: int = 0
+) -> list[SampleRequest]:
+    _check_positive(num_requests=num_requests)
+    if output_len is not None:
+        _check_positive(output_len=output_len)
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num_requests):
+        kind, passage = REPEAT_PASSAGES[int(rng.integers(len(REPEAT_PASSAGES)))]
+        text = f'Here is a {kind}:\n\n"{passage}"\n\nThe same {kind} again:\n\n"'
+
+        ids = encode(tokenizer, text)
+        out = output_len if output_len is not None else len(encode(tokenizer, passage))
+        requests.append(SampleRequest(text, ids, len(ids), out))
+    return requests
+
+
 def sample_sharegpt(
     tokenizer: Any,
     dataset_path: str,
@@ -253,6 +311,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, random_flags: bool = True)
     add("--prefix-repetition-suffix-len", type=int, default=256, help="prefix-repetition: suffix tokens (256)")
     add("--prefix-repetition-num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes (10)")
     add("--prefix-repetition-output-len", type=int, default=128, help="prefix-repetition: output tokens (128)")
+    add("--repeat-output-len", type=int, default=None, help="repeat: output tokens (default: the passage's)")
 
 
 def sample_requests(
@@ -280,4 +339,6 @@ def sample_requests(
             args.prefix_repetition_output_len,
             seed,
         )
+    if name == "repeat":
+        return sample_repeat(tokenizer, num_requests, args.repeat_output_len, seed)
     raise ValueError(f"unknown dataset {name!r}; one of {', '.join(DATASETS)}")

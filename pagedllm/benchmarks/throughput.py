@@ -9,7 +9,7 @@ torch threads, greedy decoding unless ``--temperature`` says otherwise. Two mode
   batches of ``--hf-batch-size`` in arrival order, left-padded, each batch generating its longest requested
   output (``min_new_tokens = max_new_tokens`` so eos cannot end it early). Only requested tokens count for
   either engine: output tok/s = sum of requested output lengths / wall time.
-  ``--dataset sharegpt|prefix-repetition`` replaces the random token ids by the text prompts of the shared
+  ``--dataset sharegpt|prefix-repetition|repeat`` replaces the random token ids by the text prompts of the shared
   datasets (pagedllm/benchmarks/datasets.py), tokenized with the model's tokenizer, with their output lengths.
   Timed runs show a progress bar on stderr (``--disable-tqdm`` turns it off).
 * ``decode``: one request (default 128 prompt tokens, 128 output tokens). Each engine is timed generating 1
@@ -261,7 +261,9 @@ def build_workload(args: argparse.Namespace, runner: Runner) -> tuple[Workload, 
         f"prompt tokens, {w.output_tokens} output tokens",
         flush=True,
     )
-    prefix = "prefix_repetition_" if args.dataset_name == "prefix-repetition" else ("sharegpt_", "dataset_path")
+    prefix = {"prefix-repetition": "prefix_repetition_", "repeat": "repeat_"}.get(
+        args.dataset_name, ("sharegpt_", "dataset_path")
+    )
     params = {k: v for k, v in vars(args).items() if k.startswith(prefix)}
     return w, {"dataset": args.dataset_name, "num_prompts": args.num_prompts, "seed": args.seed, **params}
 

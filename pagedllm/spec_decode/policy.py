@@ -9,11 +9,13 @@ So the policy measures instead of assuming. Contract (the scheduler owns one and
 - `num_to_propose(req_id, batch_size)`: the most draft tokens the request may propose after this step, 0 for none.
   It picks the k in 0..num_speculative_tokens that maximises expected tokens per second for the batch: with the
   request's acceptance rate a, k drafts yield (1 - a^(k+1)) / (1 - a) tokens for a step of batch_size * (k + 1)
-  rows instead of one token for a step of batch_size rows. A step length not measured yet is assumed a little
-  dearer than the nearest measured one below it, so that each is tried once and then known.
+  rows instead of one token for a step of batch_size rows. A step length not measured yet is interpolated between
+  measured ones, or extrapolated along the slope of the longest ones measured (optimistically while only one is:
+  then it gets tried once, and is known).
 - `record(req_id, num_drafts, num_accepted)` after each verification updates the request's acceptance rate (an
   exponential average). A request for which no k pays (text that does not repeat) pauses for a while, twice as long
-  each time, and then probes once with every draft it may have, so that its rate stays current at little cost.
+  each time, and then probes once with as many drafts as would pay were all of them accepted, so that its rate
+  stays current at little cost.
 - `forget(req_id)` when the request leaves.
 """
 
@@ -58,13 +60,27 @@ class DraftPolicy:
         self._cost[num_tokens] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
 
     def step_cost(self, rows: int) -> float:
-        """A step of `rows` tokens: measured, or extrapolated from the nearest measured length below (1.0 if none)."""
+        """A step of `rows` tokens: measured; else interpolated between the nearest measured lengths around it; else
+        extrapolated from the largest measured ones along their slope (or, with one measured, UNMEASURED_PENALTY
+        dearer per row: an optimistic guess, so that the length gets tried and measured); 1.0 with none."""
         cost = self._cost.get(rows)
         if cost is not None:
             return cost
-        below = [r for r in self._cost if r < rows]
-        base = max(below) if below else 1
-        return self._cost.get(base, 1.0) * (1 + UNMEASURED_PENALTY * (rows - base))
+        below = sorted(r for r in self._cost if r < rows)
+        above = [r for r in self._cost if r > rows]
+        if below and above:
+            lo, hi = below[-1], min(above)
+            return self._cost[lo] + (self._cost[hi] - self._cost[lo]) * (rows - lo) / (hi - lo)
+        if above:
+            return self._cost[min(above)]  # a shorter step costs at most as much
+        if not below:
+            return 1.0 + UNMEASURED_PENALTY * (rows - 1)
+        top = below[-1]
+        slope = UNMEASURED_PENALTY * self._cost[top]
+        if len(below) >= 2:
+            prev = below[-2]
+            slope = max(slope, (self._cost[top] - self._cost[prev]) / (top - prev))
+        return self._cost[top] + slope * (rows - top)
 
     def best_k(self, rate: float, batch_size: int) -> int:
         """The number of drafts per request that maximises the batch's expected tokens per second (0: none)."""
@@ -86,9 +102,8 @@ class DraftPolicy:
             if state.pause == 0:
                 state.probe = True
             return 0
-        if state.probe:
-            return min(self.k, max(MAX_VERIFY_ROWS // batch_size - 1, 0))
-        k = self.best_k(state.rate, batch_size)
+        # A probe after a pause drafts as many as would pay were every draft accepted (none if even that would not).
+        k = self.best_k(1.0 if state.probe else state.rate, batch_size)
         if k == 0:
             state.pause = state.next_pause
             state.next_pause = min(2 * state.next_pause, LONGEST_PAUSE)

@@ -1,0 +1,143 @@
+"""Speculative decoding side by side: one model without and with --speculative-config, in the same run.
+
+    python bench/spec_decode.py [--model M] [--dtype D] [--rounds 3] [--num-prompts 8] [--speculative-config JSON]
+
+Workloads (greedy; each engine in its own in-process engine core, the two taking turns, round after round):
+* repeat, batch 1: `--num-prompts` prompts of the `repeat` dataset (pagedllm/benchmarks/datasets.py: a passage and a
+  request to write it again), one request at a time, each up to its passage's length. The tokens of the two engines
+  must be identical (checked: the run fails otherwise).
+* random, batch 1: as many random-token prompts (128 tokens in, 128 out, ignore_eos), one at a time: text that does
+  not repeat, where speculation can only cost.
+* repeat, batch 16: 16 repeat prompts submitted together.
+It prints each workload's output tokens per second (median over the rounds) for both engines and their ratio, the
+draft acceptance of the speculative engine, and the CPU; `--out` writes it all as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.datasets import load_tokenizer, sample_repeat
+
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512f" if "avx512f" in flags else "avx2"
+    return f"{name} ({isa})"
+
+
+def run(llm: LLM, prompts: list[list[int]], lens: list[int], batch: int, ignore_eos: bool) -> tuple[float, list]:
+    """Output tokens per second of the prompts, `batch` at a time, and their token ids."""
+    outs: list[list[int]] = []
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in lens[i : i + batch]]
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
+        for o in got:
+            outs.append(list(o.outputs[0].token_ids))
+            tokens += len(o.outputs[0].token_ids)
+    return tokens / (time.perf_counter() - start), outs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model (default: the default GGUF)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    common: dict[str, Any] = {"engine_client": "inproc", "dtype": args.dtype, "max_model_len": 2048}
+    if args.model:
+        common["model"] = args.model
+    engines = {"plain": LLM(**common), "spec": LLM(speculative_config=args.speculative_config, **common)}
+    tokenizer = load_tokenizer(engines["plain"].config.model_config.model)
+    repeat = sample_repeat(tokenizer, args.num_prompts, seed=args.seed)
+    repeat16 = sample_repeat(tokenizer, 16, seed=args.seed + 1)
+    rng = np.random.default_rng(args.seed)
+    random_prompts = [rng.integers(100, 40000, size=128).tolist() for _ in range(args.num_prompts)]
+    workloads = {
+        "repeat, batch 1": ([r.prompt_token_ids for r in repeat], [r.expected_output_len for r in repeat], 1, False),
+        "random, batch 1": (random_prompts, [128] * len(random_prompts), 1, True),
+        "repeat, batch 16": (
+            [r.prompt_token_ids for r in repeat16],
+            [r.expected_output_len for r in repeat16],
+            16,
+            False,
+        ),
+    }
+    for llm in engines.values():  # warm-up: the kernels, the first steps' allocations
+        run(llm, [random_prompts[0]], [8], 1, True)
+    rates: dict[str, dict[str, list[float]]] = {w: {e: [] for e in engines} for w in workloads}
+    tokens: dict[str, dict[str, list]] = {w: {} for w in workloads}
+    spec_core = engines["spec"].engine_core.engine_core
+    stats = spec_core.scheduler.total_spec_stats
+    accept: dict[str, list[int]] = {w: [0, 0, 0] for w in workloads}
+    for r in range(args.rounds):
+        for w, (prompts, lens, batch, ignore_eos) in workloads.items():
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                rate, outs = run(engines[name], prompts, lens, batch, ignore_eos)
+                rates[w][name].append(rate)
+                tokens[w].setdefault(name, outs)
+                if name == "spec":
+                    now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                    accept[w] = [a + n - b for a, n, b in zip(accept[w], now, before)]
+            print(f"round {r + 1} {w}: " + ", ".join(f"{e} {rates[w][e][-1]:.1f} tok/s" for e in engines), flush=True)
+    same = tokens["repeat, batch 1"]["plain"] == tokens["repeat, batch 1"]["spec"]
+    result: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "model": engines["plain"].config.model_config.model,
+        "dtype": args.dtype,
+        "speculative_config": json.loads(args.speculative_config),
+        "rounds": args.rounds,
+        "identical_greedy_tokens_repeat_batch1": same,
+        "workloads": {},
+    }
+    print(f"\nCPU: {result['cpu']}\nmodel: {result['model']} ({args.dtype})\n")
+    print(f"{'workload':<18} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'accepted':>16}")
+    for w in workloads:
+        plain, spec = statistics.median(rates[w]["plain"]), statistics.median(rates[w]["spec"])
+        drafts, drafted, accepted = accept[w]
+        result["workloads"][w] = {
+            "plain_tok_s": plain,
+            "spec_tok_s": spec,
+            "ratio": spec / plain,
+            "drafts": drafts,
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+        }
+        share = f"{accepted}/{drafted}" if drafted else "no drafts"
+        print(f"{w:<18} {plain:>12.1f} {spec:>11.1f} {spec / plain:>6.2f}x {share:>16}")
+    print(f"\ngreedy tokens identical (repeat, batch 1): {same}")
+    for llm in engines.values():
+        llm.shutdown()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
