@@ -6,8 +6,10 @@ Workloads (greedy; each engine in its own in-process engine core, the two taking
 * repeat, batch 1: `--num-prompts` prompts of the `repeat` dataset (pagedllm/benchmarks/datasets.py: a passage and a
   request to write it again), one request at a time, each up to its passage's length. The tokens of the two engines
   must be identical (checked: the run fails otherwise).
-* random, batch 1: as many random-token prompts (128 tokens in, 128 out, ignore_eos), one at a time: text that does
-  not repeat, where speculation can only cost.
+* random, batch 1: as many random-token prompts (128 tokens in, 128 out, ignore_eos), one at a time, greedy (a
+  small model's greedy continuation of noise soon loops, which the n-gram proposer catches), and the same sampled
+  at temperature 1 with a seed per request: text that does not repeat, where speculation can only cost. Seeded
+  output does not change with speculation: those tokens must be identical too.
 * repeat, batch 16: 16 repeat prompts submitted together.
 It prints each workload's output tokens per second (median over the rounds) for both engines and their ratio, the
 draft acceptance of the speculative engine, and the CPU; `--out` writes it all as JSON.
@@ -42,13 +44,18 @@ def cpu_name() -> str:
     return f"{name} ({isa})"
 
 
-def run(llm: LLM, prompts: list[list[int]], lens: list[int], batch: int, ignore_eos: bool) -> tuple[float, list]:
-    """Output tokens per second of the prompts, `batch` at a time, and their token ids."""
+def run(
+    llm: LLM, prompts: list[list[int]], lens: list[int], batch: int, ignore_eos: bool, temperature: float = 0.0
+) -> tuple[float, list]:
+    """Output tokens per second of the prompts, `batch` at a time, and their token ids (sampled: seed = index)."""
     outs: list[list[int]] = []
     tokens = 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in lens[i : i + batch]]
+        params = [
+            SamplingParams(temperature=temperature, seed=i + j, max_tokens=n, ignore_eos=ignore_eos)
+            for j, n in enumerate(lens[i : i + batch])
+        ]
         got = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
         for o in got:
             outs.append(list(o.outputs[0].token_ids))
@@ -77,13 +84,21 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     random_prompts = [rng.integers(100, 40000, size=128).tolist() for _ in range(args.num_prompts)]
     workloads = {
-        "repeat, batch 1": ([r.prompt_token_ids for r in repeat], [r.expected_output_len for r in repeat], 1, False),
-        "random, batch 1": (random_prompts, [128] * len(random_prompts), 1, True),
+        "repeat, batch 1": (
+            [r.prompt_token_ids for r in repeat],
+            [r.expected_output_len for r in repeat],
+            1,
+            False,
+            0.0,
+        ),
+        "random, batch 1": (random_prompts, [128] * len(random_prompts), 1, True, 0.0),
+        "random T=1, batch 1": (random_prompts, [128] * len(random_prompts), 1, True, 1.0),
         "repeat, batch 16": (
             [r.prompt_token_ids for r in repeat16],
             [r.expected_output_len for r in repeat16],
             16,
             False,
+            0.0,
         ),
     }
     for llm in engines.values():  # warm-up: the kernels, the first steps' allocations
@@ -94,29 +109,29 @@ def main() -> int:
     stats = spec_core.scheduler.total_spec_stats
     accept: dict[str, list[int]] = {w: [0, 0, 0] for w in workloads}
     for r in range(args.rounds):
-        for w, (prompts, lens, batch, ignore_eos) in workloads.items():
+        for w, (prompts, lens, batch, ignore_eos, temperature) in workloads.items():
             order = list(engines) if r % 2 == 0 else list(engines)[::-1]
             for name in order:
                 before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-                rate, outs = run(engines[name], prompts, lens, batch, ignore_eos)
+                rate, outs = run(engines[name], prompts, lens, batch, ignore_eos, temperature)
                 rates[w][name].append(rate)
                 tokens[w].setdefault(name, outs)
                 if name == "spec":
                     now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
                     accept[w] = [a + n - b for a, n, b in zip(accept[w], now, before)]
             print(f"round {r + 1} {w}: " + ", ".join(f"{e} {rates[w][e][-1]:.1f} tok/s" for e in engines), flush=True)
-    same = tokens["repeat, batch 1"]["plain"] == tokens["repeat, batch 1"]["spec"]
+    same = all(tokens[w]["plain"] == tokens[w]["spec"] for w in ("repeat, batch 1", "random T=1, batch 1"))
     result: dict[str, Any] = {
         "cpu": cpu_name(),
         "model": engines["plain"].config.model_config.model,
         "dtype": args.dtype,
         "speculative_config": json.loads(args.speculative_config),
         "rounds": args.rounds,
-        "identical_greedy_tokens_repeat_batch1": same,
+        "identical_tokens_batch1": same,
         "workloads": {},
     }
     print(f"\nCPU: {result['cpu']}\nmodel: {result['model']} ({args.dtype})\n")
-    print(f"{'workload':<18} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'accepted':>16}")
+    print(f"{'workload':<20} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'accepted':>16}")
     for w in workloads:
         plain, spec = statistics.median(rates[w]["plain"]), statistics.median(rates[w]["spec"])
         drafts, drafted, accepted = accept[w]
@@ -129,8 +144,8 @@ def main() -> int:
             "accepted_tokens": accepted,
         }
         share = f"{accepted}/{drafted}" if drafted else "no drafts"
-        print(f"{w:<18} {plain:>12.1f} {spec:>11.1f} {spec / plain:>6.2f}x {share:>16}")
-    print(f"\ngreedy tokens identical (repeat, batch 1): {same}")
+        print(f"{w:<20} {plain:>12.1f} {spec:>11.1f} {spec / plain:>6.2f}x {share:>16}")
+    print(f"\ntokens identical (repeat greedy and random seeded, batch 1): {same}")
     for llm in engines.values():
         llm.shutdown()
     if args.out:
