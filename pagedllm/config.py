@@ -300,15 +300,15 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """The config of a dict or its JSON text (None: no speculation); ValueError naming what is wrong."""
-        if value is None or value == "" or value == {}:
-            return None
         if isinstance(value, str):
             import json
 
             try:
-                value = json.loads(value)
+                value = json.loads(value) if value.strip() else None
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
+        if value is None or value == {}:
+            return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object or dict, got {value!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}

@@ -349,6 +349,7 @@ class Scheduler:
             new_ids = result.sampled_token_ids[row]
             drafts = sched.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
+                new_ids = new_ids[: len(drafts) + 1]  # the accepted drafts and one token: nothing else was verified
                 self._take_back_rejected(req, len(drafts), len(new_ids) - 1)
             finished = False
             if len(new_ids) == 1:
