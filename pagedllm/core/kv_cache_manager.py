@@ -140,6 +140,11 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full_blocks
         return new_blocks
 
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks `allocate_slots(request, num_new_tokens)` (no prefix hits) would take from the pool."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - held)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. A no-op for a request holding nothing."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

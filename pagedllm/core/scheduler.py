@@ -51,6 +51,7 @@ from pagedllm.engine.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
+    LogprobsLists,
     SchedulerStats,
     SpecDecodingStats,
 )
@@ -194,12 +195,16 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            drafts = self._schedulable_drafts(req, n, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n + len(drafts))
-            if new_blocks is None and drafts:
+            # Drafts come after every running request's own token: they leave a token of the budget and a free
+            # block for each running request after this one, so that they never cost another its step.
+            later = len(self.running) - i - 1
+            drafts = self._schedulable_drafts(req, n, budget - later)
+            manager = self.kv_cache_manager
+            if drafts and manager.get_num_free_blocks() - manager.num_new_blocks(req, n + len(drafts)) < later:
                 drafts = []  # no room for the drafts: the request decodes plainly rather than preempt another
-                new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            new_blocks = manager.allocate_slots(req, n + len(drafts))
             while new_blocks is None:
+                drafts = []
                 victim = self._pick_victim(i)
                 self._preempt(victim, now)
                 preempted.add(victim.request_id)
@@ -362,6 +367,10 @@ class Scheduler:
                     if finished:
                         new_ids = new_ids[: k + 1]  # what follows a finishing token is not output
                         break
+            logprobs = result.logprobs.get(req_id)
+            if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # tokens dropped after a finishing one
+                n = len(new_ids)
+                logprobs = LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
             if new_ids and req.structured_output is not None:
                 finished = self._advance_grammar(req, new_ids) or finished
             if not finished:
@@ -372,7 +381,7 @@ class Scheduler:
                     EngineCoreOutput(
                         request_id=req_id,
                         new_token_ids=new_ids,
-                        new_logprobs=result.logprobs.get(req_id),  # type: ignore[arg-type]
+                        new_logprobs=logprobs,  # type: ignore[arg-type]
                         new_prompt_logprobs=prompt_lp,  # type: ignore[arg-type]
                         finish_reason=req.get_finish_reason(),
                         stop_reason=req.stop_reason,

@@ -151,8 +151,8 @@ class EngineArgs:
         None,
         'speculative decoding, as JSON (vLLM\'s keys): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' proposes up to 4 tokens that followed the latest earlier '
-        "occurrence of the request's last 2-4 tokens and verifies them in one forward pass; greedy output is "
-        "unchanged, sampled output keeps its distribution",
+        "occurrence of the request's last 2-4 tokens and verifies them in one forward pass; a lone request's greedy "
+        "and seeded output is what it is without speculation, sampled output keeps its distribution",
         metavar="JSON",
     )
     enforce_eager: bool = _arg(

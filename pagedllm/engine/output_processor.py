@@ -297,7 +297,17 @@ class OutputProcessor:
             new_ids = list(out.new_token_ids)
             finish = out.finish_reason
             stop_reason = out.stop_reason
-            stop_str = state.detokenizer.update(new_ids, _stop_terminated(state, finish, new_ids, stop_reason))
+            terminated = _stop_terminated(state, finish, new_ids, stop_reason)
+            if len(new_ids) > 1:
+                # Several tokens in one step (accepted drafts): a token that completes a stop string ends the
+                # output there, as it would have one token at a time.
+                for k, tid in enumerate(new_ids):
+                    stop_str = state.detokenizer.update([tid], terminated and k == len(new_ids) - 1)
+                    if stop_str is not None:
+                        new_ids = new_ids[: k + 1]
+                        break
+            else:
+                stop_str = state.detokenizer.update(new_ids, terminated)
             if stop_str is not None and finish is None:
                 finish, stop_reason = FinishReason.STOP, stop_str
                 to_abort.append(out.request_id)
@@ -305,7 +315,7 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP, stop_str
             state.token_ids.extend(new_ids)
             if out.new_logprobs is not None and state.logprobs is not None:
-                dicts = self._logprob_dicts(out.new_logprobs)
+                dicts = self._logprob_dicts(out.new_logprobs)[: len(new_ids)]
                 state.logprobs.extend(dicts)
                 for tok, d in zip(new_ids, dicts):
                     state.cumulative_logprob += d[tok].logprob  # type: ignore[operator]

@@ -104,7 +104,9 @@ class DraftPolicy:
             return 0
         # A probe after a pause drafts as many as would pay were every draft accepted (none if even that would not).
         k = self.best_k(1.0 if state.probe else state.rate, batch_size)
-        if k == 0:
+        if k == 0 and not state.probe and self.best_k(1.0, batch_size) > 0:
+            # Drafts would pay at this batch size, but not at this request's rate: it pauses (the batch alone is
+            # no reason to: a request in a large batch drafts again as soon as the batch shrinks).
             state.pause = state.next_pause
             state.next_pause = min(2 * state.next_pause, LONGEST_PAUSE)
         return k

@@ -78,11 +78,17 @@ class ModelRunner:
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
         self.model = load_model(model_config, device, kernels)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
-        # A quantized LM head computes up to this many rows each as it would compute one (int8 products); more rows
-        # go through other kernels. A request verifying its drafts computes its logits in chunks of this many, so
-        # that they are bit for bit those of plain decoding (0: every path is row for row already).
-        head_quantized = getattr(self.model.lm_head, "qweight", None) is not None and cpu_ops is not None
-        self._logits_rows = int(cpu_ops.quant_dot_max_rows()) if head_quantized else 0
+        # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
+        # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
+        # on the int8 products of one row; a float32 head's one-row kernel sums in another order than its
+        # several-row one (one row at a time); bf16 panels sum each row alike whatever the rows (0: no chunks).
+        head = self.model.lm_head
+        if cpu_ops is None or getattr(head, "bf16_panels", None) is not None:
+            self._logits_rows = 0
+        elif getattr(head, "qweight", None) is not None:
+            self._logits_rows = int(cpu_ops.quant_dot_max_rows())
+        else:
+            self._logits_rows = 1
         self.sampler = Sampler()
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None

@@ -237,19 +237,34 @@ def test_budget_truncates_drafts() -> None:
     out, _ = step(s, propose={"a": [21, 22, 23], "b": [31, 32, 33], "c": [41, 42, 43]})
     assert out.num_scheduled_tokens == {"a": 2, "b": 2, "c": 2}
     out = s.schedule()
-    # a takes 1 + 3, b what is left but one token (1 + 1), c nothing this step.
-    assert out.num_scheduled_tokens == {"a": 4, "b": 2}
-    assert out.scheduled_spec_decode_tokens == {"a": [21, 22, 23], "b": [31]}
+    # Every running request's own token comes first: a takes 1 + 3 (two tokens stay for b and c), b and c one each.
+    assert out.num_scheduled_tokens == {"a": 4, "b": 1, "c": 1}
+    assert out.scheduled_spec_decode_tokens == {"a": [21, 22, 23]}
     assert out.total_num_scheduled_tokens == 6
     s.update_from_output(out, run(s, out))
-    for r in (a, b):
+    for r in (a, b, c):
         assert r.num_computed_tokens == r.num_tokens - 1
-    # c kept its drafts (it was not scheduled); a and b lost theirs (verified). The next step: a, b one token each,
-    # c its last token and as many drafts as the 4 tokens left allow (all 3).
-    assert c.spec_token_ids == [41, 42, 43]
+    # b's and c's drafts were dropped (a draft is verified once or never), so nothing is scheduled after them.
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 4}
-    assert out.scheduled_spec_decode_tokens == {"c": [41, 42, 43]}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+
+
+def test_drafts_leave_a_block_for_every_later_request() -> None:
+    """Drafts never take the blocks the running requests after them need for their own token (no preemption)."""
+    s = make_scheduler(budget=64)
+    a, b = req("a", 2), req("b", 2, first=30)
+    for r in (a, b):
+        s.add_request(r)
+    step(s, propose={"a": [21, 22, 23]})
+    manager = s.kv_cache_manager
+    # Leave exactly the blocks b needs for its next token: a's drafts would need one more.
+    spare = manager.get_num_free_blocks() - manager.num_new_blocks(b, 1)
+    taken = manager.block_pool.get_new_blocks(spare - manager.num_new_blocks(a, 1)) if spare > 0 else []
+    out = s.schedule()
+    assert manager.num_new_blocks(a, 4) > manager.num_new_blocks(a, 1)  # the drafts would need a block
+    assert out.preempted_req_ids == set()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1} and out.scheduled_spec_decode_tokens == {}
+    manager.block_pool.free_blocks(taken)
 
 
 def test_budget_of_one_token_schedules_no_drafts() -> None:

@@ -259,10 +259,15 @@ void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, 
   }
 }
 
-void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in) {
+void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in, uint16_t* scratch) {
+  if (rows == 1) {  // one row: its plain pairs, rounded in place
+    auto* half = reinterpret_cast<uint16_t*>(xt);
+    bf16_round_row(half, x, in);
+    if (in & 1) half[in] = 0;
+    return;
+  }
   const int64_t blocks = (rows + kBf16Block - 1) / kBf16Block;
-  std::vector<uint16_t> r(in + 1);
-  for (int64_t b = 0; b < blocks; ++b) pairs_block(xt, x, rows, in, b, blocks, r.data());
+  for (int64_t b = 0; b < blocks; ++b) pairs_block(xt, x, rows, in, b, blocks, scratch);
 }
 
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
@@ -283,10 +288,7 @@ void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int
 }
 
 void bf16_gemm_range(const uint32_t* wp, const uint32_t* xt, int64_t rows, const float* bias, float* y, int64_t ldy,
-                     int64_t o0, int64_t o1, int64_t in2) {
-  float one[kPanel];
-  std::vector<float> many(rows > 1 ? rows * kPanel : 0);
-  float* t = rows > 1 ? many.data() : one;
+                     int64_t o0, int64_t o1, int64_t in2, float* t) {
   for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
     const int64_t base = p * kPanel, lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, kPanel);
     bf16_panel_block(wp + p * in2 * kPanel, xt, rows, in2, t, kPanel, bias ? bias + base : nullptr, hi);

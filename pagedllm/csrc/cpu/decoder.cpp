@@ -8,7 +8,7 @@
 //   a = attention(q, the cached keys and values of the request's blocks over its context) * scale
 //   residual += a Wo^T (+ b); h = rms_norm(residual) * norm2
 //   x = (silu(gate) * up)(h Wgu^T (+ b)) Wd^T (+ b)
-// and then x = rms_norm(residual + x) * final_norm: x [H] enters as the token's embedding and leaves as the final
+// and then x = rms_norm(residual + x) * final_norm: x [H] (each row of x [R, H]) enters as the token's embedding and leaves as the final
 // hidden state, exactly what the layer-by-layer path computes.
 //
 // Why: a single request's decode step is bound by reading the weights, and the layer-by-layer path dispatches about
@@ -29,6 +29,7 @@
 //
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
+#include <utility>
 #include <vector>
 
 #include "internal.h"
@@ -57,21 +58,26 @@ struct Q8Rows8 {
 // The step's input rows rounded to bf16 pairs for the bf16 weights (one per thread), as bf16_gemm_range reads them.
 struct Bf16Rows {
   std::vector<uint32_t> pairs;
-  Bf16Rows(int64_t rows, int64_t n) : pairs(rows * ((n + 1) / 2)) {}
-  void set(const float* x, int64_t rows, int64_t n) { bf16_pairs_blocked_serial(pairs.data(), x, rows, n); }
+  std::vector<uint16_t> scratch;  // one rounded row (several rows)
+  std::vector<float> out;         // one panel's sums of every row (bf16_gemm_range)
+  Bf16Rows(int64_t rows, int64_t n)
+      : pairs(rows * ((n + 1) / 2)), scratch(rows > 1 ? n + 1 : 0), out(rows * kPanel) {}
+  void set(const float* x, int64_t rows, int64_t n) {
+    bf16_pairs_blocked_serial(pairs.data(), x, rows, n, scratch.data());
+  }
 };
 
 // Outputs [o0, o1) of a linear layer for the step's rows x [rows, in] (outputs of row r at y + r * ys): through its
 // quantized rows on xq (x quantized) or its bf16 panels on xb (x rounded to bf16), each weight decoded or read once
-// for all the rows, or through its panels, a row at a time over 64-output chunks (a chunk's weights are read from
+// for all the rows, or through its panels, a row at a time over chunks of 2 kPanel outputs (a chunk's weights are read from
 // memory once and from cache by the other rows). Each row's outputs are what they would be for that row alone.
 inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t rows,
-                        const Q8Rows8& xq, const Bf16Rows& xb, const float* bias, float* y, int64_t ys, int64_t o0,
+                        const Q8Rows8& xq, Bf16Rows& xb, const float* bias, float* y, int64_t ys, int64_t o0,
                         int64_t o1, int64_t in) {
   if (qw.nseg > 0) {
     quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), rows, bias, y, ys, o0, o1);
   } else if (w16 != nullptr) {
-    bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2);
+    bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2, xb.out.data());
   } else {
     const int64_t step = rows == 1 ? o1 - o0 : 2 * kPanel;
     for (int64_t c = o0; c < o1; c += step)
@@ -124,8 +130,15 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, cons
     std::vector<float> scores;
     // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
     const int64_t widest = std::max({hidden, hq * d, inter});
-    Q8Rows8 xq(R, widest);
-    Bf16Rows xb(R, widest);
+    bool any_q = false, any_16 = false;  // the copies only the layers' weight kinds need
+    for (const DecoderLayer& w : dec.layers)
+      for (const auto& [qw, w16] : {std::pair{&w.qkv_q, w.qkv16}, {&w.o_q, w.o16}, {&w.gate_up_q, w.gate_up16},
+                                    {&w.down_q, w.down16}}) {
+        any_q = any_q || qw->nseg > 0;
+        any_16 = any_16 || (qw->nseg == 0 && w16 != nullptr);
+      }
+    Q8Rows8 xq(any_q ? R : 0, widest);
+    Bf16Rows xb(any_16 ? R : 0, widest);
     auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
       if (qw.nseg > 0) xq.set(x, R, len);
       else if (w16 != nullptr) xb.set(x, R, len);

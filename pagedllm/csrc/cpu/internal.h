@@ -54,15 +54,16 @@ uint16_t to_bf16(float f);
 void bf16_round_row(uint16_t* dst, const float* x, int64_t n);
 void bf16_panel_from_rows(uint32_t* panel, const float* rows, int64_t ld, int64_t nout, int64_t in);
 void bf16_pairs_blocked(uint32_t* xt, const float* x, int64_t rows, int64_t in, int threads);
-void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in);  // the calling thread alone
+// The same by the calling thread alone, with scratch [in + 1] (unused for one row, rounded in place).
+void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64_t in, uint16_t* scratch);
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();
 // Outputs [o0, o1) of `rows` input rows, their bf16 pairs xt as bf16_pairs_blocked lays them out (one row: its plain
 // pairs), from W's bf16 panels into y (row m at y + m * ldy): the same sums as bf16_panel_linear's for each row
-// whatever the number of rows; bias may be null.
+// whatever the number of rows; bias may be null; t: scratch of rows * kPanel floats.
 void bf16_gemm_range(const uint32_t* wp, const uint32_t* xt, int64_t rows, const float* bias, float* y, int64_t ldy,
-                     int64_t o0, int64_t o1, int64_t in2);
+                     int64_t o0, int64_t o1, int64_t in2, float* t);
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
 // quant.cpp).
