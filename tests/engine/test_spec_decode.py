@@ -141,9 +141,12 @@ def test_stop_and_max_tokens_with_drafts(plain: LLM, spec: LLM) -> None:
     for max_tokens in (1, 2, 7):
         out = _one_at_a_time(spec, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
         assert len(out.token_ids) == max_tokens
-    out = _one_at_a_time(spec, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=60, stop=[stop]))[0]
+    stopped = SamplingParams(temperature=0.0, max_tokens=60, stop=[stop], logprobs=1)
+    out = _one_at_a_time(spec, REPEATING[:1], stopped)[0]
     assert out.text == full[: full.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+    want = _one_at_a_time(plain, REPEATING[:1], stopped)[0]  # the tokens end where the stop string did
+    assert list(out.token_ids) == list(want.token_ids) and out.logprobs == want.logprobs
 
 
 def test_batch_with_drafts_completes_and_frees_blocks(spec: LLM) -> None:
