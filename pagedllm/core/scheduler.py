@@ -30,7 +30,8 @@ known tokens are all computed but its last is scheduled with its drafts after it
 The worker verifies them and returns the accepted drafts and one token more; `update_from_output` takes the rejected
 drafts back out of `num_computed_tokens` (their KV slots stay allocated and are overwritten later; only blocks full
 of known tokens are ever hashed, so the prefix cache never holds a draft) and checks the stop conditions token by
-token, dropping tokens after one that finishes the request. Requests under a grammar get no drafts.
+token, dropping tokens after one that finishes the request. Under a grammar, only the drafts it accepts are
+scheduled, the bitmask has a row for each verified position, and the grammar advances by the tokens output.
 
 For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
 SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
@@ -270,7 +271,7 @@ class Scheduler:
             samples = req.num_computed_tokens >= req.num_tokens
             if so is not None and so.reasoning_ended and samples:
                 constrained.append(req_id)  # it samples this step, under its grammar
-            elif policy is not None and samples and so is None:
+            if policy is not None and samples and (so is None or so.reasoning_ended):
                 k = policy.num_to_propose(req_id, len(num_scheduled))
                 if k > 0:
                     propose[req_id] = k
@@ -309,14 +310,19 @@ class Scheduler:
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        return drafts[: max(room, 0)]
+        drafts = drafts[: max(room, 0)]
+        so = req.structured_output
+        if drafts and so is not None:  # under a grammar: only the drafts it accepts (it is past any thinking)
+            assert self.structured_output_manager is not None
+            drafts = drafts[: self.structured_output_manager.validate_drafts(req, drafts)]
+        return drafts
 
     def get_grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask rows of the step's constrained requests (None when it has none)."""
         if not sched.structured_output_request_ids or self.structured_output_manager is None:
             return None
         reqs = [self.requests[r] for r in sched.structured_output_request_ids if r in self.requests]
-        return self.structured_output_manager.grammar_bitmask(reqs)
+        return self.structured_output_manager.grammar_bitmask(reqs, sched.scheduled_spec_decode_tokens)
 
     def _num_new_tokens(self, req: Request, budget: int, num_computed: int | None = None) -> int:
         computed = req.num_computed_tokens if num_computed is None else num_computed
@@ -360,19 +366,23 @@ class Scheduler:
             if len(new_ids) == 1:
                 req.append_output_token_ids(new_ids)
                 finished = self._check_stop(req)
+                if req.structured_output is not None:
+                    finished = self._advance_grammar(req, new_ids) or finished
             elif new_ids:
+                # Token by token, as if decoded one at a time: what follows a finishing token (a stop, the length,
+                # a completed grammar) is not output.
                 for k, token in enumerate(new_ids):
                     req.append_output_token_ids([token])
                     finished = self._check_stop(req)
+                    if req.structured_output is not None:
+                        finished = self._advance_grammar(req, [token]) or finished
                     if finished:
-                        new_ids = new_ids[: k + 1]  # what follows a finishing token is not output
+                        new_ids = new_ids[: k + 1]
                         break
             logprobs = result.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # tokens dropped after a finishing one
                 n = len(new_ids)
                 logprobs = LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
-            if new_ids and req.structured_output is not None:
-                finished = self._advance_grammar(req, new_ids) or finished
             if not finished:
                 req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             prompt_lp = result.prompt_logprobs.get(req_id)

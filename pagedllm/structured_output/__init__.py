@@ -9,8 +9,11 @@ Contract (the seeds' step: schedule -> execute_model -> grammar bitmask -> sampl
   scheduler finishes it alone, with finish reason "error".
 * Compiled grammars are cached by their `StructuredOutputKey` (kind, text, whitespace; up to `CACHE_SIZE`, least
   recently used first out); each request gets its own cursor on the compiled one.
-* `grammar_bitmask(requests)`: one int32 row per request that samples under a grammar this step, in the given
-  order (the scheduler's), filled in parallel; None when there is none. The worker sets the logits of disallowed
+* `grammar_bitmask(requests, drafts)`: one int32 row per request that samples under a grammar this step, in the
+  given order (the scheduler's), filled in parallel; None when there is none. A request verifying draft tokens
+  (speculative decoding) has a row for each position: the grammar advanced through the drafts before it (then
+  rolled back), its rows one after the other under its repeated id. `validate_drafts` says how many of a request's
+  drafts its grammar would accept: only those are verified. The worker sets the logits of disallowed
   tokens to -inf before sampling, and the scheduler advances each grammar with the sampled tokens
   (`accept_tokens`); a grammar that admits nothing more finishes its request (finish reason "stop").
 * With a reasoning parser (--reasoning-parser), a request's grammar starts when its thinking ends: at once if the
@@ -154,27 +157,65 @@ class StructuredOutputManager:
 
     # ---- each step -------------------------------------------------------------------------------
 
-    def grammar_bitmask(self, requests: list[Request]) -> GrammarOutput | None:
-        """The allowed-token rows of `requests` (each samples under its grammar this step), in their order."""
+    def grammar_bitmask(
+        self, requests: list[Request], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarOutput | None:
+        """The allowed-token rows of `requests` (each samples under its grammar this step), in their order: one
+        row, or one per position of the request's drafts and one after them."""
         if not requests:
             return None
         start = time.perf_counter()
         backend = self.backend()
         words = bitmask_words(backend.vocab_size)
-        if self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != words:
-            self._bitmask = np.zeros((max(len(requests), 16), words), dtype=np.int32)
-        bitmask = self._bitmask[: len(requests)]
+        drafts = drafts or {}
+        num_rows = len(requests) + sum(len(drafts.get(r.request_id, ())) for r in requests)
+        if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != words:
+            self._bitmask = np.zeros((max(num_rows, 16), words), dtype=np.int32)
+        bitmask = self._bitmask[:num_rows]
         grammars: list[tuple[StructuredOutputGrammar, int]] = []
-        for row, req in enumerate(requests):
+        req_ids: list[str] = []
+        for req in requests:
             so = req.structured_output
             assert so is not None and so.grammar is not None
-            grammars.append((so.grammar, row))
-        backend.fill_bitmasks(grammars, bitmask)
-        out = GrammarOutput([r.request_id for r in requests], bitmask.tobytes(), words)
+            row = len(req_ids)
+            d = drafts.get(req.request_id, [])
+            req_ids += [req.request_id] * (len(d) + 1)
+            if not d:
+                grammars.append((so.grammar, row))
+                continue
+            # Position j's row: the grammar after the first j drafts (validated: it accepts them), then back.
+            so.grammar.fill_bitmask(bitmask, row)
+            for j, token in enumerate(d):
+                accepted = so.grammar.accept_tokens(req.request_id, [token])
+                assert accepted, "a validated draft was refused"
+                so.grammar.fill_bitmask(bitmask, row + j + 1)
+            so.grammar.rollback(len(d))
+        if grammars:
+            backend.fill_bitmasks(grammars, bitmask)
+        out = GrammarOutput(req_ids, bitmask.tobytes(), words)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
-        self.mask_rows += len(requests)
+        self.mask_rows += num_rows
         return out
+
+    def validate_drafts(self, request: Request, drafts: list[int]) -> int:
+        """How many of the request's drafts, in order, its grammar accepts from where it is."""
+        so = request.structured_output
+        assert so is not None and so.grammar is not None and so.reasoning_ended
+        grammar = so.grammar
+        if grammar.is_terminated():
+            return 0
+        # Valid tokens, up to and including one that completes the grammar (nothing can follow it: not even the
+        # end of sequence a complete grammar would also accept instead).
+        valid = grammar.validate_tokens(drafts)
+        used = 0
+        while used < valid:
+            grammar.accept_tokens(request.request_id, [drafts[used]])
+            used += 1
+            if grammar.is_terminated():
+                break
+        grammar.rollback(used)
+        return used
 
     def stats(self) -> dict[str, float]:
         """Bitmask time so far: total seconds, steps and rows (for `pagedllm bench structured`)."""

@@ -75,6 +75,10 @@ class StructuredOutputGrammar:
     def rollback(self, num_tokens: int) -> None:
         raise NotImplementedError
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would accept from its state (which stays as it is)."""
+        raise NotImplementedError
+
 
 class StructuredOutputBackend:
     """Compiles constraints into grammars for one tokenizer and vocabulary size."""

@@ -84,6 +84,9 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return self.matcher.validate_tokens(tokens)
+
 
 class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:

@@ -310,15 +310,20 @@ class ModelRunner:
         return out
 
     def _apply_grammar(self, logits: torch.Tensor, pending: _PendingSample, grammar: GrammarOutput) -> None:
-        """-inf where a constrained request's bitmask row has a 0 bit (the row of request r is its position among
-        the step's sampling rows). The bits are unpacked on the host (numpy) and the mask moved to the logits'
-        device."""
-        # A constrained request has no drafts, but others in the step may: its row is after their extra rows.
+        """-inf where a constrained request's bitmask rows have a 0 bit. Request r's logits rows follow those of the
+        step's sampling requests before it (one each, and one per draft); its bitmask rows come in the same order
+        under its repeated id (its first logits row, then one per draft). The bits are unpacked on the host (numpy)
+        and the mask moved to the logits' device."""
         position, row = {}, 0
         for j, i in enumerate(pending.sample_rows):
             position[pending.order[i]] = row
             row += 1 + (len(pending.drafts[j]) if pending.drafts is not None else 0)
-        targets = [(position[r], k) for k, r in enumerate(grammar.req_ids) if r in position]
+        targets: list[tuple[int, int]] = []
+        seen: dict[str, int] = {}
+        for k, r in enumerate(grammar.req_ids):
+            if r in position:
+                targets.append((position[r] + seen.get(r, 0), k))
+                seen[r] = seen.get(r, 0) + 1
         if not targets:
             return
         vocab = logits.shape[1]

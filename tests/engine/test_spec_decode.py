@@ -6,15 +6,20 @@
   lone decode step would (checked directly, bit for bit, on the model's own weights and KV cache).
 * Sampling keeps working: seeded requests are reproducible, `n > 1`, logprobs of every output token, `max_tokens`
   never exceeded, stop strings, and several requests sharing steps with drafts.
+* Structured output: drafts are verified under the grammar (only those it accepts, a mask row per position, the
+  grammar advanced by the tokens output): the same JSON, token for token, as without speculation, drafts accepted.
 * After all of it the KV cache holds no blocks and its invariants hold.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "128MiB", "max_model_len": 1024}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -160,3 +165,22 @@ def test_batch_with_drafts_completes_and_frees_blocks(spec: LLM) -> None:
     manager = _core(spec).scheduler.kv_cache_manager
     manager.check_invariants()
     assert manager.num_blocks_in_use() == 0
+
+
+def test_structured_output_with_drafts(plain: LLM, spec: LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "items": {"type": "array"}},
+        "required": ["name", "city", "items"],
+    }
+    doc = {"name": "Ada Lovelace", "city": "London", "items": ["analytical engine", "notes", "first program"]}
+    prompt = "<|im_start|>user\nCopy this JSON exactly:\n" + json.dumps(doc) + "<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
+    stats = _core(spec).scheduler.total_spec_stats
+    before = stats.num_accepted_tokens
+    want = _one_at_a_time(plain, [prompt], params)[0]
+    got = _one_at_a_time(spec, [prompt], params)[0]
+    assert list(got.token_ids) == list(want.token_ids) and got.finish_reason == want.finish_reason == "stop"
+    parsed = json.loads(got.text)
+    assert set(parsed) == {"name", "city", "items"}
+    assert stats.num_accepted_tokens - before > 10  # the copy was mostly accepted drafts
