@@ -184,3 +184,26 @@ def test_structured_output_with_drafts(plain: LLM, spec: LLM) -> None:
     parsed = json.loads(got.text)
     assert set(parsed) == {"name", "city", "items"}
     assert stats.num_accepted_tokens - before > 10  # the copy was mostly accepted drafts
+
+
+def test_preemption_and_chunked_prefill_with_drafts() -> None:
+    """A KV cache too small for the batch (preemptions) and a budget that chunks the prompts, with drafts: every
+    request ends with its tokens, the blocks all come back, and the pool's invariants hold."""
+    llm = LLM(
+        speculative_config=SPEC,
+        engine_client="inproc",
+        num_gpu_blocks_override=14,
+        max_num_batched_tokens=48,
+        max_model_len=160,
+    )
+    try:
+        prompts = REPEATING * 2
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        scheduler = _core(llm).scheduler
+        assert scheduler.total_preemptions > 0 and scheduler.total_spec_stats.num_drafts > 0
+        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+        scheduler.kv_cache_manager.check_invariants()
+        assert scheduler.kv_cache_manager.num_blocks_in_use() == 0
+    finally:
+        llm.shutdown()
