@@ -363,22 +363,16 @@ class Scheduler:
                 new_ids = new_ids[: len(drafts) + 1]  # the accepted drafts and one token: nothing else was verified
                 self._take_back_rejected(req, len(drafts), len(new_ids) - 1)
             finished = False
-            if len(new_ids) == 1:
-                req.append_output_token_ids(new_ids)
+            # Token by token, as if decoded one at a time (several: accepted drafts): what follows a finishing token
+            # (a stop, the length, a completed grammar) is not output.
+            for k, token in enumerate(new_ids):
+                req.append_output_token_ids([token])
                 finished = self._check_stop(req)
                 if req.structured_output is not None:
-                    finished = self._advance_grammar(req, new_ids) or finished
-            elif new_ids:
-                # Token by token, as if decoded one at a time: what follows a finishing token (a stop, the length,
-                # a completed grammar) is not output.
-                for k, token in enumerate(new_ids):
-                    req.append_output_token_ids([token])
-                    finished = self._check_stop(req)
-                    if req.structured_output is not None:
-                        finished = self._advance_grammar(req, [token]) or finished
-                    if finished:
-                        new_ids = new_ids[: k + 1]
-                        break
+                    finished = self._advance_grammar(req, [token]) or finished
+                if finished:
+                    new_ids = new_ids[: k + 1]
+                    break
             logprobs = result.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # tokens dropped after a finishing one
                 n = len(new_ids)

@@ -162,18 +162,18 @@ class ModelRunner:
         )
         num_decodes = int(np.count_nonzero(n_tok == 1))
         common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
-        meta = self.attn_backend.build_metadata(common, self.device)
         spec = sched.scheduled_spec_decode_tokens
-        lone_verify = False  # one request verifying its drafts in the fused decoder
+        lone_verify = len(order) == 1 and order[0] in spec and self.decode_runner is not None
+        # The fused decoder of a lone request's drafts reads the block table itself: no attention metadata.
+        meta = None if lone_verify else self.attn_backend.build_metadata(common, self.device)
         if total == 1 and num_decodes == 1 and self.decode_runner is not None:
             hidden = self.decode_runner(
                 self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
             )
-        elif len(order) == 1 and order[0] in spec and self.decode_runner is not None:
+        elif lone_verify:
             # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
             # bit as a lone decode token would be, so greedy output is what it is without speculation.
             blocks = -(-(int(starts[0]) + total) // self.block_size)
-            lone_verify = True
             hidden = self.decode_runner(
                 self._t(input_ids),
                 self._t(positions),
@@ -288,8 +288,7 @@ class ModelRunner:
             for ts, n in zip(tokens, counts.tolist()):
                 flat[start : start + len(ts)] = torch.tensor(ts, dtype=torch.int64)
                 start += n
-        flat = self.tp.broadcast_token_ids(flat) if self.vocab_size < 1 << 24 else self.tp.broadcast(flat)
-        values = flat.tolist()
+        values = self._broadcast_ids(flat).tolist()
         out, start = [], 0
         for n in counts.tolist():
             out.append([t for t in values[start : start + n] if t >= 0])
@@ -352,10 +351,13 @@ class ModelRunner:
         else:
             ids, lp_lists = torch.empty(len(rows), dtype=torch.int64, device=self.device), None
         if self.tp.world_size > 1:
-            ids = ids.to(torch.int64).contiguous()
-            # Token ids travel as float32 through the shared-memory sum: exact below 2**24.
-            ids = self.tp.broadcast_token_ids(ids) if self.vocab_size < 1 << 24 else self.tp.broadcast(ids)
+            ids = self._broadcast_ids(ids.to(torch.int64).contiguous())
         return ids.tolist(), lp_lists
+
+    def _broadcast_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's int64 token ids (or -1) on every rank. They travel as float32 through the shared-memory sum:
+        exact below 2**24."""
+        return self.tp.broadcast_token_ids(ids) if self.vocab_size < 1 << 24 else self.tp.broadcast(ids)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
