@@ -292,7 +292,9 @@ class CpuOps {
 };
 
 // A quantized weight W [out, in] for the kernels: up to four segments of consecutive rows, each a contiguous uint8
-// tensor [rows, row_bytes] of one GGML type (the GGUF file's bytes); checked once here and kept alive.
+// tensor [rows, row_bytes] of one GGML type (the GGUF file's bytes); checked once here and kept alive. The matrix
+// takes the bytes over: where the build has an interleaved layout for the type (quant_pack), they are rewritten in
+// place into it, so the tensors no longer hold the file's layout.
 class QuantMatrix {
  public:
   QuantMatrix(const CpuOps& ops, const std::vector<int64_t>& types, std::vector<torch::Tensor> parts, int64_t in)
@@ -311,15 +313,22 @@ class QuantMatrix {
                   " weights");
       TORCH_CHECK(t.size(1) == bytes && t.size(0) > 0, "segment ", i, " must be [rows, ", bytes, "], got ",
                   t.sizes());
-      m_.seg[i] = QSegment{t.data_ptr<uint8_t>(), t.size(0), static_cast<int32_t>(types[i])};
+      m_.seg[i] = QSegment{t.data_ptr<uint8_t>(), t.size(0), static_cast<int32_t>(types[i]), 0};
       m_.out += t.size(0);
     }
     m_.nseg = static_cast<int32_t>(types.size());
+    for (int i = 0; i < m_.nseg; ++i)  // all checked: now the bytes become the kernels'
+      m_.seg[i].packed = ops.table()->quant_pack(parts_[i].data_ptr<uint8_t>(), m_.seg[i].type, m_.seg[i].rows, in);
   }
 
   const QMatrix& matrix() const { return m_; }
   int64_t out_features() const { return m_.out; }
   int64_t in_features() const { return m_.in; }
+  int64_t packed_rows() const {
+    int64_t n = 0;
+    for (int i = 0; i < m_.nseg; ++i) n += m_.seg[i].packed;
+    return n;
+  }
   int64_t nbytes() const {
     int64_t n = 0;
     for (const auto& t : parts_) n += t.numel();
@@ -332,7 +341,8 @@ class QuantMatrix {
 };
 
 // y [M, out] = x [M, in] W^T (+ bias) on a quantized weight.
-torch::Tensor quant_linear(const CpuOps& ops, torch::Tensor x, const QuantMatrix& w, std::optional<torch::Tensor> bias) {
+torch::Tensor quant_linear(const CpuOps& ops, torch::Tensor x, const QuantMatrix& w, std::optional<torch::Tensor> bias,
+                           bool int8) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == w.in_features(), "x must be [M, ", w.in_features(), "]");
   const float* bp = nullptr;
@@ -342,7 +352,7 @@ torch::Tensor quant_linear(const CpuOps& ops, torch::Tensor x, const QuantMatrix
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({x.size(0), w.out_features()}, x.options());
-  ops.table()->quant_linear(y.data_ptr<float>(), x.data_ptr<float>(), &w.matrix(), bp, x.size(0),
+  ops.table()->quant_linear(y.data_ptr<float>(), x.data_ptr<float>(), &w.matrix(), bp, x.size(0), int8 ? 1 : 0,
                             at::get_num_threads());
   return y;
 }
@@ -578,7 +588,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("types"), py::arg("parts"), py::arg("in_features"),
           "a quantized weight from its row segments (uint8 [rows, row_bytes] each, of GGML type types[i])")
       .def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-           "y [M, out] = x [M, in] W^T (+ bias) on a QuantMatrix")
+           py::arg("int8") = false,
+           "y [M, out] = x [M, in] W^T (+ bias) on a QuantMatrix; int8: int8 inputs for any number of rows where "
+           "the matrix is packed (else beyond quant_dot_max_rows rows, de-quantized panels)")
       .def("dequantize_rows", &quant_dequantize_rows, py::arg("weight"), py::arg("ids"),
            "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
       .def("paged_decode_attention", &CpuOps::paged_decode_attention)
@@ -601,7 +613,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<QuantMatrix, std::shared_ptr<QuantMatrix>>(m, "QuantMatrix")
       .def_property_readonly("out_features", &QuantMatrix::out_features)
       .def_property_readonly("in_features", &QuantMatrix::in_features)
-      .def_property_readonly("nbytes", &QuantMatrix::nbytes);
+      .def_property_readonly("nbytes", &QuantMatrix::nbytes)
+      .def_property_readonly("packed_rows", &QuantMatrix::packed_rows,
+                             "rows the kernels hold in their interleaved layout (quant_pack), the rest as stored");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_table"), py::arg("seq_lens"));

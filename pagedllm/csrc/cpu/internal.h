@@ -82,7 +82,9 @@ void decoder_run(const void* decoder, float* x, int64_t rows, int64_t pos, const
                  int64_t len, int threads);
 void decoder_destroy(void* decoder);
 int64_t quant_row_bytes(int32_t type, int64_t in);
-void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
+int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in);
+void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int32_t int8,
+                  int threads);
 void quant_dequantize_rows(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
 void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, int threads);
 void bf16_panel_linear(float* y, const float* x, const uint32_t* panels, const float* bias, int64_t rows, int64_t in,

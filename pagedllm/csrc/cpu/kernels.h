@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 6
+#define PAGEDLLM_CPU_ABI 7
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -63,11 +63,13 @@ struct PagedPrefillArgs {
 // is in / B blocks of the type's bytes (B = 32, or 256 for the K types), rows back to back.
 enum PagedllmQuantType { PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q8_0 = 8, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14 };
 
-// `rows` consecutive output rows of one type.
+// `rows` consecutive output rows of one type; the first `packed` of them (a multiple of 16, see quant_pack) in the
+// kernels' interleaved layout, the rest as the GGUF file stores them.
 struct QSegment {
   const uint8_t* data;
   int64_t rows;
   int32_t type;
+  int64_t packed;
 };
 
 #define PAGEDLLM_MAX_QSEGMENTS 4
@@ -141,9 +143,14 @@ struct PagedllmCpuOps {
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.
   int64_t (*quant_row_bytes)(int32_t type, int64_t in);
+  // Rewrites `rows` rows of a type (GGUF bytes, [rows, quant_row_bytes]) in place into this build's interleaved
+  // layout, in whole groups of 16 rows, and returns how many rows it rewrote (0: the build or the type has none).
+  int64_t (*quant_pack)(uint8_t* data, int32_t type, int64_t rows, int64_t in);
   // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp): up to quant_dot_max_rows()
-  // rows with the inputs quantized to int8 in blocks of 32, more on the de-quantized weight in float32.
-  void (*quant_linear)(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int threads);
+  // rows with the inputs quantized to int8 in blocks of 32, more on the de-quantized weight in bf16 or float32
+  // panels; with `int8` set, any number of rows on int8 inputs where the weight is wholly packed (quant_pack).
+  void (*quant_linear)(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int32_t int8,
+                       int threads);
   // out [n, w.in] = rows ids[0..n) of W in float32 (ids in range).
   void (*quant_dequantize_rows)(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
   // quant_linear runs up to this many rows on int8 products (each row's result independent of the others), more

@@ -24,6 +24,7 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::decoder_run,
       pagedllm::decoder_destroy,
       pagedllm::quant_row_bytes,
+      pagedllm::quant_pack,
       pagedllm::quant_linear,
       pagedllm::quant_dequantize_rows,
       pagedllm::quant_dot_max_rows,

@@ -150,19 +150,6 @@ void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
   }
 }
 
-// Row r of the matrix: its bytes and type.
-inline const uint8_t* row_of(const QMatrix& w, int64_t r, int32_t& type) {
-  for (int s = 0; s < w.nseg; ++s) {
-    const QSegment& g = w.seg[s];
-    if (r < g.rows) {
-      type = g.type;
-      return g.data + r * (w.in / block_weights(g.type)) * block_bytes(g.type);
-    }
-    r -= g.rows;
-  }
-  type = -1;
-  return nullptr;
-}
 
 void dequant_row_scalar(int32_t type, const uint8_t* row, int64_t in, float* out) {
   Chunk k;
@@ -422,6 +409,154 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 
 #endif
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The interleaved layout of AVX-512 VNNI builds (quant_pack): Q4_0, Q4_1 and Q8_0 rows in groups of 16 output rows.
+// A group holds its rows' chunks in order, chunk c in as many bytes as the 16 rows' blocks c: first the 16 scales a
+// (f16), for Q4_1 then the 16 offsets b (f16), then the weights as vectors of 16 lanes of 4 bytes, lane r of vector j
+// holding row r's weights 4j .. 4j + 3 of the chunk as unsigned bytes u, so that w = a u + b:
+// * Q4_0 and Q4_1: the file's 16 nibble bytes of a row, in 4 vectors; byte k of lane r of vector t has weight 4t + k
+//   in its low nibble and 16 + 4t + k in its high one (vector t & 15 and (vector t >> 4) & 15 give u for vectors t
+//   and t + 4); b = -8 a for Q4_0, the block's min for Q4_1.
+// * Q8_0: 8 vectors of u = q + 128, and b = -128 a.
+// One vpdpbusd then multiplies 4 weights of 16 output rows by 4 int8 inputs broadcast, and a chunk's float step
+// (convert, scale, offset) serves 16 outputs: no horizontal sums, and the weights of a group are decoded once for
+// every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
+constexpr int64_t kPackRows = 16;
+
+inline bool packable(int32_t type) { return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q8_0; }
+inline int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 : 32; }  // in a packed chunk
+
+void pack_group(uint8_t* grp, int32_t type, int64_t nb, std::vector<uint8_t>& tmp) {
+  const int64_t bb = block_bytes(type), rb = nb * bb, wo = packed_weights_at(type);
+  const int vecs = type == PQ_Q8_0 ? 8 : 4, qoff = type == PQ_Q4_1 ? 4 : 2;
+  const uint32_t flip = type == PQ_Q8_0 ? 0x80808080u : 0u;  // q + 128 as unsigned bytes
+  tmp.assign(grp, grp + kPackRows * rb);
+  for (int64_t c = 0; c < nb; ++c) {
+    uint8_t* o = grp + c * kPackRows * bb;
+    for (int r = 0; r < kPackRows; ++r) {
+      const uint8_t* blk = tmp.data() + r * rb + c * bb;
+      std::memcpy(o + 2 * r, blk, 2);
+      if (type == PQ_Q4_1) std::memcpy(o + 32 + 2 * r, blk + 2, 2);
+      for (int j = 0; j < vecs; ++j) {
+        uint32_t w4;
+        std::memcpy(&w4, blk + qoff + 4 * j, 4);
+        w4 ^= flip;
+        std::memcpy(o + wo + 64 * j + 4 * r, &w4, 4);
+      }
+    }
+  }
+}
+
+// Row `lane` of a packed group, de-quantized (the same arithmetic as dequant_row).
+void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, float* out) {
+  const int64_t cb = kPackRows * block_bytes(type), wo = packed_weights_at(type);
+  for (int64_t c = 0; c < nb; ++c) {
+    const uint8_t* ch = grp + c * cb;
+    const uint8_t* u = ch + wo + 4 * lane;
+    const float a = f16_at(ch + 2 * lane);
+    float* o = out + 32 * c;
+    if (type == PQ_Q8_0) {
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 4; ++k) o[4 * j + k] = a * static_cast<float>(static_cast<int>(u[64 * j + k]) - 128);
+      continue;
+    }
+    const float b = type == PQ_Q4_1 ? f16_at(ch + 32 + 2 * lane) : -8.f * a;
+    for (int t = 0; t < 4; ++t)
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t v = u[64 * t + k];
+        o[4 * t + k] = std::fma(a, static_cast<float>(v & 0xF), b);
+        o[16 + 4 * t + k] = std::fma(a, static_cast<float>(v >> 4), b);
+      }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define PAGEDLLM_QUANT_PACKED 1
+
+// The 16 outputs of one packed group for RB input rows (row r's int8 copy at xq + r * ldq, its block scales and
+// scaled sums at xd, xs + r * ldb), the lanes in `keep` stored to y + r * ldy. Each row's sums run in the same order
+// whatever RB: a row's result does not depend on the others.
+template <int32_t T, int RB>
+void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                  int64_t ldb, float* y, int64_t ldy, __mmask16 keep) {
+  constexpr int64_t cb = kPackRows * (T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34), wo = T == PQ_Q4_1 ? 64 : 32;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nb; ++c) {
+    const uint8_t* ch = grp + c * cb;
+    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
+    const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                                  : _mm512_mul_ps(a, _mm512_set1_ps(T == PQ_Q4_0 ? -8.f : -128.f));
+    __m512i v[8];
+    if constexpr (T == PQ_Q8_0) {
+      for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(ch + wo + 64 * j);
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
+        v[t] = _mm512_and_si512(p, m4);
+        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* x = xq + r * ldq + 32 * c;
+      __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        int32_t x4;
+        std::memcpy(&x4, x + 4 * j, 4);
+        s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(x4));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+constexpr int kPackedTile = 8;  // input rows per packed_group call
+
+using PackedFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t,
+                          float*, int64_t, __mmask16);
+
+template <int32_t T, int... RB>
+PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
+  PackedFn fn = nullptr;
+  ((fn = (rb == RB + 1 ? packed_group<T, RB + 1> : fn)), ...);
+  return fn;
+}
+
+PackedFn packed_fn(int32_t type, int rb) {
+  const auto all = std::make_integer_sequence<int, kPackedTile>{};
+  switch (type) {
+    case PQ_Q4_0: return packed_pick<PQ_Q4_0>(rb, all);
+    case PQ_Q4_1: return packed_pick<PQ_Q4_1>(rb, all);
+    case PQ_Q8_0: return packed_pick<PQ_Q8_0>(rb, all);
+    default: return nullptr;
+  }
+}
+
+// Outputs [l0, l1) of a packed segment (its rows counted from its first; the segment's output 0 at y) for `rows`
+// input rows: group by group, each group's weights read once for all the rows.
+void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, float* y, int64_t ldy, int64_t l0,
+                  int64_t l1) {
+  const int64_t nb = in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
+  const PackedFn full = packed_fn(g.type, kPackedTile), tail = packed_fn(g.type, static_cast<int>(rows % kPackedTile));
+  for (int64_t gi = l0 / kPackRows; gi * kPackRows < l1; ++gi) {
+    const int64_t s0 = gi * kPackRows;
+    const int first = static_cast<int>(std::max<int64_t>(0, l0 - s0)), last = static_cast<int>(std::min<int64_t>(16, l1 - s0));
+    const __mmask16 keep = static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
+    const uint8_t* grp = g.data + gi * group_bytes;
+    int64_t m = 0;
+    for (; m + kPackedTile <= rows; m += kPackedTile)
+      full(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
+    if (m < rows) tail(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
+  }
+}
+#endif
+
 void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
 #if defined(PAGEDLLM_QUANT_AVX2)
   switch (type) {
@@ -436,6 +571,23 @@ void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
 #else
   dequant_row_scalar(type, row, in, out);
 #endif
+}
+
+// Row r of the matrix de-quantized into out [w.in], whichever layout its segment keeps it in.
+void dequant_matrix_row(const QMatrix& w, int64_t r, float* out) {
+  for (int s = 0; s < w.nseg; ++s) {
+    const QSegment& g = w.seg[s];
+    if (r < g.rows) {
+      const int64_t row_bytes = (w.in / block_weights(g.type)) * block_bytes(g.type);
+      if (r < g.packed)
+        dequant_packed_row(g.type, g.data + (r / kPackRows) * kPackRows * row_bytes, static_cast<int>(r % kPackRows),
+                           w.in / 32, out);
+      else
+        dequant_row(g.type, g.data + r * row_bytes, w.in, out);
+      return;
+    }
+    r -= g.rows;
+  }
 }
 
 using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float*,
@@ -470,7 +622,14 @@ void quant_rows_range(const QMatrix& w, const Q8Rows& x, int64_t rows, const flo
   int64_t first = 0;  // of the current segment
   for (int s = 0; s < w.nseg && first < o1; ++s) {
     const QSegment& g = w.seg[s];
-    const int64_t lo = std::max(o0, first), hi = std::min(o1, first + g.rows);
+    int64_t lo = std::max(o0, first);
+    const int64_t hi = std::min(o1, first + g.rows);
+#if defined(PAGEDLLM_QUANT_PACKED)
+    if (lo < std::min(hi, first + g.packed)) {
+      packed_range(g, in, x, rows, y + first, ldy, lo - first, std::min(hi, first + g.packed) - first);
+      lo = std::min(hi, first + g.packed);
+    }
+#endif
     if (lo < hi) {
       const int64_t stride = (in / block_weights(g.type)) * block_bytes(g.type);
       DotFn full = dot_fn(g.type, kGroup), tail = dot_fn(g.type, static_cast<int>(rows % kGroup));
@@ -497,6 +656,23 @@ int64_t quant_row_bytes(int32_t type, int64_t in) {
   const int64_t bw = block_weights(type), bb = block_bytes(type);
   if (bb == 0 || in <= 0 || in % bw) return 0;
   return in / bw * bb;
+}
+
+int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in) {
+#if defined(PAGEDLLM_QUANT_PACKED)
+  const int64_t row_bytes = quant_row_bytes(type, in), groups = rows / kPackRows;
+  if (!packable(type) || row_bytes == 0) return 0;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> tmp;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) pack_group(data + g * kPackRows * row_bytes, type, in / 32, tmp);
+  }
+  return groups * kPackRows;
+#else
+  (void)data, (void)type, (void)rows, (void)in;
+  return 0;
+#endif
 }
 
 namespace {
@@ -533,17 +709,11 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
       for (int64_t k = 0; k < kPanel; ++k) {
         if (bf16) {
-          if (k < nout) {
-            int32_t type;
-            const uint8_t* src = row_of(w, base + k, type);
-            dequant_row(type, src, in, row.data() + k * in);
-          }
+          if (k < nout) dequant_matrix_row(w, base + k, row.data() + k * in);
           continue;
         }
         if (k < nout) {
-          int32_t type;
-          const uint8_t* src = row_of(w, base + k, type);
-          dequant_row(type, src, in, row.data());
+          dequant_matrix_row(w, base + k, row.data());
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
         } else {
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
@@ -565,9 +735,12 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
 
 }  // namespace
 
-void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int threads) {
+void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int32_t int8,
+                  int threads) {
   const QMatrix& w = *wp;
-  if (rows > kQuantDotMaxRows) {
+  bool packed = true;
+  for (int s = 0; s < w.nseg; ++s) packed = packed && w.seg[s].packed == w.seg[s].rows;
+  if (rows > kQuantDotMaxRows && !(int8 && packed)) {
     quant_linear_panels(y, x, w, bias, rows, threads);
     return;
   }
@@ -598,11 +771,7 @@ void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias
 void quant_dequantize_rows(float* out, const QMatrix* wp, const int64_t* ids, int64_t n, int threads) {
   const QMatrix& w = *wp;
 #pragma omp parallel for schedule(static) num_threads(team_for_grain(threads, n * w.in, 1 << 16))
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t type;
-    const uint8_t* row = row_of(w, ids[i], type);
-    dequant_row(type, row, w.in, out + i * w.in);
-  }
+  for (int64_t i = 0; i < n; ++i) dequant_matrix_row(w, ids[i], out + i * w.in);
 }
 
 void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s) { quantize_row(x, in, q, d, s); }

@@ -6,10 +6,19 @@ layers the input dimension (and all-reduce their partial sums). Merged layers (g
 checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pass over the activations. Each layer
 is built with the worker's `TensorParallelGroup` (distributed/parallel_state.py; by default one rank): rows split as
 evenly as they go (`even_shard`), attention heads by `attention_shard` (KV heads replicated when fewer than ranks).
+
+GGUF weights run as stored (`ops.quant_linear`). How precisely depends on the step, which the model runner says
+through `int8_inputs`: in a decode step (each request's one new token, and its drafts) every row's input is quantized
+to int8 in blocks of 32 and multiplied in int8, as llama.cpp does, at any batch size where the kernels keep the
+weight in their packed layout; otherwise (prompt tokens) more than a few rows run on de-quantized bf16 or float32
+panels, whose inputs keep 8 significant bits or more, not 8 bits of each block's largest value.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +38,23 @@ SPLIT_GEMM_MAX_ROWS = 64
 # cores; from ~24 rows the two are level, both bound by compute (bench/RESULTS.md). Decode steps of up to a dozen or
 # so requests are the case this serves.
 PANEL_MAX_ROWS = 16
+
+
+class _StepInputs(threading.local):
+    int8 = False
+
+
+_STEP = _StepInputs()
+
+
+@contextlib.contextmanager
+def int8_inputs(enabled: bool) -> Iterator[None]:
+    """Within it, quantized weights take every row's input as int8 (a decode step); see the module docstring."""
+    before, _STEP.int8 = _STEP.int8, enabled
+    try:
+        yield
+    finally:
+        _STEP.int8 = before
 
 
 class Panels(NamedTuple):
@@ -107,7 +133,8 @@ def linear(
     (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `qweight`,
     `bf16_panels`, or `packed` and `panels`, cover it."""
     if qweight is not None:
-        return ops.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias).view(*x.shape[:-1], -1)
+        y = ops.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias, _STEP.int8)
+        return y.view(*x.shape[:-1], -1)
     if bf16_panels is not None:
         y = ops.bf16_panel_linear(
             x.reshape(-1, x.shape[-1]).contiguous(), bf16_panels.data, bias, bf16_panels.out_features
