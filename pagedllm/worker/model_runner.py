@@ -81,13 +81,16 @@ class ModelRunner:
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
-        # on the int8 products of one row; a float32 head's one-row kernel sums in another order than its
-        # several-row one (one row at a time); bf16 panels sum each row alike whatever the rows (0: no chunks).
+        # on the int8 products of one row, any number in a decode step where it is packed; a float32 head's one-row
+        # kernel sums in another order than its several-row one (one row at a time); bf16 panels sum each row
+        # alike whatever the rows (0: no chunks).
         head = self.model.lm_head
+        qweight = getattr(head, "qweight", None)
         if cpu_ops is None or getattr(head, "bf16_panels", None) is not None:
             self._logits_rows = 0
-        elif getattr(head, "qweight", None) is not None:
-            self._logits_rows = int(cpu_ops.quant_dot_max_rows())
+        elif qweight is not None:
+            packed = qweight.packed_rows == qweight.out_features
+            self._logits_rows = 0 if packed else int(cpu_ops.quant_dot_max_rows())
         else:
             self._logits_rows = 1
         self.sampler = Sampler()

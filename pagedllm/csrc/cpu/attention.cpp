@@ -83,31 +83,42 @@ static inline void values_tile(float* acc, const float* p, int64_t stride, const
     for (int v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, av[i][v]);
 }
 
-// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512: the same three
-// passes (scores, softmax, values) over tiles of 16 tokens. A tile's 16 keys are read once for all query heads,
-// their dot products reduced together (sum16x16); values accumulate in registers, up to 16 vectors of query heads
-// of one KV head at a time. The rows of the tile two ahead are prefetched into L2, spread over the current tile's
-// work: blocks are scattered, which stops the hardware prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
+// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512, for R query tokens
+// of one context at once (jobs: each token's queries, span and outputs): the same three passes (scores, softmax,
+// values) over tiles of 16 tokens of the spans' union. A tile's 16 keys are read once for all query heads of all the
+// tokens whose span covers it (from memory once, from L1 for the other tokens), their dot products reduced together
+// (sum16x16); values accumulate in registers, up to 16 vectors of query heads of one KV head at a time. Each token's
+// arithmetic is what it would be alone: a score depends on its token only, each token's softmax runs over its own
+// span's scores laid out as alone, and its values accumulate token by token in order. The rows of the tile two ahead
+// are prefetched into L2, spread over the current tile's work: blocks are scattered, which stops the hardware
+// prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
 template <int D, typename KV>
-static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
-                               const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
-                               int64_t g, float sc, std::vector<float>& scores) {
+static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
+                                int64_t bs, int64_t row, int64_t hq, int64_t g, float sc, std::vector<float>& scores) {
   constexpr int DV = D / 16, T = 16, kAhead = 2;
   constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
-  const int64_t span = l1 - l0, stride = (span + T - 1) / T * T;
-  const int64_t used = ((hq - 1) / g + 1) * D;  // elements of each token row this span reads
-  scores.resize(hq * stride);
-  float* s = scores.data();
+  int64_t u0 = std::numeric_limits<int64_t>::max(), u1 = 0, total = 0;
+  std::vector<int64_t> stride(R), off(R);
+  for (int64_t j = 0; j < R; ++j) {
+    const SpanJob& jb = jobs[j];
+    stride[j] = (std::max<int64_t>(0, jb.l1 - jb.l0) + T - 1) / T * T;
+    off[j] = total;
+    total += hq * stride[j];
+    if (jb.l1 > jb.l0) u0 = std::min(u0, jb.l0), u1 = std::max(u1, jb.l1);
+  }
+  if (u1 <= u0) return;
+  const int64_t used = ((hq - 1) / g + 1) * D;  // elements of each token row the spans read
+  scores.resize(total);
   const KV* kr[T];
   const KV* nxt[T];
   auto rows_of = [&](const KV* base, int64_t t0, const KV** out) {
-    const int64_t nt = std::min<int64_t>(T, l1 - t0);
+    const int64_t nt = std::min<int64_t>(T, u1 - t0);
     int64_t b = t0 / bs, o = t0 % bs;
     for (int c = 0; c < nt; ++c) {
       out[c] = base + (table[b] * bs + o) * row;
       if (++o == bs) o = 0, ++b;
     }
-    for (int c = nt; c < T; ++c) out[c] = out[nt - 1];  // past the span: repeat its last token (never used)
+    for (int c = nt; c < T; ++c) out[c] = out[nt - 1];  // past the union: repeat its last token (never used)
     return nt;
   };
   const KV* pf[T];
@@ -118,72 +129,99 @@ static void attend_span_avx512(float* m, float* lsum, float* acc, const float* q
     for (int64_t i = i0; i < std::min(i1, pf_lines); ++i)
       _mm_prefetch(reinterpret_cast<const char*>(pf[i / lpr] + (i % lpr) * kLine<KV>), _MM_HINT_T1);
   };
-  const int64_t ntiles = stride / T;
+  const int64_t ntiles = (u1 - u0 + T - 1) / T;
   // The tiles are read in the order K 0 .. ntiles-1, then V 0 .. ntiles-1: aim kAhead tiles ahead in it.
   auto plan_prefetch = [&](int64_t tile) {
     int64_t ahead = tile + kAhead;
     const KV* base = ahead < ntiles ? kc : vc;
     if (ahead >= ntiles) ahead -= ntiles;
-    pf_lines = ahead < ntiles ? rows_of(base, l0 + ahead * T, pf) * lpr : 0;
+    pf_lines = ahead < ntiles ? rows_of(base, u0 + ahead * T, pf) * lpr : 0;
   };
   for (int64_t tile = 0; tile < kAhead; ++tile) {  // the first tiles, before they are needed
     plan_prefetch(tile - kAhead);
     prefetch(0, pf_lines);
   }
+  // Token j's part [lo, hi) of the tile at t0 (empty: lo >= hi).
+  auto part = [&](const SpanJob& jb, int64_t t0, int64_t& lo, int64_t& hi) {
+    lo = std::max(t0, jb.l0);
+    hi = std::min(t0 + T, jb.l1);
+  };
   const __m512 scv = _mm512_set1_ps(sc);
-  // Pass 1: scores, s[r * stride + l - l0].
-  int64_t nt = rows_of(kc, l0, kr);
-  for (int64_t t0 = l0; t0 < l1; t0 += T) {
-    const int64_t nn = t0 + T < l1 ? rows_of(kc, t0 + T, nxt) : 0;
-    plan_prefetch((t0 - l0) / T);
-    for (int64_t r = 0; r < hq; ++r) {
-      prefetch(r * pf_lines / hq, (r + 1) * pf_lines / hq);
-      const float* qr = q + r * D;
-      const int64_t ko = (r / g) * D;
-      __m512 qv[DV], a[T];
-      for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
+  // Pass 1: scores, token j's head r at scores[off[j] + r * stride[j] + l - l0].
+  rows_of(kc, u0, kr);
+  alignas(64) float tmp[T];
+  for (int64_t t0 = u0; t0 < u1; t0 += T) {
+    if (t0 + T < u1) rows_of(kc, t0 + T, nxt);
+    plan_prefetch((t0 - u0) / T);
+    bool spread = false;  // the prefetch goes along the first token's heads that use this tile
+    for (int64_t j = 0; j < R; ++j) {
+      const SpanJob& jb = jobs[j];
+      int64_t lo, hi;
+      part(jb, t0, lo, hi);
+      if (lo >= hi) continue;
+      float* s = scores.data() + off[j];
+      for (int64_t r = 0; r < hq; ++r) {
+        if (!spread) prefetch(r * pf_lines / hq, (r + 1) * pf_lines / hq);
+        const float* qr = jb.q + r * D;
+        const int64_t ko = (r / g) * D;
+        __m512 qv[DV], a[T];
+        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
 #pragma GCC unroll 16
-      for (int c = 0; c < T; ++c) {
-        const KV* k = kr[c] + ko;
-        __m512 x = _mm512_mul_ps(qv[0], kv_load16(k));
-        for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], kv_load16(k + 16 * v), x);
-        a[c] = x;
+        for (int c = 0; c < T; ++c) {
+          const KV* k = kr[c] + ko;
+          __m512 x = _mm512_mul_ps(qv[0], kv_load16(k));
+          for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], kv_load16(k + 16 * v), x);
+          a[c] = x;
+        }
+        _mm512_store_ps(tmp, sum16x16(a));
+        std::copy(tmp + (lo - t0), tmp + (hi - t0), s + r * stride[j] + (lo - jb.l0));
       }
-      _mm512_storeu_ps(s + r * stride + (t0 - l0), sum16x16(a));
+      spread = true;
     }
     std::copy(nxt, nxt + T, kr);
-    nt = nn;
   }
-  // Pass 2: softmax numerators and sums, per query head.
-  for (int64_t r = 0; r < hq; ++r) {
-    float* sr = s + r * stride;
-    float mr = -std::numeric_limits<float>::infinity();
+  // Pass 2: softmax numerators and sums, per token and query head.
+  for (int64_t j = 0; j < R; ++j) {
+    const SpanJob& jb = jobs[j];
+    const int64_t span = jb.l1 - jb.l0;
+    if (span <= 0) continue;
+    for (int64_t r = 0; r < hq; ++r) {
+      float* sr = scores.data() + off[j] + r * stride[j];
+      float mr = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mr)
-    for (int64_t l = 0; l < span; ++l) mr = std::max(mr, sr[l]);
-    m[r] = mr;
-    lsum[r] = exp_in_place(sr, span, mr);
+      for (int64_t l = 0; l < span; ++l) mr = std::max(mr, sr[l]);
+      jb.m[r] = mr;
+      jb.lsum[r] = exp_in_place(sr, span, mr);
+    }
   }
-  // Pass 3: values, a tile at a time; per tile, query heads in runs of up to RB sharing one KV head.
-  std::fill(acc, acc + hq * D, 0.f);
-  nt = rows_of(vc, l0, kr);
-  for (int64_t t0 = l0; t0 < l1; t0 += T) {
-    const int64_t nn = t0 + T < l1 ? rows_of(vc, t0 + T, nxt) : 0;
-    plan_prefetch(ntiles + (t0 - l0) / T);
-    for (int64_t r0 = 0; r0 < hq;) {
-      const int64_t kvh = r0 / g, r1 = std::min<int64_t>({hq, (kvh + 1) * g, r0 + RB});
-      prefetch(r0 * pf_lines / hq, r1 * pf_lines / hq);
-      const float* sp = s + r0 * stride + (t0 - l0);
-      float* ap = acc + r0 * D;
-      switch (r1 - r0) {
-        case 1: values_tile<D, 1>(ap, sp, stride, kr, kvh * D, nt); break;
-        case 2: values_tile<D, std::min(2, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
-        case 3: values_tile<D, std::min(3, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
-        default: values_tile<D, std::min(4, RB)>(ap, sp, stride, kr, kvh * D, nt); break;
+  // Pass 3: values, a tile at a time; per tile and token, query heads in runs of up to RB sharing one KV head.
+  rows_of(vc, u0, kr);
+  for (int64_t t0 = u0; t0 < u1; t0 += T) {
+    if (t0 + T < u1) rows_of(vc, t0 + T, nxt);
+    plan_prefetch(ntiles + (t0 - u0) / T);
+    bool spread = false;
+    for (int64_t j = 0; j < R; ++j) {
+      const SpanJob& jb = jobs[j];
+      int64_t lo, hi;
+      part(jb, t0, lo, hi);
+      if (lo >= hi) continue;
+      for (int64_t r0 = 0; r0 < hq;) {
+        const int64_t kvh = r0 / g, r1 = std::min<int64_t>({hq, (kvh + 1) * g, r0 + RB});
+        if (!spread) prefetch(r0 * pf_lines / hq, r1 * pf_lines / hq);
+        const float* sp = scores.data() + off[j] + r0 * stride[j] + (lo - jb.l0);
+        float* ap = jb.acc + r0 * D;
+        const KV* const* rows = kr + (lo - t0);
+        switch (r1 - r0) {
+          case 1: values_tile<D, 1>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
+          case 2: values_tile<D, std::min(2, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
+          case 3: values_tile<D, std::min(3, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
+          default: values_tile<D, std::min(4, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
+        }
+        r0 = r1;
       }
-      r0 = r1;
+      spread = true;
     }
     std::copy(nxt, nxt + T, kr);
-    nt = nn;
   }
 }
 #endif
@@ -204,7 +242,8 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   if (span <= 0) return;
 #if defined(__AVX512F__)
   if constexpr (D > 0 && D % 16 == 0) {
-    attend_span_avx512<D, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, sc, scores);
+    const SpanJob job{q, l0, l1, m, lsum, acc};
+    attend_spans_avx512<D, KV>(&job, 1, kc, vc, table, bs, row, hq, g, sc, scores);
     return;
   }
 #endif
@@ -463,6 +502,38 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const vo
   else
     attend_span_typed(m, lsum, acc, q, static_cast<const float*>(kc), static_cast<const float*>(vc), table, l0, l1,
                       bs, row, hq, g, d, sc, scores);
+}
+
+// attend_span for R query tokens of one context (SpanJob: internal.h), each token's result as it would be alone.
+template <typename KV>
+static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
+                               int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                               std::vector<float>& scores) {
+  for (int64_t j = 0; j < R; ++j) {
+    const SpanJob& jb = jobs[j];
+    std::fill(jb.m, jb.m + hq, -std::numeric_limits<float>::infinity());
+    std::fill(jb.lsum, jb.lsum + hq, 0.f);
+    std::fill(jb.acc, jb.acc + hq * d, 0.f);
+  }
+#if defined(__AVX512F__)
+  if (d == 64) return attend_spans_avx512<64, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+  if (d == 128) return attend_spans_avx512<128, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+#endif
+  for (int64_t j = 0; j < R; ++j) {
+    const SpanJob& jb = jobs[j];
+    attend_span_typed(jb.m, jb.lsum, jb.acc, jb.q, kc, vc, table, jb.l0, jb.l1, bs, row, hq, g, d, sc, scores);
+  }
+}
+
+void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void* vc, int32_t kv_dtype,
+                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                      std::vector<float>& scores) {
+  if (kv_dtype == PKV_BF16)
+    attend_spans_typed(jobs, R, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), table, bs, row,
+                       hq, g, d, sc, scores);
+  else
+    attend_spans_typed(jobs, R, static_cast<const float*>(kc), static_cast<const float*>(vc), table, bs, row, hq, g,
+                       d, sc, scores);
 }
 
 void paged_decode(const PagedDecodeArgs* a) {

@@ -128,6 +128,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, cons
     float* res = mine.data();  // this thread's copy of the residual stream of every token
     float* h = res + R * hidden;
     std::vector<float> scores;
+    std::vector<SpanJob> jobs(R);
     // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
     const int64_t widest = std::max({hidden, hq * d, inter});
     bool any_q = false, any_16 = false;  // the copies only the layers' weight kinds need
@@ -183,9 +184,9 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, cons
         int64_t a, b;
         share(len + r, t, n, 1, a, b);
         float* pr = pm + r * pd;
-        attend_span_any(pr, pr + hq, pr + 2 * hq, qkv + r * qkv_out, w.k_cache, w.v_cache, s.kv_dtype, table, a, b,
-                        bs, row, hq, g, d, sc, scores);
+        jobs[r] = SpanJob{qkv + r * qkv_out, a, b, pr, pr + hq, pr + 2 * hq};
       }
+      attend_spans_any(jobs.data(), R, w.k_cache, w.v_cache, s.kv_dtype, table, bs, row, hq, g, d, sc, scores);
 #pragma omp barrier
       for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head
         const int64_t r = rr / hq, q = rr % hq;

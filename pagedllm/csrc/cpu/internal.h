@@ -18,6 +18,18 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const vo
                      int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
                      int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores);
 
+// attend_span_any for R query tokens of one context at once: token j's hq heads q, its span [l0, l1), where its m,
+// lsum and acc go. Each token's results are bit for bit what attend_span_any gives it alone; a cached token row that
+// several spans cover is read from memory once for all of them.
+struct SpanJob {
+  const float* q;
+  int64_t l0, l1;
+  float *m, *lsum, *acc;
+};
+void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void* vc, int32_t kv_dtype,
+                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                      std::vector<float>& scores);
+
 // y[o] for outputs [o0, o1) of one input row x [in] from W's panels (any alignment: a panel shared with a
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);

@@ -427,7 +427,7 @@ constexpr int64_t kPackRows = 16;
 inline bool packable(int32_t type) { return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q8_0; }
 inline int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 : 32; }  // in a packed chunk
 
-void pack_group(uint8_t* grp, int32_t type, int64_t nb, std::vector<uint8_t>& tmp) {
+[[maybe_unused]] void pack_group(uint8_t* grp, int32_t type, int64_t nb, std::vector<uint8_t>& tmp) {
   const int64_t bb = block_bytes(type), rb = nb * bb, wo = packed_weights_at(type);
   const int vecs = type == PQ_Q8_0 ? 8 : 4, qoff = type == PQ_Q4_1 ? 4 : 2;
   const uint32_t flip = type == PQ_Q8_0 ? 0x80808080u : 0u;  // q + 128 as unsigned bytes
