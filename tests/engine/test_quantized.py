@@ -117,7 +117,7 @@ def test_teacher_forced_agreement_and_perplexity(quantized, float32) -> None:
 
 @pytest.mark.parametrize("batch", [1, 4], ids=["fused-decoder", "few-rows"])
 def test_decoding_agrees_with_float32(quantized, float32, batch: int) -> None:
-    """Decode steps run on int8 inputs, as llama.cpp's do (the prefill above runs on float32 panels): their greedy
+    """Decode steps run on int8 inputs, as llama.cpp's do (the prefill above runs on panels): their greedy
     tokens are float32's top-1 at >= 93% of the positions (95% measured on Zen 3), with logprobs within 0.05 of
     float32's on average (float32 teacher-forced over the same text)."""
     tok = quantized.get_tokenizer()
@@ -137,6 +137,25 @@ def test_decoding_agrees_with_float32(quantized, float32, batch: int) -> None:
             diffs.append(abs(out.outputs[0].logprobs[k][token].logprob - f_actual[start + k]))
     assert agree / len(diffs) >= 0.93, agree / len(diffs)
     assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5, (sum(diffs) / len(diffs), max(diffs))
+
+
+def test_decode_steps_alone_take_int8_inputs(quantized, monkeypatch) -> None:
+    """The model runner marks a step as a decode step (int8 inputs at any batch size) only when no prompt token is in
+    it: a prompt's prefill (in one chunk or several) runs on the precise panels, every later step on int8."""
+    import pagedllm.worker.model_runner as runner_module
+
+    seen: list[bool] = []
+    inner = runner_module.int8_inputs
+
+    def recording(enabled: bool):
+        seen.append(enabled)
+        return inner(enabled)
+
+    monkeypatch.setattr(runner_module, "int8_inputs", recording)
+    quantized.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert seen[0] is False  # the prompts
+    assert seen[-3:] == [True, True, True]  # tokens 2, 3 and 4 of both requests
+    assert seen == sorted(seen)  # once decoding, no step has a prompt token
 
 
 def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir) -> None:

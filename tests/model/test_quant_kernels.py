@@ -93,19 +93,57 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX-512 VNNI builds keep in their interleaved layout
+
+
+def _packs(ops) -> bool:
+    return ops.isa == "avx512bf16"  # the build with AVX-512 VNNI
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
-def test_many_rows_are_the_bf16_product_of_the_dequantized_weight(ops, qtype: int) -> None:
+def test_packed_layout_where_the_build_has_one(ops, qtype: int) -> None:
+    """VNNI builds rewrite Q4_0, Q4_1 and Q8_0 rows in groups of 16 (the rest stay as stored); others keep all."""
+    qm, w = _matrix(ops, [(qtype, 37)], 512)
+    assert qm.packed_rows == (32 if _packs(ops) and qtype in PACKED else 0)
+    assert qm.nbytes == 37 * ops.quant_row_bytes(qtype, 512)  # in place: no byte more
+    np.testing.assert_allclose(ops.dequantize_rows(qm, torch.arange(37)).numpy(), w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_int8_inputs_for_any_number_of_rows(ops, qtype: int) -> None:
+    """With int8 (decode steps), a wholly packed weight runs every row on int8 products, each row's result the same
+    in any batch and within the int8 bound; a weight that is not (another type or build, or a partial group of 16
+    rows) runs more than quant_dot_max_rows rows on panels, as without int8."""
+    qm, w = _matrix(ops, [(qtype, 48)], 512, seed=9)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
+    got = ops.quant_linear(x, qm, None, True)
+    if qm.packed_rows == 48:
+        for m in (0, 33, 69):
+            assert torch.equal(ops.quant_linear(x[m : m + 1].contiguous(), qm, None, True)[0], got[m])
+        assert torch.equal(ops.quant_linear(x[5:30].contiguous(), qm, None, True), got[5:30])
+        ref = x.double().numpy() @ w.T.astype(np.float64)
+        xn = x.numpy()
+        assert np.all(np.abs(got.numpy() - ref) <= _bound(xn, w) + 1e-5 * (np.abs(xn) @ np.abs(w).T) + 1e-6)
+        assert not torch.equal(got, ops.quant_linear(x, qm))  # without int8: the panels
+    else:
+        assert not (_packs(ops) and qtype in PACKED)
+        assert torch.equal(got, ops.quant_linear(x, qm))
+
+
+@pytest.mark.parametrize("rows", [33, 48], ids=["partly-packed", "packed"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_many_rows_are_the_bf16_product_of_the_dequantized_weight(ops, qtype: int, rows: int) -> None:
     """Many rows run on panels de-quantized from the blocks: where the build multiplies in bf16, bf16 panels made
     straight from the blocks, the same result bit for bit as packing the float32 de-quantized weight into bf16
     panels (a whole panel and a partial one; inputs longer than a panel slice); elsewhere float32 panels, the
-    float32 panel product of the de-quantized weight."""
-    qm, _ = _matrix(ops, [(qtype, 33)], 768, seed=5)
-    dense = ops.dequantize_rows(qm, torch.arange(33))
+    float32 panel product of the de-quantized weight. Packed rows de-quantize alike."""
+    qm, _ = _matrix(ops, [(qtype, rows)], 768, seed=5)
+    dense = ops.dequantize_rows(qm, torch.arange(rows))
     x = torch.randn(3 * ops.quant_dot_max_rows() + 5, 768)
     if ops.bf16_native():
-        assert torch.equal(ops.quant_linear(x, qm), ops.bf16_panel_linear(x, ops.bf16_pack_panels(dense), None, 33))
+        assert torch.equal(ops.quant_linear(x, qm), ops.bf16_panel_linear(x, ops.bf16_pack_panels(dense), None, rows))
     else:
-        torch.testing.assert_close(ops.quant_linear(x, qm), ops.panel_linear(x, ops.pack_panels(dense), None, 33))
+        torch.testing.assert_close(ops.quant_linear(x, qm), ops.panel_linear(x, ops.pack_panels(dense), None, rows))
 
 
 def test_mixed_segments_and_bias(ops) -> None:

@@ -34,9 +34,11 @@ void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
 
-// Input rows up to which quant_linear runs on int8 products (beyond: de-quantized panels). With AVX512-BF16 the
-// de-quantized bf16 panels overtake the int8 products from about 5 rows (~400 against ~80 GFLOP/s on Zen 4, with a
-// de-quantization per call that costs about as much as 4 rows of int8 products); on float32 panels from about 32.
+// Input rows up to which quant_linear runs on int8 products without its `int8` flag (beyond: de-quantized panels).
+// With AVX512-BF16 the de-quantized bf16 panels overtake the int8 products of weights as stored from about 5 rows
+// (~400 against ~80 GFLOP/s on Zen 4, with a de-quantization per call that costs about as much as 4 rows of int8
+// products); on float32 panels from about 32. (Packed weights run int8 products at ~480 GFLOP/s, but prompt tokens
+// keep the panels for their precision: quant.cpp.)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int64_t kQuantDotMaxRows = 4;
 #else

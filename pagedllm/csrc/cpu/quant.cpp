@@ -5,16 +5,22 @@
 // 32 weights, each of the form w[i] = a * sc[i / 16] * q[i] + b with small integers q and sc (sc is 1 but for Q6_K,
 // whose 16-weight sub-blocks have their own scales): `decode_chunk` below says how each type's bytes give them.
 //
-// Up to kQuantDotMaxRows input rows (decode steps; internal.h), y = x W^T runs as ggml does: each input row is
-// quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a
-// chunk's product is a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products (AVX2: vpmaddubsw,
-// then vpmaddwd by the 16-bit scales; AVX-512 VNNI: vpdpbusd where the scales are all 1). Each output row's chunks are
-// decoded once for a group of up to kGroup input rows, and the rows go in tiles whose int8 copy stays in L2, so the
-// weights are streamed once for all the rows. Without AVX2 the same integer arithmetic runs in plain C++. A row's
-// result does not depend on the other rows of the call. More rows (prefill) are compute bound: there each thread
-// de-quantizes kPanel output rows at a time into a panel and runs a panel GEMM kernel over all the input rows: bf16
-// panels and inputs where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the
-// de-quantized weights (linear.cpp). The int8 inputs would cost accuracy, and are no faster once compute bound.
+// Up to kQuantDotMaxRows input rows (decode steps; internal.h), or any number with `int8` set (a decode step of any
+// batch size; model/layers/linear.py says when) where the weight is packed, y = x W^T runs as ggml does: each input row
+// is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
+// a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
+// * Packed (AVX-512 VNNI builds; Q4_0, Q4_1, Q8_0 in whole groups of 16 rows, rewritten in place at load by
+//   quant_pack): one vpdpbusd multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk is
+//   decoded once for every input row, no horizontal sum is needed, and the float step serves 16 outputs at once.
+//   Compute bound from a few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
+// * As stored (every other type, build or row): AVX2 vpmaddubsw then vpmaddwd by the 16-bit scales, or vpdpbusd where
+//   the scales are all 1 and the build has VNNI; each output row's chunks are decoded once for a group of up to kGroup
+//   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
+// Either way a row's result does not depend on the other rows of the call. Otherwise more rows (prompt tokens) run
+// on de-quantized panels, whose inputs keep more precision than int8 blocks do: each thread de-quantizes kPanel
+// output rows at a time into a panel and runs a panel GEMM kernel over all the input rows: bf16 panels and inputs
+// where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the de-quantized weights
+// (linear.cpp).
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -555,6 +561,64 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
     if (m < rows) tail(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
   }
 }
+
+#if defined(__AVX512BF16__)
+#define PAGEDLLM_QUANT_PACKED_BF16 1
+// A packed group's 16 rows straight into 16 columns of a bf16 pair panel (panel [in / 2, kPanel], the group's
+// outputs from column n0): the pairs bf16_panel_from_rows makes of the rows de-quantized (dequant_packed_row's
+// arithmetic, rounded to nearest even), the 16 rows' weight k of a chunk being one vector of the packed layout.
+template <int32_t T>
+void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int64_t n0) {
+  constexpr int64_t cb = kPackRows * (T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34), wo = T == PQ_Q4_1 ? 64 : 32;
+  for (int64_t c = 0; c < nb; ++c) {
+    const uint8_t* ch = grp + c * cb;
+    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
+    const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                                  : _mm512_mul_ps(a, _mm512_set1_ps(-8.f));
+    auto weight = [&](int k) {  // weight k (0..31) of the chunk, for the 16 rows
+      if constexpr (T == PQ_Q8_0) {
+        const __m512i v = _mm512_loadu_si512(ch + wo + 64 * (k / 4));
+        const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xFF));
+        return _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))));
+      } else {
+        const __m512i v = _mm512_loadu_si512(ch + wo + 64 * ((k % 16) / 4));
+        const int shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
+        return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(u), b);
+      }
+    };
+    for (int p = 0; p < 16; ++p) {
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight(2 * p)));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight(2 * p + 1)));
+      _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// The panel of outputs [base, base + kPanel) straight from packed groups, where they all are in one packed
+// segment's whole groups; false otherwise (the caller de-quantizes rows).
+bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
+  if (kPanel % kPackRows != 0) return false;
+  int64_t first = 0;
+  for (int s = 0; s < w.nseg; ++s) {
+    const QSegment& g = w.seg[s];
+    if (base < first + g.rows) {
+      const int64_t local = base - first;
+      if (local % kPackRows != 0 || local + kPanel > g.packed) return false;
+      const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
+      for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
+        const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
+        if (g.type == PQ_Q4_0) packed_group_to_panel<PQ_Q4_0>(grp, nb, panel, h * kPackRows);
+        else if (g.type == PQ_Q4_1) packed_group_to_panel<PQ_Q4_1>(grp, nb, panel, h * kPackRows);
+        else packed_group_to_panel<PQ_Q8_0>(grp, nb, panel, h * kPackRows);
+      }
+      return true;
+    }
+    first += g.rows;
+  }
+  return false;
+}
+#endif
 #endif
 
 void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
@@ -704,9 +768,26 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   {
     std::vector<float> panel(bf16 ? 0 : in * kPanel), row(bf16 ? in * kPanel : in);
     std::vector<uint32_t> bpanel(bf16 ? in2 * kPanel : 0);
+    auto run_panel = [&](int64_t base, int64_t nout) {  // the panel against every row, tile by tile
+      for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+        const int64_t n = std::min(tile, rows - t0);
+        float* yt = y + t0 * out + base;
+        const float* bt = bias ? bias + base : nullptr;
+        if (bf16)
+          bf16_panel_block(bpanel.data(), xp.data() + t0 * in2, n, in2, yt, out, bt, nout);
+        else
+          panel_block(panel.data(), xt.data() + t0 * in, n, in, yt, out, bt, nout);
+      }
+    };
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
+#if defined(PAGEDLLM_QUANT_PACKED_BF16)
+      if (bf16 && packed_panel(w, base, bpanel.data())) {  // whole packed groups: no float rows in between
+        run_panel(base, nout);
+        continue;
+      }
+#endif
       for (int64_t k = 0; k < kPanel; ++k) {
         if (bf16) {
           if (k < nout) dequant_matrix_row(w, base + k, row.data() + k * in);
@@ -720,15 +801,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
         }
       }
       if (bf16) bf16_panel_from_rows(bpanel.data(), row.data(), in, nout, in);
-      for (int64_t t0 = 0; t0 < rows; t0 += tile) {
-        const int64_t n = std::min(tile, rows - t0);
-        float* yt = y + t0 * out + base;
-        const float* bt = bias ? bias + base : nullptr;
-        if (bf16)
-          bf16_panel_block(bpanel.data(), xp.data() + t0 * in2, n, in2, yt, out, bt, nout);
-        else
-          panel_block(panel.data(), xt.data() + t0 * in, n, in, yt, out, bt, nout);
-      }
+      run_panel(base, nout);
     }
   }
 }
