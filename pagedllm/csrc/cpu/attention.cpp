@@ -98,7 +98,10 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
   constexpr int DV = D / 16, T = 16, kAhead = 2;
   constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
   int64_t u0 = std::numeric_limits<int64_t>::max(), u1 = 0, total = 0;
-  std::vector<int64_t> stride(R), off(R);
+  thread_local std::vector<int64_t> layout;  // each token's score stride and offset (no allocation per call)
+  layout.resize(2 * R);
+  int64_t* stride = layout.data();
+  int64_t* off = stride + R;
   for (int64_t j = 0; j < R; ++j) {
     const SpanJob& jb = jobs[j];
     stride[j] = (std::max<int64_t>(0, jb.l1 - jb.l0) + T - 1) / T * T;
@@ -509,15 +512,18 @@ template <typename KV>
 static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
                                int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
                                std::vector<float>& scores) {
-  for (int64_t j = 0; j < R; ++j) {
-    const SpanJob& jb = jobs[j];
-    std::fill(jb.m, jb.m + hq, -std::numeric_limits<float>::infinity());
-    std::fill(jb.lsum, jb.lsum + hq, 0.f);
-    std::fill(jb.acc, jb.acc + hq * d, 0.f);
-  }
 #if defined(__AVX512F__)
-  if (d == 64) return attend_spans_avx512<64, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
-  if (d == 128) return attend_spans_avx512<128, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+  if (d == 64 || d == 128) {  // all the tokens together (empty spans keep these initial results)
+    for (int64_t j = 0; j < R; ++j) {
+      const SpanJob& jb = jobs[j];
+      std::fill(jb.m, jb.m + hq, -std::numeric_limits<float>::infinity());
+      std::fill(jb.lsum, jb.lsum + hq, 0.f);
+      std::fill(jb.acc, jb.acc + hq * d, 0.f);
+    }
+    if (d == 64) attend_spans_avx512<64, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+    else attend_spans_avx512<128, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+    return;
+  }
 #endif
   for (int64_t j = 0; j < R; ++j) {
     const SpanJob& jb = jobs[j];

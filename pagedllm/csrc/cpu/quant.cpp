@@ -62,11 +62,11 @@ inline float f16_at(const uint8_t* p) {
 }
 
 // Weights and bytes per block of each type.
-inline int64_t block_weights(int32_t type) {
+constexpr int64_t block_weights(int32_t type) {
   return (type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K) ? 256 : 32;
 }
 
-inline int64_t block_bytes(int32_t type) {
+constexpr int64_t block_bytes(int32_t type) {
   switch (type) {
     case PQ_Q4_0: return 18;
     case PQ_Q4_1: return 20;
@@ -431,7 +431,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 constexpr int64_t kPackRows = 16;
 
 inline bool packable(int32_t type) { return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q8_0; }
-inline int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 : 32; }  // in a packed chunk
+constexpr int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 : 32; }  // in a packed chunk
 
 [[maybe_unused]] void pack_group(uint8_t* grp, int32_t type, int64_t nb, std::vector<uint8_t>& tmp) {
   const int64_t bb = block_bytes(type), rb = nb * bb, wo = packed_weights_at(type);
@@ -486,7 +486,7 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                   int64_t ldb, float* y, int64_t ldy, __mmask16 keep) {
-  constexpr int64_t cb = kPackRows * (T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34), wo = T == PQ_Q4_1 ? 64 : 32;
+  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
@@ -569,7 +569,7 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
 // arithmetic, rounded to nearest even), the 16 rows' weight k of a chunk being one vector of the packed layout.
 template <int32_t T>
 void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int64_t n0) {
-  constexpr int64_t cb = kPackRows * (T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34), wo = T == PQ_Q4_1 ? 64 : 32;
+  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
