@@ -81,7 +81,7 @@ class ModelRunner:
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
-        # on the int8 products of one row, any number in a decode step where it is packed; a float32 head's one-row
+        # on the int8 products of one row, any number of generated tokens where it is packed; a float32 head's one-row
         # kernel sums in another order than its several-row one (one row at a time); bf16 panels sum each row
         # alike whatever the rows (0: no chunks).
         head = self.model.lm_head
@@ -170,52 +170,55 @@ class ModelRunner:
         lone_verify = len(order) == 1 and order[0] in spec and self.decode_runner is not None
         # The fused decoder of a lone request's drafts reads the block table itself: no attention metadata.
         meta = None if lone_verify else self.attn_backend.build_metadata(common, self.device)
-        # A decode step (each request's one new token and its drafts, no prompt tokens) runs quantized weights on
-        # int8 inputs at any batch size; prompt tokens keep the more precise panels (model/layers/linear.py).
-        drafted = np.array([len(spec.get(r, ())) for r in order]) if spec else 0
-        with int8_inputs(bool(np.all(n_tok == 1 + drafted))):
-            if total == 1 and num_decodes == 1 and self.decode_runner is not None:
-                hidden = self.decode_runner(
-                    self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
-                )
-            elif lone_verify:
-                # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
-                # bit as a lone decode token would be, so greedy output is what it is without speculation.
-                blocks = -(-(int(starts[0]) + total) // self.block_size)
-                hidden = self.decode_runner(
-                    self._t(input_ids),
-                    self._t(positions),
-                    self._t(slots),
-                    self._t(np.ascontiguousarray(batch.block_table[rows[:1], :blocks])),
-                    self._t(starts[:1] + 1),
-                )
-            else:
+        # Generated tokens' rows (decode tokens, drafts, recomputed output) run quantized weights on int8 inputs;
+        # prompt tokens' rows on the more precise panels (model/layers/linear.py).
+        generated = torch.from_numpy(positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok))
+        if total == 1 and num_decodes == 1 and self.decode_runner is not None:
+            hidden = self.decode_runner(
+                self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
+            )
+        elif lone_verify:
+            # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
+            # bit as a lone decode token would be, so greedy output is what it is without speculation.
+            blocks = -(-(int(starts[0]) + total) // self.block_size)
+            hidden = self.decode_runner(
+                self._t(input_ids),
+                self._t(positions),
+                self._t(slots),
+                self._t(np.ascontiguousarray(batch.block_table[rows[:1], :blocks])),
+                self._t(starts[:1] + 1),
+            )
+        else:
+            with int8_inputs(generated):
                 hidden = self.model(self._t(input_ids), self._t(positions), meta)
 
-            # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
-            # drafts has logits at its last known token and at each draft.
-            sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
-            drafts = [spec.get(order[i], []) for i in sample_rows] if spec else None
-            logits = None
-            if sample_rows:
-                if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
-                    rows_to_sample = hidden
-                elif drafts is None:
-                    rows_to_sample = hidden.index_select(
-                        0, torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)
-                    )
-                else:
-                    ends = cu[1:][sample_rows]
-                    index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
-                    rows_to_sample = hidden.index_select(0, torch.as_tensor(index, device=self.device))
+        # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
+        # drafts has logits at its last known token and at each draft.
+        sample_rows = [i for i, s in enumerate(states) if starts[i] + n_tok[i] >= s.num_tokens]
+        drafts = [spec.get(order[i], []) for i in sample_rows] if spec else None
+        logits = None
+        if sample_rows:
+            if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
+                index = None
+            elif drafts is None:
+                index = cu[1:][sample_rows] - 1
+            else:
+                ends = cu[1:][sample_rows]
+                index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
+            if index is None:
+                rows_to_sample, sampled = hidden, generated
+            else:
+                rows_to_sample = hidden.index_select(0, torch.as_tensor(index, device=self.device))
+                sampled = generated[torch.from_numpy(index)]
+            with int8_inputs(sampled):
                 if lone_verify and 0 < self._logits_rows < rows_to_sample.shape[0]:
                     chunks = rows_to_sample.split(self._logits_rows)
                     logits = torch.cat([self.model.compute_logits(c) for c in chunks])
                 else:
                     logits = self.model.compute_logits(rows_to_sample)
-                if logits.dtype != torch.float32:
-                    logits = logits.float()
-            prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
+            if logits.dtype != torch.float32:
+                logits = logits.float()
+        prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
         self._pending = _PendingSample(
             order, states, rows, sample_rows, logits, prompt_lp, drafts, sched.num_spec_tokens_to_propose
         )

@@ -139,23 +139,23 @@ def test_decoding_agrees_with_float32(quantized, float32, batch: int) -> None:
     assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5, (sum(diffs) / len(diffs), max(diffs))
 
 
-def test_decode_steps_alone_take_int8_inputs(quantized, monkeypatch) -> None:
-    """The model runner marks a step as a decode step (int8 inputs at any batch size) only when no prompt token is in
-    it: a prompt's prefill (in one chunk or several) runs on the precise panels, every later step on int8."""
+def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None:
+    """The model runner marks a row for int8 inputs when its token is a generated one, never a prompt token's: the
+    prompts' forward and their first tokens' logits run on the precise panels, every later row on int8."""
     import pagedllm.worker.model_runner as runner_module
 
-    seen: list[bool] = []
+    seen: list[list[bool]] = []
     inner = runner_module.int8_inputs
 
-    def recording(enabled: bool):
-        seen.append(enabled)
-        return inner(enabled)
+    def recording(rows):
+        seen.append(rows.tolist())
+        return inner(rows)
 
     monkeypatch.setattr(runner_module, "int8_inputs", recording)
     quantized.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert seen[0] is False  # the prompts
-    assert seen[-3:] == [True, True, True]  # tokens 2, 3 and 4 of both requests
-    assert seen == sorted(seen)  # once decoding, no step has a prompt token
+    assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
+    assert seen[1] == [False, False]  # the logits of their last tokens
+    assert seen[2:] == [[True, True]] * 6  # tokens 2, 3 and 4 of both: forward, then logits
 
 
 def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir) -> None:

@@ -124,10 +124,29 @@ def test_int8_inputs_for_any_number_of_rows(ops, qtype: int) -> None:
         ref = x.double().numpy() @ w.T.astype(np.float64)
         xn = x.numpy()
         assert np.all(np.abs(got.numpy() - ref) <= _bound(xn, w) + 1e-5 * (np.abs(xn) @ np.abs(w).T) + 1e-6)
-        assert not torch.equal(got, ops.quant_linear(x, qm))  # without int8: the panels
+        panels = ops.quant_linear(x, qm)
+        assert not torch.equal(got, panels)  # without int8: the panels, for any number of rows
+        assert torch.equal(ops.quant_linear(x[7:9].contiguous(), qm), panels[7:9])
     else:
         assert not (_packs(ops) and qtype in PACKED)
         assert torch.equal(got, ops.quant_linear(x, qm))
+
+
+def test_int8_inputs_mark_rows_of_a_step(ops) -> None:
+    """The model runner's int8_inputs: each marked row as int8 alone gives it, each other row as the panels do."""
+    from pagedllm.model.layers.linear import int8_inputs, linear
+
+    qm, _ = _matrix(ops, [(Q4_1, 48)], 512, seed=11)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([True, False, False, True, True, False, True, False, False])
+    with int8_inputs(mask):
+        got = linear(x, torch.empty(0), qweight=qm, ops=ops)
+        with pytest.raises(ValueError, match="marks 9 rows, the linear got 2"):
+            linear(x[:2], torch.empty(0), qweight=qm, ops=ops)
+    for m in range(9):
+        assert torch.equal(got[m], ops.quant_linear(x[m : m + 1].contiguous(), qm, None, bool(mask[m]))[0])
+    with int8_inputs(torch.ones(9, dtype=torch.bool)):
+        assert torch.equal(linear(x, torch.empty(0), qweight=qm, ops=ops), ops.quant_linear(x, qm, None, True))
 
 
 @pytest.mark.parametrize("rows", [33, 48], ids=["partly-packed", "packed"])

@@ -589,8 +589,8 @@ PYBIND11_MODULE(_C, m) {
           "a quantized weight from its row segments (uint8 [rows, row_bytes] each, of GGML type types[i])")
       .def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
            py::arg("int8") = false,
-           "y [M, out] = x [M, in] W^T (+ bias) on a QuantMatrix; int8: int8 inputs for any number of rows where "
-           "the matrix is packed (else beyond quant_dot_max_rows rows, de-quantized panels)")
+           "y [M, out] = x [M, in] W^T (+ bias) on a QuantMatrix; where it is wholly packed, int8 chooses int8 inputs "
+           "or de-quantized panels for any M; elsewhere int8 inputs up to quant_dot_max_rows rows, panels beyond")
       .def("dequantize_rows", &quant_dequantize_rows, py::arg("weight"), py::arg("ids"),
            "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
       .def("paged_decode_attention", &CpuOps::paged_decode_attention)

@@ -146,9 +146,9 @@ struct PagedllmCpuOps {
   // Rewrites `rows` rows of a type (GGUF bytes, [rows, quant_row_bytes]) in place into this build's interleaved
   // layout, in whole groups of 16 rows, and returns how many rows it rewrote (0: the build or the type has none).
   int64_t (*quant_pack)(uint8_t* data, int32_t type, int64_t rows, int64_t in);
-  // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp): up to quant_dot_max_rows()
-  // rows with the inputs quantized to int8 in blocks of 32, more on the de-quantized weight in bf16 or float32
-  // panels; with `int8` set, any number of rows on int8 inputs where the weight is wholly packed (quant_pack).
+  // y [rows, w.out] = x [rows, w.in] W^T (+ bias) on the quantized weight (quant.cpp), with the inputs quantized to
+  // int8 in blocks of 32 or on the de-quantized weight in bf16 or float32 panels: where the weight is wholly packed
+  // (quant_pack), `int8` chooses, whatever the rows; elsewhere int8 up to quant_dot_max_rows() rows, panels beyond.
   void (*quant_linear)(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int32_t int8,
                        int threads);
   // out [n, w.in] = rows ids[0..n) of W in float32 (ids in range).

@@ -5,8 +5,8 @@
 // 32 weights, each of the form w[i] = a * sc[i / 16] * q[i] + b with small integers q and sc (sc is 1 but for Q6_K,
 // whose 16-weight sub-blocks have their own scales): `decode_chunk` below says how each type's bytes give them.
 //
-// Up to kQuantDotMaxRows input rows (decode steps; internal.h), or any number with `int8` set (a decode step of any
-// batch size; model/layers/linear.py says when) where the weight is packed, y = x W^T runs as ggml does: each input row
+// On a packed weight with `int8` set (generated tokens' rows, any number: model/layers/linear.py says which), or on
+// a weight as stored up to kQuantDotMaxRows input rows (internal.h), y = x W^T runs as ggml does: each input row
 // is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
 // a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
 // * Packed (AVX-512 VNNI builds; Q4_0, Q4_1, Q8_0 in whole groups of 16 rows, rewritten in place at load by
@@ -16,8 +16,9 @@
 // * As stored (every other type, build or row): AVX2 vpmaddubsw then vpmaddwd by the 16-bit scales, or vpdpbusd where
 //   the scales are all 1 and the build has VNNI; each output row's chunks are decoded once for a group of up to kGroup
 //   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
-// Either way a row's result does not depend on the other rows of the call. Otherwise more rows (prompt tokens) run
-// on de-quantized panels, whose inputs keep more precision than int8 blocks do: each thread de-quantizes kPanel
+// Either way a row's result does not depend on the other rows of the call. Otherwise (prompt tokens' rows on a packed
+// weight, more rows on one as stored) the rows run on de-quantized panels, whose inputs keep more precision than int8
+// blocks do (a row's result again independent of the others beyond kQuantDotMaxRows): each thread de-quantizes kPanel
 // output rows at a time into a panel and runs a panel GEMM kernel over all the input rows: bf16 panels and inputs
 // where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the de-quantized weights
 // (linear.cpp).
@@ -813,7 +814,7 @@ void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias
   const QMatrix& w = *wp;
   bool packed = true;
   for (int s = 0; s < w.nseg; ++s) packed = packed && w.seg[s].packed == w.seg[s].rows;
-  if (rows > kQuantDotMaxRows && !(int8 && packed)) {
+  if (packed ? !int8 : rows > kQuantDotMaxRows) {  // packed: the caller says; as stored: the number of rows
     quant_linear_panels(y, x, w, bias, rows, threads);
     return;
   }

@@ -7,11 +7,13 @@ checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pas
 is built with the worker's `TensorParallelGroup` (distributed/parallel_state.py; by default one rank): rows split as
 evenly as they go (`even_shard`), attention heads by `attention_shard` (KV heads replicated when fewer than ranks).
 
-GGUF weights run as stored (`ops.quant_linear`). How precisely depends on the step, which the model runner says
-through `int8_inputs`: in a decode step (each request's one new token, and its drafts) every row's input is quantized
-to int8 in blocks of 32 and multiplied in int8, as llama.cpp does, at any batch size where the kernels keep the
-weight in their packed layout; otherwise (prompt tokens) more than a few rows run on de-quantized bf16 or float32
-panels, whose inputs keep 8 significant bits or more, not 8 bits of each block's largest value.
+GGUF weights run as stored (`ops.quant_linear`). How precisely depends on the row, which the model runner says
+through `int8_inputs`: a generated token's row (a decode token, a draft, or an output token recomputed after
+preemption) is quantized to int8 in blocks of 32 and multiplied in int8, as llama.cpp does, at any batch size where
+the kernels keep the weight in their packed layout; a prompt token's row runs on de-quantized bf16 or float32 panels
+(more than a few rows at once; on weights the kernels have not packed, the number of rows decides), whose inputs keep
+8 significant bits or more, not 8 bits of each block's largest value. Each row's kind depends only on its own
+position, so a request's output does not depend on what else shares its steps.
 """
 
 from __future__ import annotations
@@ -41,20 +43,42 @@ PANEL_MAX_ROWS = 16
 
 
 class _StepInputs(threading.local):
-    int8 = False
+    int8: bool | tuple[int, torch.Tensor, torch.Tensor] = False  # all rows, none, or (rows, int8 rows, the others)
 
 
 _STEP = _StepInputs()
 
 
 @contextlib.contextmanager
-def int8_inputs(enabled: bool) -> Iterator[None]:
-    """Within it, quantized weights take every row's input as int8 (a decode step); see the module docstring."""
-    before, _STEP.int8 = _STEP.int8, enabled
+def int8_inputs(rows: bool | torch.Tensor) -> Iterator[None]:
+    """Within it, quantized weights take the inputs of the rows marked True as int8 (generated tokens): all rows,
+    none, or a bool mask over the rows of every linear's input (see the module docstring)."""
+    state: bool | tuple[int, torch.Tensor, torch.Tensor]
+    if isinstance(rows, bool):
+        state = rows
+    elif bool(rows.all()) or not bool(rows.any()):
+        state = bool(rows.all()) if rows.numel() else False
+    else:
+        state = (rows.numel(), rows.nonzero().flatten(), (~rows).nonzero().flatten())
+    before, _STEP.int8 = _STEP.int8, state
     try:
         yield
     finally:
         _STEP.int8 = before
+
+
+def _quant_linear(ops: Any, x: torch.Tensor, qweight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] on a QuantMatrix, each row as int8_inputs marks it."""
+    state = _STEP.int8
+    if isinstance(state, bool):
+        return ops.quant_linear(x, qweight, bias, state)
+    rows, int8_rows, other_rows = state
+    if x.shape[0] != rows:
+        raise ValueError(f"int8_inputs marks {rows} rows, the linear got {x.shape[0]}")
+    y = x.new_empty(rows, qweight.out_features)
+    y.index_copy_(0, int8_rows, ops.quant_linear(x.index_select(0, int8_rows), qweight, bias, True))
+    y.index_copy_(0, other_rows, ops.quant_linear(x.index_select(0, other_rows), qweight, bias, False))
+    return y
 
 
 class Panels(NamedTuple):
@@ -133,7 +157,7 @@ def linear(
     (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `qweight`,
     `bf16_panels`, or `packed` and `panels`, cover it."""
     if qweight is not None:
-        y = ops.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias, _STEP.int8)
+        y = _quant_linear(ops, x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias)
         return y.view(*x.shape[:-1], -1)
     if bf16_panels is not None:
         y = ops.bf16_panel_linear(
