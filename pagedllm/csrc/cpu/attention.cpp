@@ -63,14 +63,15 @@ static inline __m512 sum16x16(const __m512* v) {
 
 // acc[i] += sum over the tile's tokens c < nt of p[i * stride + c] * value row c (at offset ko), for NR query heads
 // of one KV head, the NR x D / 16 accumulators held in registers.
-template <int D, int NR, typename KV>
+template <int D, int NR, typename KV, typename Tick>
 static inline void values_tile(float* acc, const float* p, int64_t stride, const KV* const* rows, int64_t ko,
-                               int64_t nt) {
+                               int64_t nt, Tick&& tick) {
   constexpr int DV = D / 16;
   __m512 av[NR][DV];
   for (int i = 0; i < NR; ++i)
     for (int v = 0; v < DV; ++v) av[i][v] = _mm512_loadu_ps(acc + i * D + 16 * v);
   for (int64_t c = 0; c < nt; ++c) {
+    tick();
     const KV* vr = rows[c] + ko;
     __m512 vv[DV];
     for (int v = 0; v < DV; ++v) vv[v] = kv_load16(vr + 16 * v);
@@ -81,6 +82,31 @@ static inline void values_tile(float* acc, const float* p, int64_t stride, const
   }
   for (int i = 0; i < NR; ++i)
     for (int v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, av[i][v]);
+}
+
+// Scores of G query heads sharing one KV head (queries q, G x D, pre-scaled by sc) against a tile of 16 keys (rows
+// kr, at offset ko): out[i * 16 + c] = q_i . k_c. Each key vector is loaded (and widened, from bf16) once for the G
+// heads; each head's dot product is summed in the order a lone head's would be (the same bits whatever G).
+template <int D, int G, typename KV, typename Tick>
+static inline void scores_tile(const float* q, __m512 scv, const KV* const* kr, int64_t ko, float* out, Tick&& tick) {
+  constexpr int DV = D / 16, T = 16;
+  __m512 qv[G][DV];
+  for (int i = 0; i < G; ++i)
+    for (int v = 0; v < DV; ++v) qv[i][v] = _mm512_mul_ps(_mm512_loadu_ps(q + i * D + 16 * v), scv);
+  __m512 a[G][T];
+#pragma GCC unroll 16
+  for (int c = 0; c < T; ++c) {
+    if (c % 4 == 0) tick();
+    const KV* k = kr[c] + ko;
+    __m512 kv[DV];
+    for (int v = 0; v < DV; ++v) kv[v] = kv_load16(k + 16 * v);
+    for (int i = 0; i < G; ++i) {
+      __m512 x = _mm512_mul_ps(qv[i][0], kv[0]);
+      for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[i][v], kv[v], x);
+      a[i][c] = x;
+    }
+  }
+  for (int i = 0; i < G; ++i) _mm512_store_ps(out + i * T, sum16x16(a[i]));
 }
 
 // attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512, for R query tokens
@@ -97,6 +123,7 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
                                 int64_t bs, int64_t row, int64_t hq, int64_t g, float sc, std::vector<float>& scores) {
   constexpr int DV = D / 16, T = 16, kAhead = 2;
   constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
+  constexpr int GB = std::max(1, std::min(4, 16 / DV));     // query heads sharing one pass over a tile's keys
   int64_t u0 = std::numeric_limits<int64_t>::max(), u1 = 0, total = 0;
   thread_local std::vector<int64_t> layout;  // each token's score stride and offset (no allocation per call)
   layout.resize(2 * R);
@@ -127,10 +154,21 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
   const KV* pf[T];
   int64_t pf_lines = 0;
   const int64_t lpr = std::max<int64_t>(1, used / kLine<KV>);
-  // Prefetch lines [i0, i1) of the tile kAhead ahead (rows pf, pf_lines lines in all).
-  auto prefetch = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < std::min(i1, pf_lines); ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(pf[i / lpr] + (i % lpr) * kLine<KV>), _MM_HINT_T1);
+  // The lines of the tile kAhead ahead (rows pf, pf_lines lines in all) go out paced: `tick` is called `pf_slots`
+  // times over the current tile's work and issues pf_lines / pf_slots lines each time (a running credit, no
+  // division). Issued in bursts, the misses queued up behind each other and stalled the loads of the current tile
+  // (attention from memory ~1.5x slower); `flush` issues what is left at the tile's end.
+  int64_t pf_next = 0, pf_row = 0, pf_col = 0, pf_credit = 0, pf_slots = 1;
+  auto issue = [&]() {
+    _mm_prefetch(reinterpret_cast<const char*>(pf[pf_row] + pf_col * kLine<KV>), _MM_HINT_T1);
+    ++pf_next;
+    if (++pf_col == lpr) pf_col = 0, ++pf_row;
+  };
+  auto tick = [&]() {
+    for (pf_credit += pf_lines; pf_credit >= pf_slots && pf_next < pf_lines; pf_credit -= pf_slots) issue();
+  };
+  auto flush = [&]() {
+    while (pf_next < pf_lines) issue();
   };
   const int64_t ntiles = (u1 - u0 + T - 1) / T;
   // The tiles are read in the order K 0 .. ntiles-1, then V 0 .. ntiles-1: aim kAhead tiles ahead in it.
@@ -139,11 +177,17 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
     const KV* base = ahead < ntiles ? kc : vc;
     if (ahead >= ntiles) ahead -= ntiles;
     pf_lines = ahead < ntiles ? rows_of(base, u0 + ahead * T, pf) * lpr : 0;
+    pf_next = pf_row = pf_col = pf_credit = 0;
   };
   for (int64_t tile = 0; tile < kAhead; ++tile) {  // the first tiles, before they are needed
     plan_prefetch(tile - kAhead);
-    prefetch(0, pf_lines);
+    flush();
   }
+  // Query-head runs of pass 3 (up to RB heads of one KV head each): its ticks are runs x T; pass 1's runs of up to
+  // GB heads tick T / 4 times each.
+  int64_t runs = 0, runs1 = 0;
+  for (int64_t r0 = 0; r0 < hq; ++runs) r0 = std::min<int64_t>({hq, (r0 / g + 1) * g, r0 + RB});
+  for (int64_t r0 = 0; r0 < hq; ++runs1) r0 = std::min<int64_t>({hq, (r0 / g + 1) * g, r0 + GB});
   // Token j's part [lo, hi) of the tile at t0 (empty: lo >= hi).
   auto part = [&](const SpanJob& jb, int64_t t0, int64_t& lo, int64_t& hi) {
     lo = std::max(t0, jb.l0);
@@ -152,10 +196,11 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
   const __m512 scv = _mm512_set1_ps(sc);
   // Pass 1: scores, token j's head r at scores[off[j] + r * stride[j] + l - l0].
   rows_of(kc, u0, kr);
-  alignas(64) float tmp[T];
+  alignas(64) float tmp[GB * T];
   for (int64_t t0 = u0; t0 < u1; t0 += T) {
     if (t0 + T < u1) rows_of(kc, t0 + T, nxt);
     plan_prefetch((t0 - u0) / T);
+    pf_slots = runs1 * (T / 4);
     bool spread = false;  // the prefetch goes along the first token's heads that use this tile
     for (int64_t j = 0; j < R; ++j) {
       const SpanJob& jb = jobs[j];
@@ -163,24 +208,26 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
       part(jb, t0, lo, hi);
       if (lo >= hi) continue;
       float* s = scores.data() + off[j];
-      for (int64_t r = 0; r < hq; ++r) {
-        if (!spread) prefetch(r * pf_lines / hq, (r + 1) * pf_lines / hq);
-        const float* qr = jb.q + r * D;
-        const int64_t ko = (r / g) * D;
-        __m512 qv[DV], a[T];
-        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * v), scv);
-#pragma GCC unroll 16
-        for (int c = 0; c < T; ++c) {
-          const KV* k = kr[c] + ko;
-          __m512 x = _mm512_mul_ps(qv[0], kv_load16(k));
-          for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[v], kv_load16(k + 16 * v), x);
-          a[c] = x;
-        }
-        _mm512_store_ps(tmp, sum16x16(a));
-        std::copy(tmp + (lo - t0), tmp + (hi - t0), s + r * stride[j] + (lo - jb.l0));
+      for (int64_t r0 = 0; r0 < hq;) {
+        const int64_t r1 = std::min<int64_t>({hq, (r0 / g + 1) * g, r0 + GB}), ko = (r0 / g) * D;
+        const float* qr = jb.q + r0 * D;
+        auto run = [&](auto&& tk) {
+          switch (r1 - r0) {
+            case 1: scores_tile<D, 1>(qr, scv, kr, ko, tmp, tk); break;
+            case 2: scores_tile<D, std::min(2, GB)>(qr, scv, kr, ko, tmp, tk); break;
+            case 3: scores_tile<D, std::min(3, GB)>(qr, scv, kr, ko, tmp, tk); break;
+            default: scores_tile<D, std::min(4, GB)>(qr, scv, kr, ko, tmp, tk); break;
+          }
+        };
+        if (spread) run([] {});
+        else run(tick);
+        for (int64_t r = r0; r < r1; ++r)
+          std::copy(tmp + (r - r0) * T + (lo - t0), tmp + (r - r0) * T + (hi - t0), s + r * stride[j] + (lo - jb.l0));
+        r0 = r1;
       }
       spread = true;
     }
+    flush();
     std::copy(nxt, nxt + T, kr);
   }
   // Pass 2: softmax numerators and sums, per token and query head.
@@ -190,9 +237,7 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
     if (span <= 0) continue;
     for (int64_t r = 0; r < hq; ++r) {
       float* sr = scores.data() + off[j] + r * stride[j];
-      float mr = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mr)
-      for (int64_t l = 0; l < span; ++l) mr = std::max(mr, sr[l]);
+      const float mr = max_of(sr, span);
       jb.m[r] = mr;
       jb.lsum[r] = exp_in_place(sr, span, mr);
     }
@@ -202,6 +247,7 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
   for (int64_t t0 = u0; t0 < u1; t0 += T) {
     if (t0 + T < u1) rows_of(vc, t0 + T, nxt);
     plan_prefetch(ntiles + (t0 - u0) / T);
+    pf_slots = runs * T;
     bool spread = false;
     for (int64_t j = 0; j < R; ++j) {
       const SpanJob& jb = jobs[j];
@@ -210,20 +256,24 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
       if (lo >= hi) continue;
       for (int64_t r0 = 0; r0 < hq;) {
         const int64_t kvh = r0 / g, r1 = std::min<int64_t>({hq, (kvh + 1) * g, r0 + RB});
-        if (!spread) prefetch(r0 * pf_lines / hq, r1 * pf_lines / hq);
         const float* sp = scores.data() + off[j] + r0 * stride[j] + (lo - jb.l0);
         float* ap = jb.acc + r0 * D;
         const KV* const* rows = kr + (lo - t0);
-        switch (r1 - r0) {
-          case 1: values_tile<D, 1>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
-          case 2: values_tile<D, std::min(2, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
-          case 3: values_tile<D, std::min(3, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
-          default: values_tile<D, std::min(4, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo); break;
-        }
+        auto run = [&](auto&& tk) {
+          switch (r1 - r0) {
+            case 1: values_tile<D, 1>(ap, sp, stride[j], rows, kvh * D, hi - lo, tk); break;
+            case 2: values_tile<D, std::min(2, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo, tk); break;
+            case 3: values_tile<D, std::min(3, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo, tk); break;
+            default: values_tile<D, std::min(4, RB)>(ap, sp, stride[j], rows, kvh * D, hi - lo, tk); break;
+          }
+        };
+        if (spread) run([] {});
+        else run(tick);
         r0 = r1;
       }
       spread = true;
     }
+    flush();
     std::copy(nxt, nxt + T, kr);
   }
 }

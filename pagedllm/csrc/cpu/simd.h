@@ -111,8 +111,63 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
   return acc;
 }
 
+#if defined(__AVX512F__)
+// exp(x) in 16 lanes, within ~2 ulp of expf: x = n ln2 + r (ln2 in two parts), exp(r) for |r| <= ln2 / 2 by Cephes'
+// degree-7 polynomial, times 2^n (scalef). Inputs below -87.3 give ~1e-38 instead of a denormal or 0 (softmax
+// arguments are <= 0, where that is far below a float's resolution of the sum). Written out because the compiler
+// left `#pragma omp simd` loops over expf scalar (one libm call per score, the sum carried through memory).
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// The largest of s[0 .. n) (-inf when n = 0).
+static inline float max_of(const float* s, int64_t n) {
+#if defined(__AVX512F__)
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + l));
+  if (l < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, static_cast<__mmask16>((1u << (n - l)) - 1), s + l));
+  return _mm512_reduce_max_ps(m);
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) mx = std::max(mx, s[l]);
+  return mx;
+#endif
+}
+
 // s[l] = exp(s[l] - mx) for l < n; returns their sum (softmax numerators and denominator).
 static inline float exp_in_place(float* s, int64_t n, float mx) {
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m));
+    _mm512_storeu_ps(s + l, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (l < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - l)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + l), m));
+    _mm512_mask_storeu_ps(s + l, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t l = 0; l < n; ++l) {
@@ -121,6 +176,7 @@ static inline float exp_in_place(float* s, int64_t n, float mx) {
     sum += e;
   }
   return sum;
+#endif
 }
 
 static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
