@@ -310,15 +310,15 @@ void bf16_panel_linear(float* y, const float* x, const uint32_t* wp, const float
   const int64_t np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
   // The rows in tiles whose pairs (blocked) stay in L2 while every panel passes over them.
   const int64_t tile = std::max<int64_t>(kBf16Block, (int64_t{256} << 10) / (in2 * 4) / kBf16Block * kBf16Block);
-  std::vector<uint32_t> xt(rows * in2);
+  uint32_t* xt = scratch<uint32_t, 0>(rows * in2);
   for (int64_t t0 = 0; t0 < rows; t0 += tile)
-    bf16_pairs_blocked(xt.data() + t0 * in2, x + t0 * in, std::min(tile, rows - t0), in, threads);
+    bf16_pairs_blocked(xt + t0 * in2, x + t0 * in, std::min(tile, rows - t0), in, threads);
 #pragma omp parallel for schedule(guided) num_threads(team_size(threads, np))
   for (int64_t p = 0; p < np; ++p) {
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
     for (int64_t t0 = 0; t0 < rows; t0 += tile) {
       const int64_t n = std::min(tile, rows - t0);
-      bf16_panel_block(wp + p * in2 * kPanel, xt.data() + t0 * in2, n, in2, y + t0 * out + base, out,
+      bf16_panel_block(wp + p * in2 * kPanel, xt + t0 * in2, n, in2, y + t0 * out + base, out,
                        bias ? bias + base : nullptr, nout);
     }
   }

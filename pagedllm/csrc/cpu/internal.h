@@ -2,12 +2,23 @@
 // panel GEMV). Internal to the library: hidden like everything but the ops table.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "kernels.h"
 
 namespace pagedllm {
+
+// The calling thread's scratch buffer number Tag of at least n elements, reused by its later calls: grown when
+// needed (then zeroed once by the vector), never cleared again, so its contents are whatever the last user left.
+// Per-call std::vectors of a few MB had the kernels spend ~3% of a batched run clearing memory they overwrite.
+template <typename T, int Tag>
+T* scratch(std::size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
 
 // Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
 // query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
