@@ -93,8 +93,8 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV cache block, a power of two")
     kv_cache_dtype: str = _arg(
         "auto",
-        "element type of the KV cache: auto is --dtype's (float32 by default); bfloat16 halves its bytes and the "
-        "bytes decode attention reads (attention still sums in float32)",
+        "element type of the KV cache: auto is --dtype's (float32 by default), but bfloat16 for a GGUF run as stored; "
+        "bfloat16 halves its bytes and the bytes decode attention reads (attention still sums in float32)",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory_bytes: int | str | None = _arg(

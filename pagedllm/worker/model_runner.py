@@ -58,8 +58,8 @@ class ModelRunner:
         # --dtype bfloat16 on the native ops: the weights in bf16 (bf16 products, float32 sums), the model built in
         # float32 (activations, norms, KV cache). Without the native ops, plain torch runs everything in bf16.
         self.bf16_weights = bf16 and cpu_ops is not None
-        # The KV cache's dtype follows --dtype as given (auto), or --kv-cache-dtype.
-        self.kv_dtype = config.cache_config.kv_dtype(model_config.torch_dtype)
+        # The KV cache's dtype follows --dtype as given (auto; bf16 for a GGUF run as stored), or --kv-cache-dtype.
+        self.kv_dtype = config.cache_config.kv_dtype(model_config.torch_dtype, model_config.quantization == "gguf")
         if self.bf16_weights:
             model_config = replace(model_config, dtype="float32")
             logger.info(

@@ -1,5 +1,5 @@
 """`kv_cache_dtype="bfloat16"` (--kv-cache-dtype): the KV cache in bf16, against float32, on the default model run
-as the user runs it (its GGUF as stored).
+as the user runs it (its GGUF as stored, where bf16 is also what "auto" gives).
 
 * The cache holds bf16 elements: half the bytes a block, so the same budget buys twice the blocks.
 * Teacher forcing over a fixed text (the prompt's keys and values are read back from the cache): the top-1 token
@@ -7,7 +7,8 @@ as the user runs it (its GGUF as stored).
 * Greedy decoding, one request (the fused one-token decoder) and several (the layer-by-layer path): the tokens are
   the float32 cache's top-1 at >= 95% of the positions.
 * The torch attention backend (the reference path) reads a bf16 cache too, and agrees with the native one.
-* "auto" follows --dtype; a dtype without a cache is refused naming the argument.
+* "auto" follows --dtype, but is bf16 for a GGUF run as stored; a dtype without a cache is refused naming the
+  argument.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def bf16_kv():
 
 @pytest.fixture(scope="module")
 def f32_kv():
-    llm = LLM(**ENGINE)
+    llm = LLM(kv_cache_dtype="float32", **ENGINE)
     yield llm
     llm.shutdown()
 
@@ -99,5 +100,13 @@ def test_auto_follows_dtype_and_bad_dtype_is_refused() -> None:
     assert EngineArgs(kv_cache_dtype="bfloat16").create_engine_config().cache_config.kv_dtype(torch.float32) == (
         torch.bfloat16
     )
+    # A GGUF as stored: bf16 by default; float32 when asked, and when its weights are de-quantized to float32.
+    assert config.kv_dtype(torch.float32, gguf_as_stored=True) == torch.bfloat16
+    f32 = EngineArgs(kv_cache_dtype="float32").create_engine_config().cache_config
+    assert f32.kv_dtype(torch.float32, gguf_as_stored=True) == torch.float32
+    gguf = EngineArgs().create_engine_config()
+    assert gguf.model_config.quantization == "gguf"
+    assert gguf.cache_config.kv_dtype(torch.float32, gguf_as_stored=True) == torch.bfloat16
+    assert EngineArgs(quantization="none").create_engine_config().model_config.quantization is None
     with pytest.raises(ValueError, match="kv_cache_dtype.*fp8"):
         EngineArgs(kv_cache_dtype="fp8").create_engine_config()
