@@ -2,8 +2,9 @@
 
 Two kinds of products, next to the Python package:
 * pagedllm/_C: the torch bindings (csrc/cpu/bindings.cpp), built with torch's extension tooling;
-* pagedllm/_cpu_<isa> for isa in generic, avx2, avx512, avx512bf16 (x86-64; generic only elsewhere): the kernels themselves,
-  the same sources compiled once per instruction set into plain shared libraries with no torch or Python in them.
+* pagedllm/_cpu_<isa> for isa in generic, avx2, avx512, avx512bf16 (x86-64; generic only elsewhere): the kernels
+  themselves, the same sources compiled once per instruction set into plain shared libraries with no torch or Python
+  in them.
   The bindings pick one at run time from what the CPU has (csrc/cpu/kernels.h says why they are separate files).
 
 Without a working C++ compiler the install still succeeds, without the kernels: pagedllm then runs on plain torch

@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm", "llamacpp"], required=True)
     parser.add_argument("--dtype", default="float32", help="pagedllm's --dtype (float32 or bfloat16)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype (auto, bfloat16, float32)")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype (auto, bfloat16, float32)"
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--workload", required=True, help="JSON with prompts (token id lists) and output_lens")
     parser.add_argument("--mode", choices=["throughput", "decode"], default="throughput")

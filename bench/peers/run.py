@@ -7,9 +7,9 @@
 
 Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder (pagedllm-bf16: pagedllm on it with --dtype
 bfloat16, so a bf16 KV cache too); pagedllm-gguf (pagedllm on the default GGUF file, run as stored, with
-its default bf16 KV cache; pagedllm-gguf-kvf32: the same with --kv-cache-dtype float32) and llamacpp (llama.cpp through llama-cpp-python,
-built for this CPU by `setup_llamacpp.sh` in its own
-virtualenv) load the GGUF file itself. The first engine listed is the reference of the ratio column.
+its default bf16 KV cache; pagedllm-gguf-kvf32: the same with --kv-cache-dtype float32) and llamacpp (llama.cpp
+through llama-cpp-python, built for this CPU by `setup_llamacpp.sh` in its own virtualenv) load the GGUF file
+itself. The first engine listed is the reference of the ratio column.
 
 What it does, in order:
 1. de-quantizes the default model's GGUF once into an fp32 Hugging Face folder (`export_model.py`) that every
