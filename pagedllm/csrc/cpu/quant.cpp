@@ -24,6 +24,7 @@
 // where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the de-quantized weights
 // (linear.cpp).
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -648,7 +649,8 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
 }
 
 // Calls fn(type, group, nb, n0) for each packed group of the panel of outputs [base, base + kPanel) (its rows from
-// column n0), where they all are in one packed segment's whole groups; false otherwise (the caller de-quantizes rows).
+// column n0; type a std::integral_constant of the segment's type), where they all are in one packed segment's whole
+// groups; false otherwise (the caller de-quantizes rows).
 template <class Fn>
 bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
   if (kPanel % kPackRows != 0) return false;
@@ -659,8 +661,12 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
       const int64_t local = base - first;
       if (local % kPackRows != 0 || local + kPanel > g.packed) return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
-      for (int64_t h = 0; h < kPanel / kPackRows; ++h)
-        fn(g.type, g.data + (local / kPackRows + h) * group_bytes, nb, h * kPackRows);
+      for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
+        const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
+        if (g.type == PQ_Q4_0) fn(std::integral_constant<int32_t, PQ_Q4_0>{}, grp, nb, h * kPackRows);
+        else if (g.type == PQ_Q4_1) fn(std::integral_constant<int32_t, PQ_Q4_1>{}, grp, nb, h * kPackRows);
+        else fn(std::integral_constant<int32_t, PQ_Q8_0>{}, grp, nb, h * kPackRows);
+      }
       return true;
     }
     first += g.rows;
@@ -703,10 +709,8 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
 }
 
 bool packed_f32_panel(const QMatrix& w, int64_t base, float* panel) {
-  return packed_panel_groups(w, base, [&](int32_t type, const uint8_t* grp, int64_t nb, int64_t n0) {
-    if (type == PQ_Q4_0) packed_group_to_f32_panel<PQ_Q4_0>(grp, nb, panel, n0);
-    else if (type == PQ_Q4_1) packed_group_to_f32_panel<PQ_Q4_1>(grp, nb, panel, n0);
-    else packed_group_to_f32_panel<PQ_Q8_0>(grp, nb, panel, n0);
+  return packed_panel_groups(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+    packed_group_to_f32_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
 }
 #endif
@@ -746,10 +750,8 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
 
 // The bf16 pair panel of outputs [base, base + kPanel) straight from packed groups (packed_panel_groups).
 bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
-  return packed_panel_groups(w, base, [&](int32_t type, const uint8_t* grp, int64_t nb, int64_t n0) {
-    if (type == PQ_Q4_0) packed_group_to_panel<PQ_Q4_0>(grp, nb, panel, n0);
-    else if (type == PQ_Q4_1) packed_group_to_panel<PQ_Q4_1>(grp, nb, panel, n0);
-    else packed_group_to_panel<PQ_Q8_0>(grp, nb, panel, n0);
+  return packed_panel_groups(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+    packed_group_to_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
 }
 #endif
