@@ -93,6 +93,25 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
+    """Prompt rows (no int8) run on panels, in tiles and blocks of rows and in slices of the input: a row's result is
+    bit for bit the same whatever rows share the call, across tiles and partial blocks too (150 rows of 1536 inputs
+    are several tiles), bias included. (Weights kept as stored take few rows in int8 whatever the flag: there, only
+    calls of more than quant_dot_max_rows rows run on panels.)"""
+    qm, w = _matrix(ops, [(qtype, 48)], 1536, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(150, 1536, generator=gen), torch.randn(48, generator=gen)
+    whole = ops.quant_linear(x, qm, bias, False)
+    least = 1 if qm.packed_rows == 48 else ops.quant_dot_max_rows() + 1
+    for lo, hi in ((0, 1), (5, 12), (1, 150), (149, 150), (37, 120), (100, 150)):
+        if hi - lo >= least:
+            assert torch.equal(ops.quant_linear(x[lo:hi].contiguous(), qm, bias, False), whole[lo:hi]), (lo, hi)
+    ref = x.double() @ torch.from_numpy(w).double().T + bias.double()
+    tol = 2.0**-7 if ops.bf16_native() else 1e-4
+    torch.testing.assert_close(whole.double(), ref, rtol=tol, atol=tol)
+
 PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
 
 

@@ -65,10 +65,15 @@ void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
 void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
                      float* y, int64_t ldy, int64_t o0, int64_t o1);
 
-// One panel (kPanel outputs of a weight, [in, kPanel]) against mb input rows held transposed (xb[i * mb + m]): row
-// m's outputs [0, nout) go to y + m * ys (bias added when given).
+// Rows of x [mb, in] in blocks of kPanelBlock (the last one shorter), each block of n rows transposed: row m0 + m's
+// input i at xb[m0 * in + i * n + m].
+void pack_row_blocks(const float* x, int64_t mb, int64_t in, float* xb);
+// One panel (kPanel outputs of a weight, [in, kPanel]) against mb input rows in pack_row_blocks' layout: row m's
+// outputs [0, nout) go to y + m * ys (bias added when given); acc: scratch of mb * kPanel floats. The panel is
+// read in slices that stay in L1 for all the rows; each output's sum still runs over the inputs in order, so a
+// row's result is the same whatever the other rows.
 void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
-                 int64_t nout);
+                 int64_t nout, float* acc);
 
 // bfloat16 (bf16.cpp): round-to-nearest-even of one float; a row of n floats to bf16; one bf16 pair panel (kPanel
 // outputs, ceil(in / 2) pairs) from nout float32 rows `ld` apart (zero past them); input rows [rows, in] to bf16

@@ -6,6 +6,8 @@
 // x[m][i] into 2 M register accumulators. Each weight is read from memory once for all the rows, with no horizontal
 // sums; rows beyond what the registers hold go in blocks over the same panel, which is then in L2. oneDNN's GEMM
 // reads a weight well below the memory bandwidth for 1-16 rows on two cores: this is why (bench/RESULTS.md).
+// panel_block serves many rows on one panel made on the fly (quantized weights' prompt rows, quant.cpp): the panel in
+// slices that stay in L1 while every block of rows, packed contiguous, goes over them (a BLIS-style GEMM).
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -73,16 +75,67 @@ static PanelRowsFn panel_rows_for(int mb, std::integer_sequence<int, Ms...>) {
   return table[mb - 1];
 }
 
+// MB rows over inputs [i0, i1) only, their block transposed (xb[i * MB + m]): the accumulators start from acc
+// ([MB][kPanel]; zero when `fresh`) and end there, so a row's sums run over the inputs in order across calls,
+// exactly as panel_rows runs them in one.
+template <int MB>
+static void panel_rows_part(const float* __restrict wp, const float* __restrict xb, int64_t i0, int64_t i1,
+                            float* __restrict acc, bool fresh) {
+  pvec acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc0[m] = fresh ? pv_zero() : pv_load(acc + m * kPanel);
+    acc1[m] = fresh ? pv_zero() : pv_load(acc + m * kPanel + kLanes);
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const pvec w0 = pv_load(wp + i * kPanel), w1 = pv_load(wp + i * kPanel + kLanes);
+    const float* xi = xb + i * MB;
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const pvec xv = pv_splat(xi[m]);
+      acc0[m] = pv_fma(w0, xv, acc0[m]);
+      acc1[m] = pv_fma(w1, xv, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    pv_store(acc + m * kPanel, acc0[m]);
+    pv_store(acc + m * kPanel + kLanes, acc1[m]);
+  }
+}
+
+using PanelPartFn = void (*)(const float*, const float*, int64_t, int64_t, float*, bool);
+
+template <int... Ms>
+static PanelPartFn panel_part_for(int mb, std::integer_sequence<int, Ms...>) {
+  static const PanelPartFn table[] = {panel_rows_part<Ms + 1>...};
+  return table[mb - 1];
+}
+
+// Inputs of a panel slice that fill 16 KB: a slice stays in L1 while every block of rows goes over it.
+constexpr int64_t kPanelDepth = (int64_t{16} << 10) / (kPanel * static_cast<int64_t>(sizeof(float)));
+
 }  // namespace
 
-void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
-                 int64_t nout) {
+void pack_row_blocks(const float* x, int64_t mb, int64_t in, float* xb) {
   for (int64_t m0 = 0; m0 < mb; m0 += kPanelBlock) {
     const int64_t n = std::min<int64_t>(kPanelBlock, mb - m0);
-    // xb holds the rows transposed, mb to an input column; a block of n of them starts at column offset m0.
-    panel_rows_for(static_cast<int>(n), std::make_integer_sequence<int, kPanelBlock>{})(panel, xb + m0, mb, in,
-                                                                                        y + m0 * ys, ys, bias, nout);
+    float* dst = xb + m0 * in;
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t i = 0; i < in; ++i) dst[i * n + m] = x[(m0 + m) * in + i];
   }
+}
+
+void panel_block(const float* panel, const float* xb, int64_t mb, int64_t in, float* y, int64_t ys, const float* bias,
+                 int64_t nout, float* acc) {
+  for (int64_t i0 = 0; i0 < in; i0 += kPanelDepth) {
+    const int64_t i1 = std::min(in, i0 + kPanelDepth);
+    for (int64_t m0 = 0; m0 < mb; m0 += kPanelBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kPanelBlock, mb - m0));
+      panel_part_for(n, std::make_integer_sequence<int, kPanelBlock>{})(panel, xb + m0 * in, i0, i1,
+                                                                        acc + m0 * kPanel, i0 == 0);
+    }
+  }
+  for (int64_t m = 0; m < mb; ++m)
+    panel_out(pv_load(acc + m * kPanel), pv_load(acc + m * kPanel + kLanes), y + m * ys, bias, 0, nout);
 }
 
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in) {

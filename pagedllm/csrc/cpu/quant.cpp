@@ -886,7 +886,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const bool bf16 = bf16_native();
   const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
   const int64_t tile = std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
-  // x in tiles of `tile` rows, each transposed ([in, tile rows]), or in bf16 pairs as bf16_panel_block reads them.
+  // x in tiles of `tile` rows, in pack_row_blocks' blocks, or in bf16 pairs as bf16_panel_block reads them.
   float* xt = bf16 ? nullptr : scratch<float, 0>(rows * in);
   uint32_t* xp = bf16 ? scratch<uint32_t, 1>(rows * in2) : nullptr;
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
@@ -895,9 +895,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
       bf16_pairs_blocked(xp + t0 * in2, x + t0 * in, n, in, threads);
       continue;
     }
-    float* dst = xt + t0 * in;
-    for (int64_t m = 0; m < n; ++m)
-      for (int64_t i = 0; i < in; ++i) dst[i * n + m] = x[(t0 + m) * in + i];
+    pack_row_blocks(x + t0 * in, n, in, xt + t0 * in);
   }
   const int nt = team_size(threads, np);
 #pragma omp parallel num_threads(nt)
@@ -906,6 +904,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
     float* panel = bf16 ? nullptr : scratch<float, 1>(in * kPanel);
     float* row = scratch<float, 2>(bf16 ? in * kPanel : in);
     uint32_t* bpanel = bf16 ? scratch<uint32_t, 2>(in2 * kPanel) : nullptr;
+    float* acc = bf16 ? nullptr : scratch<float, 3>(std::min(tile, rows) * kPanel);
     auto run_panel = [&](int64_t base, int64_t nout) {  // the panel against every row, tile by tile
       for (int64_t t0 = 0; t0 < rows; t0 += tile) {
         const int64_t n = std::min(tile, rows - t0);
@@ -914,7 +913,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
         if (bf16)
           bf16_panel_block(bpanel, xp + t0 * in2, n, in2, yt, out, bt, nout);
         else
-          panel_block(panel, xt + t0 * in, n, in, yt, out, bt, nout);
+          panel_block(panel, xt + t0 * in, n, in, yt, out, bt, nout, acc);
       }
     };
 #pragma omp for schedule(guided)
