@@ -93,7 +93,6 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
 def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
     """Prompt rows (no int8) run on panels, in tiles and blocks of rows and in slices of the input: a row's result is
@@ -111,6 +110,7 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
     ref = x.double() @ torch.from_numpy(w).double().T + bias.double()
     tol = 2.0**-7 if ops.bf16_native() else 1e-4
     torch.testing.assert_close(whole.double(), ref, rtol=tol, atol=tol)
+
 
 PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
 
