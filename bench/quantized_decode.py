@@ -58,6 +58,7 @@ def child(args: argparse.Namespace) -> dict:
     import pagedllm
     from pagedllm import LLM, SamplingParams
     from pagedllm.model.kernels import load_cpu_ops
+    from pagedllm.model.layers.linear import int8_inputs
 
     load_cpu_ops()  # the kernel library is mapped in both configurations before the baseline
     base = rss_bytes()
@@ -112,7 +113,8 @@ def child(args: argparse.Namespace) -> dict:
             return best
 
         forward = per_call(fused)
-        head = per_call(lambda: model.compute_logits(hidden))
+        with int8_inputs(True):  # a generated token's row, as the model runner marks it (GGUF: int8 products)
+            head = per_call(lambda: model.compute_logits(hidden))
     llm.reset_prefix_cache()
     result = {
         "quantization": args.quantization or "gguf",
