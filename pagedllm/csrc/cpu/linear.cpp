@@ -47,13 +47,13 @@ static inline void panel_row(const float* __restrict wp, const float* __restrict
   panel_out(a0 + b0, a1 + b1, y, bias, lo, hi);
 }
 
-// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs go to y + m * ys.
+// The sums of MB rows over inputs [i0, i1) into their accumulators, in order: xt holds the rows transposed
+// (xt[i * ld + m]). Inlined, so the accumulators stay in registers.
 template <int MB>
-static void panel_rows(const float* __restrict wp, const float* __restrict xt, int64_t ld, int64_t in, float* y,
-                       int64_t ys, const float* bias, int64_t nout) {
-  pvec acc0[MB], acc1[MB];
-  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
-  for (int64_t i = 0; i < in; ++i) {
+static inline __attribute__((always_inline)) void panel_fma(const float* __restrict wp, const float* __restrict xt,
+                                                            int64_t ld, int64_t i0, int64_t i1, pvec (&acc0)[MB],
+                                                            pvec (&acc1)[MB]) {
+  for (int64_t i = i0; i < i1; ++i) {
     const pvec w0 = pv_load(wp + i * kPanel), w1 = pv_load(wp + i * kPanel + kLanes);
     const float* xi = xt + i * ld;
 #pragma GCC unroll 16
@@ -63,6 +63,15 @@ static void panel_rows(const float* __restrict wp, const float* __restrict xt, i
       acc1[m] = pv_fma(w1, xv, acc1[m]);
     }
   }
+}
+
+// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs go to y + m * ys.
+template <int MB>
+static void panel_rows(const float* __restrict wp, const float* __restrict xt, int64_t ld, int64_t in, float* y,
+                       int64_t ys, const float* bias, int64_t nout) {
+  pvec acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
+  panel_fma<MB>(wp, xt, ld, 0, in, acc0, acc1);
   for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, 0, nout);
 }
 
@@ -86,16 +95,7 @@ static void panel_rows_part(const float* __restrict wp, const float* __restrict 
     acc0[m] = fresh ? pv_zero() : pv_load(acc + m * kPanel);
     acc1[m] = fresh ? pv_zero() : pv_load(acc + m * kPanel + kLanes);
   }
-  for (int64_t i = i0; i < i1; ++i) {
-    const pvec w0 = pv_load(wp + i * kPanel), w1 = pv_load(wp + i * kPanel + kLanes);
-    const float* xi = xb + i * MB;
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      const pvec xv = pv_splat(xi[m]);
-      acc0[m] = pv_fma(w0, xv, acc0[m]);
-      acc1[m] = pv_fma(w1, xv, acc1[m]);
-    }
-  }
+  panel_fma<MB>(wp, xb, MB, i0, i1, acc0, acc1);
   for (int m = 0; m < MB; ++m) {
     pv_store(acc + m * kPanel, acc0[m]);
     pv_store(acc + m * kPanel + kLanes, acc1[m]);
