@@ -94,10 +94,10 @@ def child(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         bs = runner.block_size
         ids, pos = torch.tensor([500]), torch.tensor([128])
-        slot, table, lens = torch.tensor([128]), torch.arange(9).view(1, 9), torch.tensor([129])
+        slot, table, table_rows = torch.tensor([128]), torch.arange(9).view(1, 9), torch.tensor([0])
 
         def fused() -> torch.Tensor:
-            return runner.decode_runner(ids, pos, slot, table, lens)
+            return runner.decode_runner(ids, pos, slot, table, table_rows)
 
         assert bs * 9 > 129 and runner.decode_runner is not None
         hidden = fused()

@@ -3,16 +3,20 @@
 Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
 Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
-None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, seq_lens)` computes the
-final hidden states [R, hidden] of a step whose batch is one decode token (R = 1), or one request's decode token
-and its draft tokens (speculative decoding: consecutive positions), writing their keys and values into every
-layer's cache, as the model's layer-by-layer forward does (which stays the path for every other step and every
-other model). Each of the R tokens is computed exactly as it would be alone.
+None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes
+the final hidden states [R, hidden] of a decode step: each request's decode token, or it and its draft tokens
+(speculative decoding: consecutive positions), at most `max_rows` rows in all; row r belongs to the request whose
+block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes their
+keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
+steps with prompt tokens and for every other model). Each of the R tokens is computed exactly as it would be alone.
 
-Why: a single request's decode step is bound by reading the weights, and dispatching some twelve ops per layer
-(each a fork and join of the thread team) cost a measurable share of that step (bench/RESULTS.md). The C++ side is
-pagedllm/csrc/cpu/decoder.cpp; it has the hook points where tensor parallelism all-reduces the attention output
-projection and the MLP down projection.
+Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
+both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share
+of the step: ~1.5 ms of a 9 ms lone decode step, ~15 ms of a 47 ms step of 16 requests on two Zen 3 cores
+(bench/RESULTS.md). `max_rows` is 16 where a layer keeps float32 panels (the layer-by-layer path's own bound for
+them: linear.PANEL_MAX_ROWS; more rows run faster as one GEMM) and 256 where every linear is quantized or in bf16
+panels, whose kernels take any number of rows at once. The C++ side is pagedllm/csrc/cpu/decoder.cpp; it has the
+hook points where tensor parallelism all-reduces the attention output projection and the MLP down projection.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.layers.linear import PANEL_MAX_ROWS
 
 # What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+MAX_ROWS = 256  # rows of a fused step where no linear keeps float32 panels
 
 
 def _get(module: nn.Module, path: str) -> Any:
@@ -42,6 +48,12 @@ class CpuDecodeRunner:
         self.ops = ops
         self.tp = tp or TensorParallelGroup()
         self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
+        float_panels = any(
+            getattr(lin, "qweight", None) is None and getattr(lin, "bf16_panels", None) is None
+            for layer in model.model.layers
+            for lin in (_get(layer, path) for path in _LINEARS)
+        )
+        self.max_rows = PANEL_MAX_ROWS if float_panels else MAX_ROWS
 
     @classmethod
     def create(cls, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> CpuDecodeRunner | None:
@@ -135,13 +147,13 @@ class CpuDecodeRunner:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        table_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions, slot_mapping [R]; block_table [1, blocks]; seq_lens [1] (the first token's context
-        length) -> hidden [R, hidden]."""
+        """input_ids, positions, slot_mapping, table_rows [R] (int64); block_table [B, blocks] -> hidden [R, hidden].
+        A request's rows are consecutive (its context is then read once for all of them)."""
         decoder = self._decoder()
         x = self.model.model.embed_tokens(input_ids).contiguous()
-        decoder(x, positions, slot_mapping, block_table, seq_lens)
+        decoder(x, positions, slot_mapping, block_table, table_rows)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there
         return x

@@ -167,26 +167,29 @@ class ModelRunner:
         num_decodes = int(np.count_nonzero(n_tok == 1))
         common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
         spec = sched.scheduled_spec_decode_tokens
-        lone_verify = len(order) == 1 and order[0] in spec and self.decode_runner is not None
-        # The fused decoder of a lone request's drafts reads the block table itself: no attention metadata.
-        meta = None if lone_verify else self.attn_backend.build_metadata(common, self.device)
         # Generated tokens' rows (decode tokens, drafts, recomputed output) run quantized weights on int8 inputs;
         # prompt tokens' rows on the more precise panels (model/layers/linear.py).
-        generated = torch.from_numpy(positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok))
-        if total == 1 and num_decodes == 1 and self.decode_runner is not None:
-            hidden = self.decode_runner(
-                self._t(input_ids), self._t(positions), meta.slot_mapping, meta.decode_tables, meta.decode_seq_lens
-            )
-        elif lone_verify:
-            # One request verifying its drafts: the fused decoder takes its tokens together, each computed bit for
-            # bit as a lone decode token would be, so greedy output is what it is without speculation.
-            blocks = -(-(int(starts[0]) + total) // self.block_size)
+        is_generated = positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok)
+        generated = torch.from_numpy(is_generated)
+        # A decode step (each request's decode token and its drafts, no prompt token) runs in the fused decoder,
+        # each token computed bit for bit as it would be alone: a request's drafts are verified exactly as plain
+        # decoding computes its tokens, whatever else shares the step. It reads the block tables itself.
+        fused = (
+            self.decode_runner is not None
+            and total <= self.decode_runner.max_rows
+            and bool(is_generated.all())
+            and all(int(n) == 1 + len(spec.get(r, ())) for r, n in zip(order, n_tok))
+        )
+        lone_verify = fused and len(order) == 1 and order[0] in spec
+        meta = None if fused else self.attn_backend.build_metadata(common, self.device)
+        if fused:
+            blocks = -(-int((starts + n_tok).max()) // self.block_size)
             hidden = self.decode_runner(
                 self._t(input_ids),
                 self._t(positions),
                 self._t(slots),
-                self._t(np.ascontiguousarray(batch.block_table[rows[:1], :blocks])),
-                self._t(starts[:1] + 1),
+                self._t(np.ascontiguousarray(batch.block_table[rows, :blocks])),
+                self._t(req_idx),
             )
         else:
             with int8_inputs(generated):

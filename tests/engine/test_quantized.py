@@ -128,7 +128,7 @@ def test_teacher_forced_agreement_and_perplexity(quantized, float32) -> None:
     assert abs(ppl_ratio - 1) <= 0.02, ppl_ratio
 
 
-@pytest.mark.parametrize("batch", [1, 4], ids=["fused-decoder", "few-rows"])
+@pytest.mark.parametrize("batch", [1, 4], ids=["one-request", "four-requests"])
 def test_decoding_agrees_with_float32(quantized_f32_kv, float32, batch: int) -> None:
     """Decode steps run on int8 inputs, as llama.cpp's do (the prefill above runs on panels): their greedy
     tokens are float32's top-1 at >= 93% of the positions (95% measured on Zen 3), with logprobs within 0.05 of
@@ -138,7 +138,7 @@ def test_decoding_agrees_with_float32(quantized_f32_kv, float32, batch: int) -> 
     quantized = quantized_f32_kv
     tok = quantized.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
-    if batch == 1:  # one request at a time: the fused decoder
+    if batch == 1:  # one request at a time (the fused decoder runs four requests' decode steps as well)
         outs = [quantized.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     else:
         outs = quantized.generate(PROMPTS, params, use_tqdm=False)
@@ -157,7 +157,8 @@ def test_decoding_agrees_with_float32(quantized_f32_kv, float32, batch: int) -> 
 
 def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None:
     """The model runner marks a row for int8 inputs when its token is a generated one, never a prompt token's: the
-    prompts' forward and their first tokens' logits run on the precise panels, every later row on int8."""
+    prompts' forward and their first tokens' logits run on the precise panels, every later row on int8 (decode
+    steps' forward in the fused decoder, whose quantized linears take int8 inputs: no mark needed)."""
     import pagedllm.worker.model_runner as runner_module
 
     seen: list[list[bool]] = []
@@ -171,7 +172,7 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
     quantized.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
     assert seen[1] == [False, False]  # the logits of their last tokens
-    assert seen[2:] == [[True, True]] * 6  # tokens 2, 3 and 4 of both: forward, then logits
+    assert seen[2:] == [[True, True]] * 3  # tokens 2, 3 and 4 of both: their logits (the forward runs fused)
 
 
 def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir) -> None:

@@ -3,7 +3,8 @@
 * Greedy output is identical with and without speculation, token for token and logprob for logprob, one request at a
   time, over prompts whose answer repeats their input (drafts are proposed and accepted: checked) and prompts whose
   answer does not. That holds because the fused decoder computes each of a request's verified tokens exactly as a
-  lone decode step would (checked directly, bit for bit, on the model's own weights and KV cache).
+  lone decode step would (checked directly, bit for bit, on the model's own weights and KV cache), and so it does
+  the tokens of several requests sharing a step.
 * Sampling keeps working: seeded requests are reproducible, `n > 1`, logprobs of every output token, `max_tokens`
   never exceeded, stop strings, and several requests sharing steps with drafts.
 * Structured output: drafts are verified under the grammar (only those it accepts, a mask row per position, the
@@ -76,37 +77,48 @@ def test_greedy_output_and_logprobs_identical(plain: LLM, spec: LLM) -> None:
     assert stats.num_drafts > 0 and sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
 
 
-def test_fused_decoder_rows_are_lone_tokens(spec: LLM) -> None:
-    """Five consecutive tokens of one request through the fused decoder at once: the same hidden states and KV
-    cache contents, bit for bit, as five one-token calls (the quantized weights' int8 products, shared weight
-    decoding for several rows)."""
+@pytest.mark.parametrize("requests", [[(37, 5)], [(37, 1), (12, 3), (70, 1), (5, 2)]], ids=["one", "several"])
+def test_fused_decoder_rows_are_lone_tokens(spec: LLM, requests: list[tuple[int, int]]) -> None:
+    """A decode step's tokens through the fused decoder at once: five consecutive tokens of one request (a token and
+    its drafts), or the tokens of several requests, each with its own context and block table (some verifying
+    drafts). The same hidden states and KV cache contents, bit for bit, as one-token calls one at a time (the
+    quantized weights' int8 products, shared weight decoding for several rows, each row's attention over its own
+    request's blocks)."""
     runner = _core(spec).executor.worker.model_runner
     decoder = runner.decode_runner
     assert decoder is not None
     layers = runner.model.model.layers
     block = runner.block_size
-    rows, first = 5, 37  # the tokens' positions: 37 .. 41, after a context of 37 random tokens' keys and values
     caches = [layer.self_attn.attn.kv_cache for layer in layers]
     saved = [(k.clone(), v.clone()) for k, v in caches]
-    table = torch.arange(3, 3 + -(-(first + rows) // block), dtype=torch.int64)[None]
+    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own, from block 3 on.
+    width = max(-(-(first + rows) // block) for first, rows in requests)
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    next_block = 3
+    for i, (first, rows) in enumerate(requests):
+        n = -(-(first + rows) // block)
+        table[i, :n] = torch.arange(next_block, next_block + n)
+        next_block += n
     g = torch.Generator().manual_seed(5)
     for k, v in caches:  # a context to attend to in the blocks used (restored at the end)
-        for blk in table[0].tolist():
+        for blk in range(3, next_block):
             k[blk].copy_(torch.randn(k[blk].shape, generator=g))
             v[blk].copy_(torch.randn(v[blk].shape, generator=g))
     context = [(k.clone(), v.clone()) for k, v in caches]
-    ids = torch.randint(100, 40000, (rows,), generator=g)
-    positions = torch.arange(first, first + rows)
-    slots = table[0][positions // block] * block + positions % block
+    positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
+    table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
+    slots = table[table_rows, positions // block] * block + positions % block
+    ids = torch.randint(100, 40000, (positions.numel(),), generator=g)
     try:
-        together = decoder(ids, positions, slots, table, torch.tensor([first + 1]))
+        together = decoder(ids, positions, slots, table, table_rows)
         after_together = [(k.clone(), v.clone()) for k, v in caches]
         for (k, v), (k0, v0) in zip(caches, context):
             k.copy_(k0)
             v.copy_(v0)
+        one = torch.tensor([0])
         alone = [
-            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table, torch.tensor([first + r + 1]))
-            for r in range(rows)
+            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table[table_rows[r]][None], one)
+            for r in range(positions.numel())
         ]
         assert torch.equal(together, torch.cat(alone))
         for (k, v), (ka, va) in zip(caches, after_together):

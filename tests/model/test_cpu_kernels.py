@@ -184,7 +184,7 @@ def _fused_and_unfused(ops, g, layers, rope, caches, seq_len, ref_layers=None, b
         _flat(ops, layers, bf16_weights), [c[0] for c in caches], [c[1] for c in caches],
         [rope.cos_sin_cache] * len(layers), d**-0.5, eps, final_norm,
     )  # fmt: skip
-    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([seq_len]))
+    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([0]))
     return x, out_ref, refs
 
 
@@ -241,7 +241,7 @@ def test_decode_model_refuses_bad_input(ops) -> None:
     )  # fmt: skip
     step = dict(
         x=torch.randn(1, hidden), positions=torch.tensor([3]), slot_mapping=torch.tensor([3]),
-        block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([4]),
+        block_table=torch.tensor([[0, 1]]), table_rows=torch.tensor([0]),
     )  # fmt: skip
     stack = ops.decode_model(**build)
     stack(**step)  # the valid call works
@@ -263,7 +263,10 @@ def test_decode_model_refuses_bad_input(ops) -> None:
     for key, bad, match in [
         ("slot_mapping", torch.tensor([16]), "slot"),
         ("block_table", torch.tensor([[9, 1]]), "block id"),
-        ("seq_lens", torch.tensor([9]), "seq_len"),
+        ("table_rows", torch.tensor([1]), "table row"),
+        ("table_rows", torch.tensor([0, 0]), "one per row"),
+        ("block_table", torch.tensor([0, 1]), r"\[B, W\]"),
+        ("positions", torch.tensor([8]), "past the block table"),
         ("positions", torch.tensor([64]), "position"),
         ("x", torch.randn(2, hidden), "one per row"),
         ("x", torch.randn(1, hidden + 1), r"\[R, H\]"),

@@ -125,9 +125,11 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-def test_single_request_fused_decode_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One request alone: every decode step is a lone token, which the cpu_native backend runs through the fused
-    decoder (worker/cpu_decode_runner.py: one native call for all layers), for every variant."""
+@pytest.mark.parametrize("num_prompts", [1, 5])
+def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps (no prompt token) run in the fused decoder (worker/cpu_decode_runner.py: one native call for
+    all layers), for every variant: one request alone (every step a lone token), or several of different lengths
+    sharing steps (each row attending to its own request's blocks), greedy output as HF's."""
     require_native_kernels()
     from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 
@@ -139,13 +141,14 @@ def test_single_request_fused_decode_matches_hf(model_dir: str, monkeypatch: pyt
         return original(self, *args)
 
     monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
-    prompts = random_prompts([37], seed=11)
+    prompts = random_prompts([37, 5, 60, 18, 9][:num_prompts], seed=11)
     engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         outs = generate(llm, prompts, greedy())
         assert_idle(llm)
     assert_matches_hf(model_dir, prompts, outs)
-    assert fused_calls == [1] * (MAX_TOKENS - 1)  # every token after the prefill's first
+    # Every token after the prefill's first, all requests in each step (they prefill together and finish together).
+    assert fused_calls == [num_prompts] * (MAX_TOKENS - 1)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])

@@ -495,34 +495,35 @@ class DecodeModel {
   DecodeModel(const DecodeModel&) = delete;
   DecodeModel& operator=(const DecodeModel&) = delete;
 
-  // x [R, H] in place: R consecutive tokens of one request (one decode token, or it and its drafts). Their
-  // positions and cache slots [R]; the request's block table row and the first token's context length (int64, first
-  // element of each); the positions must follow each other.
+  // x [R, H] in place: the step's tokens, row r at position positions[r] with cache slot slot_mapping[r], of the
+  // request whose block table is row table_rows[r] of block_table [B, W]; it attends to that request's positions
+  // 0 .. positions[r], whose keys and values are cached or written by the step's rows (a decode token and its
+  // drafts). Consecutive rows of one request read their context together.
   void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
-                  torch::Tensor seq_lens) const {
+                  torch::Tensor table_rows) const {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == spec_.hidden, "x must be [R, H]");
-    for (auto* t : {&positions, &slot_mapping, &block_table, &seq_lens}) {
+    for (auto* t : {&positions, &slot_mapping, &block_table, &table_rows}) {
       check_index(*t, "index tensors");
       TORCH_CHECK(t->numel() >= 1, "empty index tensor");
     }
     const int64_t rows = x.size(0);
-    TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows, "positions and slot_mapping must have ",
-                rows, " entries, one per row of x");
+    TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows && table_rows.numel() == rows,
+                "positions, slot_mapping and table_rows must have ", rows, " entries, one per row of x");
+    TORCH_CHECK(block_table.dim() == 2, "block_table must be [B, W]");
     const int64_t* pp = positions.data_ptr<int64_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    const int64_t pos = pp[0], len = seq_lens.data_ptr<int64_t>()[0];
-    const int64_t width = block_table.size(-1), bs = spec_.block_size;
+    const int64_t* of = table_rows.data_ptr<int64_t>();
+    const int64_t reqs = block_table.size(0), width = block_table.size(1), bs = spec_.block_size;
     const int64_t* table = block_table.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r) {
-      TORCH_CHECK(pp[r] == pos + r, "the rows' positions must be consecutive");
+      TORCH_CHECK(of[r] >= 0 && of[r] < reqs, "table row ", of[r], " of row ", r, " outside 0..", reqs - 1);
       TORCH_CHECK(slots[r] >= 0 && slots[r] < spec_.num_blocks * bs, "slot ", slots[r], " out of range");
+      TORCH_CHECK(pp[r] >= 0 && pp[r] < spec_.max_position, "position ", pp[r], " out of the rotary table's range");
+      TORCH_CHECK(pp[r] < width * bs, "position ", pp[r], " past the block table's ", width * bs, " tokens");
+      check_block_ids(table + of[r] * width, pp[r] / bs + 1, spec_.num_blocks);
     }
-    TORCH_CHECK(pos >= 0 && pos + rows <= spec_.max_position, "positions ", pos, "..", pos + rows - 1,
-                " out of the rotary table's range");
-    TORCH_CHECK(len >= 1 && len + rows - 1 <= width * bs, "seq_len ", len + rows - 1, " outside 1..", width * bs);
-    check_block_ids(table, (len + rows - 1 + bs - 1) / bs, spec_.num_blocks);
-    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pos, slots, table, len, at::get_num_threads());
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, width, of, at::get_num_threads());
   }
 
  private:
@@ -608,8 +609,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{},
-          "the fused decoder (one token, or a few consecutive ones of one request) over these weights and caches; with tensor parallelism, the all-reduce "
-          "hook (a C AllReduceFn and its context, as integers)");
+          "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
+          "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
+          "integers)");
   py::class_<QuantMatrix, std::shared_ptr<QuantMatrix>>(m, "QuantMatrix")
       .def_property_readonly("out_features", &QuantMatrix::out_features)
       .def_property_readonly("in_features", &QuantMatrix::in_features)
@@ -618,7 +620,7 @@ PYBIND11_MODULE(_C, m) {
                              "rows the kernels hold in their interleaved layout (quant_pack), the rest as stored");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
-           py::arg("block_table"), py::arg("seq_lens"));
+           py::arg("block_table"), py::arg("table_rows"));
 #ifdef PAGEDLLM_SOURCE_HASH
   m.attr("source_hash") = PAGEDLLM_SOURCE_HASH;  // of the sources this module was built from (setup.py)
 #endif

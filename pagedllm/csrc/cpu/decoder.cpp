@@ -1,5 +1,6 @@
-// The fused decoder: a whole Llama-family decoder stack for one decode token in one parallel region, or for a few
-// consecutive tokens of one request (a decode token and its draft tokens, speculative decoding).
+// The fused decoder: a whole Llama-family decoder stack for the tokens of a decode step in one parallel region: one
+// decode token, a few consecutive tokens of one request (a decode token and its draft tokens, speculative decoding),
+// or the decode tokens (and drafts) of several requests, each row attending to its own request's context.
 //
 // Per layer (weights of DecoderLayer; linear weights as panels; a null bias or q/k norm means none):
 //   residual += x (residual = x at the first layer); h = rms_norm(residual) * norm1
@@ -21,7 +22,9 @@
 //
 // Several tokens: each goes through exactly the arithmetic it would alone (the same sums in the same order, context
 // spans and merges), so speculative decoding verifies its drafts bit for bit as plain decoding would compute them,
-// while each weight is read once for all of them (linear_rows).
+// and a request's tokens do not depend on the others of its batch, while each weight is read once for all of them
+// (linear_rows). Attention runs per run of consecutive rows of one request (one block table): their spans of one
+// context are read together.
 //
 // Quantized weights (a layer's QMatrix with segments) run on int8 copies of their input, and bf16 weights
 // (`--dtype bfloat16`) on bf16 copies, which each thread makes itself (a few hundred values, cheaper than sharing
@@ -102,8 +105,8 @@ void* decoder_create(const DecoderSpec* spec) {
 
 void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
-void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, const int64_t* slots, const int64_t* table,
-                 int64_t len, int threads) {
+void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* pos, const int64_t* slots,
+                 const int64_t* tables, int64_t width, const int64_t* table_of, int threads) {
   const Decoder& dec = *static_cast<const Decoder*>(decoder);
   const DecoderSpec& s = dec.spec;
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
@@ -171,7 +174,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, cons
           float* v = qkv + r * qkv_out + hh * d;
           if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
           if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
-          if (hh < hq + hkv) rotate_head(v, w.cos_sin + (pos + r) * s.rot, half);
+          if (hh < hq + hkv) rotate_head(v, w.cos_sin + pos[r] * s.rot, half);
           if (hh >= hq) {  // a key or value head: to the cache
             const int64_t off = slots[r] * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
             void* cache = hh >= hq + hkv ? w.v_cache : w.k_cache;
@@ -182,11 +185,15 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, int64_t pos, cons
 #pragma omp barrier
       for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself: this thread's span of it
         int64_t a, b;
-        share(len + r, t, n, 1, a, b);
+        share(pos[r] + 1, t, n, 1, a, b);
         float* pr = pm + r * pd;
         jobs[r] = SpanJob{qkv + r * qkv_out, a, b, pr, pr + hq, pr + 2 * hq};
       }
-      attend_spans_any(jobs.data(), R, w.k_cache, w.v_cache, s.kv_dtype, table, bs, row, hq, g, d, sc, scores);
+      for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {  // each run of one request's rows over its block table
+        for (r1 = r0 + 1; r1 < R && table_of[r1] == table_of[r0];) ++r1;
+        attend_spans_any(jobs.data() + r0, r1 - r0, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[r0] * width,
+                         bs, row, hq, g, d, sc, scores);
+      }
 #pragma omp barrier
       for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head
         const int64_t r = rr / hq, q = rr % hq;

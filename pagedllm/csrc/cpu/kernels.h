@@ -133,12 +133,14 @@ struct PagedllmCpuOps {
                        int64_t out, int threads);
   void (*paged_decode)(const PagedDecodeArgs* args);
   void (*paged_prefill)(const PagedPrefillArgs* args);
-  // The fused decoder: built once per weights and caches, run per step on x [rows, hidden] in place: `rows`
-  // consecutive tokens of one request (one decode token, or it and its draft tokens), at positions pos .. pos +
-  // rows - 1, cache slots slots[rows], context lengths len .. len + rows - 1.
+  // The fused decoder: built once per weights and caches, run per step on x [rows, hidden] in place: row r a token
+  // at position pos[r] with cache slot slots[r] of the request whose block table is row table_of[r] of tables
+  // [*, width], attending to that request's positions 0 .. pos[r] (its own key and value included, and those of
+  // its earlier rows in the step: a decode token and its draft tokens). A run of consecutive rows of one request
+  // reads its context once.
   void* (*decoder_create)(const DecoderSpec* spec);
-  void (*decoder_run)(const void* decoder, float* x, int64_t rows, int64_t pos, const int64_t* slots,
-                      const int64_t* table, int64_t len, int threads);
+  void (*decoder_run)(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
+                      const int64_t* tables, int64_t width, const int64_t* table_of, int threads);
   void (*decoder_destroy)(void* decoder);
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.
