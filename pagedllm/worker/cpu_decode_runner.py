@@ -4,11 +4,12 @@ Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model c
 Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes
-the final hidden states [R, hidden] of a decode step: each request's decode token, or it and its draft tokens
-(speculative decoding: consecutive positions), at most `max_rows` rows in all; row r belongs to the request whose
-block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes their
-keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
-steps with prompt tokens and for every other model). Each of the R tokens is computed exactly as it would be alone.
+the final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft
+tokens (speculative decoding: consecutive positions), at most `max_rows` rows in all; row r belongs to the request
+whose block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes
+their keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
+the step's other requests, prompt tokens, and for every other model). Each of the R tokens is computed exactly as
+it would be alone, so a request's decode tokens do not depend on what shares its steps.
 
 Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
 both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share

@@ -145,9 +145,18 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         counts = sched.num_scheduled_tokens
+        spec = sched.scheduled_spec_decode_tokens
         # Decodes first, shortest context first (so length groups are contiguous), then multi-token segments.
         decodes = sorted((r for r, n in counts.items() if n == 1), key=lambda r: batch.requests[r].num_computed_tokens)
         order = decodes + [r for r, n in counts.items() if n > 1]
+        # The requests decoding (a decode token and its drafts, no prompt token) run in the fused decoder, each
+        # token computed bit for bit as it would be alone: drafts are verified exactly as plain decoding computes
+        # its tokens, and a request's output does not depend on what shares its steps. They go first; the other
+        # requests (prompt tokens, recomputed output) run the model layer by layer after them, in the same order.
+        fused_reqs = self._fused_requests(order, counts, spec)
+        if fused_reqs:
+            chosen = set(fused_reqs)
+            order = fused_reqs + [r for r in order if r not in chosen]
         states = [batch.requests[r] for r in order]
         n_tok = np.array([counts[r] for r in order], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -164,36 +173,34 @@ class ModelRunner:
         slots = batch.block_table[tok_rows, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        num_decodes = int(np.count_nonzero(n_tok == 1))
-        common = CommonAttentionMetadata(num_decodes, cu, starts, slots, batch.block_table, rows, self.block_size)
-        spec = sched.scheduled_spec_decode_tokens
         # Generated tokens' rows (decode tokens, drafts, recomputed output) run quantized weights on int8 inputs;
         # prompt tokens' rows on the more precise panels (model/layers/linear.py).
-        is_generated = positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok)
-        generated = torch.from_numpy(is_generated)
-        # A decode step (each request's decode token and its drafts, no prompt token) runs in the fused decoder,
-        # each token computed bit for bit as it would be alone: a request's drafts are verified exactly as plain
-        # decoding computes its tokens, whatever else shares the step. It reads the block tables itself.
-        fused = (
-            self.decode_runner is not None
-            and total <= self.decode_runner.max_rows
-            and bool(is_generated.all())
-            and all(int(n) == 1 + len(spec.get(r, ())) for r, n in zip(order, n_tok))
-        )
-        lone_verify = fused and len(order) == 1 and order[0] in spec
-        meta = None if fused else self.attn_backend.build_metadata(common, self.device)
-        if fused:
-            blocks = -(-int((starts + n_tok).max()) // self.block_size)
-            hidden = self.decode_runner(
-                self._t(input_ids),
-                self._t(positions),
-                self._t(slots),
-                self._t(np.ascontiguousarray(batch.block_table[rows, :blocks])),
-                self._t(req_idx),
+        generated = torch.from_numpy(positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok))
+        k = len(fused_reqs)
+        lone_verify = k == 1 and len(order) == 1 and order[0] in spec
+        parts = []
+        if k:  # the fused decoder reads the block tables itself
+            t = int(cu[k])
+            blocks = -(-int((starts[:k] + n_tok[:k]).max()) // self.block_size)
+            parts.append(
+                self.decode_runner(
+                    self._t(input_ids[:t]),
+                    self._t(positions[:t]),
+                    self._t(slots[:t]),
+                    self._t(np.ascontiguousarray(batch.block_table[rows[:k], :blocks])),
+                    self._t(req_idx[:t]),
+                )
             )
-        else:
-            with int8_inputs(generated):
-                hidden = self.model(self._t(input_ids), self._t(positions), meta)
+        if k < len(order):
+            t = int(cu[k])
+            num_decodes = int(np.count_nonzero(n_tok[k:] == 1))  # the rest keeps its decodes first
+            common = CommonAttentionMetadata(
+                num_decodes, cu[k:] - t, starts[k:], slots[t:], batch.block_table, rows[k:], self.block_size
+            )
+            meta = self.attn_backend.build_metadata(common, self.device)
+            with int8_inputs(generated[t:]):
+                parts.append(self.model(self._t(input_ids[t:]), self._t(positions[t:]), meta))
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
         # drafts has logits at its last known token and at each draft.
@@ -228,6 +235,24 @@ class ModelRunner:
         if sched.structured_output_request_ids:
             return None  # sample_tokens(grammar_output) samples, once the grammar bitmask is known
         return self.sample_tokens(None)
+
+    def _fused_requests(self, order: list[str], counts: dict[str, int], spec: dict[str, list[int]]) -> list[str]:
+        """The requests of `order` (in its order) that run in the fused decoder: those decoding (a decode token and
+        its drafts, no prompt token), if there is a fused decoder and they fit its rows; else none."""
+        if self.decode_runner is None:
+            return []
+        batch = self.input_batch
+        chosen = []
+        for r in order:
+            state = batch.requests[r]
+            if (
+                counts[r] == 1 + len(spec.get(r, ()))
+                and state.num_computed_tokens >= batch.num_prompt_tokens[state.row]
+            ):
+                chosen.append(r)
+        if sum(counts[r] for r in chosen) > self.decode_runner.max_rows:
+            return []
+        return chosen
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
