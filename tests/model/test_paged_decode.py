@@ -3,9 +3,10 @@ SDPA on gathered keys and values.
 
 Random caches and block tables with scattered and repeated block ids; requests of different lengths in one call
 (each reads only its first seq_lens[i] tokens); grouped KV heads; the head sizes the kernel specialises (64, 128:
-with AVX-512, tiles of 16 tokens across blocks of 2-32 tokens and query heads in register runs of one to four) and
-generic ones; bad tables are refused with an error instead of reading outside the cache. The kernels are built by
-the install: the tests fail (not skip) where they are missing while a compiler exists (tests/model/conftest.py).
+with AVX-512 tiles of 16 tokens, with AVX2 of 8, across blocks of 2-32 tokens and query heads in register runs of one
+to four) and generic ones; bad tables are refused with an error instead of reading outside the cache. The kernels
+are built by the install: the tests fail (not skip) where they are missing while a compiler exists
+(tests/model/conftest.py).
 """
 
 from __future__ import annotations

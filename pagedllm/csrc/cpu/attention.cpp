@@ -1,7 +1,7 @@
 // Paged attention over a block KV cache, reading keys and values in place from their blocks (no gather, no mask):
 // single-query decode (flash-decoding partial results per span, merged per head) and causal prefill of multi-token
-// segments (16 query rows x 8 keys a tile in the vector lanes, flash-attention style). With AVX-512 the decode span
-// takes 16 keys at a time and reduces their dot products together. The cache holds float32 or bfloat16 (KV below:
+// segments (16 query rows x 8 keys a tile in the vector lanes, flash-attention style). With AVX-512 (AVX2) the
+// decode span takes 16 (8) keys at a time and reduces their dot products together. The cache holds float32 or bfloat16 (KV below:
 // float or uint16_t), widened to float32 as it is read; scores and sums are float32. Figures: bench/RESULTS.md.
 #include <vector>
 
@@ -43,87 +43,138 @@ struct AttendScratch {
 };
 
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGEDLLM_SPAN_TILES 1
 #if defined(__AVX512F__)
-// Lane t of the result is the sum of the 16 lanes of v[t] (a transposed reduction: 45 shuffles and adds for 16
-// dot products, where 16 separate horizontal sums take ~4x as many).
-static inline __m512 sum16x16(const __m512* v) {
-  __m512 w[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of tokens 2i, 2i+1
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit chunk: one partial sum of each of tokens 4i .. 4i+3
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+// The tiled span attention's vector: 16 float lanes (a tile is 16 tokens), 32 registers.
+struct SpanVec {
+  using V = __m512;
+  // W lanes; kChunk vectors of a head's columns and kAcc accumulators at most in registers.
+  static constexpr int W = 16, kChunk = 8, kAcc = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const uint16_t* p) { return kv_load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // Lane t of the result is the sum of the 16 lanes of v[t] (a transposed reduction: 45 shuffles and adds for 16
+  // dot products, where 16 separate horizontal sums take ~4x as many).
+  static V sum_lanes(const V* v) {
+    __m512 w[8], u[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of tokens 2i, 2i+1
+      w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // per 128-bit chunk: one partial sum of each of tokens 4i .. 4i+3
+      u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#else
+// The same with AVX2: 8 float lanes (a tile is 8 tokens), 16 registers.
+struct SpanVec {
+  using V = __m256;
+  static constexpr int W = 8, kChunk = 4, kAcc = 12;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // Lane t of the result is the sum of the 8 lanes of v[t].
+  static V sum_lanes(const V* v) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // tokens 0-3, 2 halves
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // tokens 4-7
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+#endif
+
+// Vectors of a head's D columns that one pass of values_tile or scores_tile holds in registers per query head.
+template <int D>
+constexpr int kSpanChunk = std::min(D / SpanVec::W, SpanVec::kChunk);
 
 // acc[i] += sum over the tile's tokens c < nt of p[i * stride + c] * value row c (at offset ko), for NR query heads
-// of one KV head, the NR x D / 16 accumulators held in registers.
+// of one KV head, the NR x kSpanChunk accumulators held in registers (the columns in chunks of that many vectors,
+// each chunk a pass over the tile's tokens: every accumulator still adds its tokens in order).
 template <int D, int NR, typename KV, typename Tick>
 static inline void values_tile(float* acc, const float* p, int64_t stride, const KV* const* rows, int64_t ko,
                                int64_t nt, Tick&& tick) {
-  constexpr int DV = D / 16;
-  __m512 av[NR][DV];
-  for (int i = 0; i < NR; ++i)
-    for (int v = 0; v < DV; ++v) av[i][v] = _mm512_loadu_ps(acc + i * D + 16 * v);
-  for (int64_t c = 0; c < nt; ++c) {
-    tick();
-    const KV* vr = rows[c] + ko;
-    __m512 vv[DV];
-    for (int v = 0; v < DV; ++v) vv[v] = kv_load16(vr + 16 * v);
-    for (int i = 0; i < NR; ++i) {
-      const __m512 pi = _mm512_set1_ps(p[i * stride + c]);
-      for (int v = 0; v < DV; ++v) av[i][v] = _mm512_fmadd_ps(pi, vv[v], av[i][v]);
+  using V = SpanVec::V;
+  constexpr int W = SpanVec::W, CV = kSpanChunk<D>;
+  for (int v0 = 0; v0 < D / W; v0 += CV) {
+    V av[NR][CV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < CV; ++v) av[i][v] = SpanVec::load(acc + i * D + W * (v0 + v));
+    for (int64_t c = 0; c < nt; ++c) {
+      if (v0 == 0) tick();
+      const KV* vr = rows[c] + ko + W * v0;
+      V pi[NR];
+      for (int i = 0; i < NR; ++i) pi[i] = SpanVec::set1(p[i * stride + c]);
+      for (int v = 0; v < CV; ++v) {
+        const V vv = SpanVec::load(vr + W * v);
+        for (int i = 0; i < NR; ++i) av[i][v] = SpanVec::fma(pi[i], vv, av[i][v]);
+      }
     }
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < CV; ++v) SpanVec::store(acc + i * D + W * (v0 + v), av[i][v]);
   }
-  for (int i = 0; i < NR; ++i)
-    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, av[i][v]);
 }
 
-// Scores of G query heads sharing one KV head (queries q, G x D, pre-scaled by sc) against a tile of 16 keys (rows
-// kr, at offset ko): out[i * 16 + c] = q_i . k_c. Each key vector is loaded (and widened, from bf16) once for the G
-// heads; each head's dot product is summed in the order a lone head's would be (the same bits whatever G).
+// Scores of G query heads sharing one KV head (queries q, G x D, pre-scaled by sc) against a tile of W keys (rows
+// kr, at offset ko): out[i * W + c] = q_i . k_c. Each key vector is loaded (and widened, from bf16) once for the G
+// heads; each head's dot product is summed in the order a lone head's would be (the same bits whatever G), the
+// columns in chunks of kSpanChunk vectors whose partial sums carry over.
 template <int D, int G, typename KV, typename Tick>
-static inline void scores_tile(const float* q, __m512 scv, const KV* const* kr, int64_t ko, float* out, Tick&& tick) {
-  constexpr int DV = D / 16, T = 16;
-  __m512 qv[G][DV];
-  for (int i = 0; i < G; ++i)
-    for (int v = 0; v < DV; ++v) qv[i][v] = _mm512_mul_ps(_mm512_loadu_ps(q + i * D + 16 * v), scv);
-  __m512 a[G][T];
+static inline void scores_tile(const float* q, SpanVec::V scv, const KV* const* kr, int64_t ko, float* out,
+                               Tick&& tick) {
+  using V = SpanVec::V;
+  constexpr int T = SpanVec::W, CV = kSpanChunk<D>;
+  alignas(64) V a[G][T];
+  for (int v0 = 0; v0 < D / T; v0 += CV) {
+    V qv[G][CV];
+    for (int i = 0; i < G; ++i)
+      for (int v = 0; v < CV; ++v) qv[i][v] = SpanVec::mul(SpanVec::load(q + i * D + T * (v0 + v)), scv);
 #pragma GCC unroll 16
-  for (int c = 0; c < T; ++c) {
-    if (c % 4 == 0) tick();
-    const KV* k = kr[c] + ko;
-    __m512 kv[DV];
-    for (int v = 0; v < DV; ++v) kv[v] = kv_load16(k + 16 * v);
-    for (int i = 0; i < G; ++i) {
-      __m512 x = _mm512_mul_ps(qv[i][0], kv[0]);
-      for (int v = 1; v < DV; ++v) x = _mm512_fmadd_ps(qv[i][v], kv[v], x);
-      a[i][c] = x;
+    for (int c = 0; c < T; ++c) {
+      if (v0 == 0 && c % 4 == 0) tick();
+      const KV* k = kr[c] + ko + T * v0;
+      V x[G];
+      const V k0 = SpanVec::load(k);
+      for (int i = 0; i < G; ++i) x[i] = v0 == 0 ? SpanVec::mul(qv[i][0], k0) : SpanVec::fma(qv[i][0], k0, a[i][c]);
+      for (int v = 1; v < CV; ++v) {
+        const V kv = SpanVec::load(k + T * v);
+        for (int i = 0; i < G; ++i) x[i] = SpanVec::fma(qv[i][v], kv, x[i]);
+      }
+      for (int i = 0; i < G; ++i) a[i][c] = x[i];
     }
   }
-  for (int i = 0; i < G; ++i) _mm512_store_ps(out + i * T, sum16x16(a[i]));
+  for (int i = 0; i < G; ++i) SpanVec::store(out + i * T, SpanVec::sum_lanes(a[i]));
 }
 
-// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512, for R query tokens
-// of one context at once (jobs: each token's queries, span and outputs): the same three passes (scores, softmax,
-// values) over tiles of 16 tokens of the spans' union. A tile's 16 keys are read once for all query heads of all the
-// tokens whose span covers it (from memory once, from L1 for the other tokens), their dot products reduced together
-// (sum16x16); values accumulate in registers, up to 16 vectors of query heads of one KV head at a time. Each token's
+// attend_span for the specialised head sizes (64, 128; any multiple of 16 would do) with AVX-512 or AVX2, for R
+// query tokens of one context at once (jobs: each token's queries, span and outputs): the same three passes (scores,
+// softmax, values) over tiles of W tokens (SpanVec: 16 with AVX-512, 8 with AVX2) of the spans' union. A tile's keys
+// are read once for all query heads of all the tokens whose span covers it (from memory once, from L1 for the other
+// tokens), their dot products reduced together (SpanVec::sum_lanes); values accumulate in registers, up to half the
+// registers' worth of query heads of one KV head at a time. Each token's
 // arithmetic is what it would be alone: a score depends on its token only, each token's softmax runs over its own
 // span's scores laid out as alone, and its values accumulate token by token in order. The rows of the tile two ahead
 // are prefetched into L2, spread over the current tile's work: blocks are scattered, which stops the hardware
 // prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
 template <int D, typename KV>
-static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
+static void attend_spans_tiled(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
                                 int64_t bs, int64_t row, int64_t hq, int64_t g, float sc, std::vector<float>& scores) {
-  constexpr int DV = D / 16, T = 16, kAhead = 2;
-  constexpr int RB = DV >= 16 ? 1 : std::min(4, 16 / DV);  // query heads whose accumulators share the registers
-  constexpr int GB = std::max(1, std::min(4, 16 / DV));     // query heads sharing one pass over a tile's keys
+  constexpr int T = SpanVec::W, kAhead = 2;
+  // Query heads whose accumulators share the registers (pass 3), and that share one pass over a tile's keys (1).
+  constexpr int RB = std::max(1, std::min(4, SpanVec::kAcc / kSpanChunk<D>)), GB = RB;
   int64_t u0 = std::numeric_limits<int64_t>::max(), u1 = 0, total = 0;
   thread_local std::vector<int64_t> layout;  // each token's score stride and offset (no allocation per call)
   layout.resize(2 * R);
@@ -152,23 +203,23 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
     return nt;
   };
   const KV* pf[T];
-  int64_t pf_lines = 0;
+  int64_t pf_rows = 0;
   const int64_t lpr = std::max<int64_t>(1, used / kLine<KV>);
-  // The lines of the tile kAhead ahead (rows pf, pf_lines lines in all) go out paced: `tick` is called `pf_slots`
-  // times over the current tile's work and issues pf_lines / pf_slots lines each time (a running credit, no
-  // division). Issued in bursts, the misses queued up behind each other and stalled the loads of the current tile
-  // (attention from memory ~1.5x slower); `flush` issues what is left at the tile's end.
-  int64_t pf_next = 0, pf_row = 0, pf_col = 0, pf_credit = 0, pf_slots = 1;
+  // The token rows of the tile kAhead ahead (pf, pf_rows of them) go out paced: `tick` is called `pf_slots` times
+  // over the current tile's work and issues pf_rows / pf_slots rows each time (a running credit, no division), a
+  // row's lpr lines together. Issued as one burst a tile, the misses queued up behind each other and stalled the
+  // loads of the current tile (attention from memory ~1.5x slower); paced line by line, the bookkeeping cost as
+  // much as the arithmetic where the data was near. `flush` issues what is left at the tile's end.
+  int64_t pf_next = 0, pf_credit = 0, pf_slots = 1;
   auto issue = [&]() {
-    _mm_prefetch(reinterpret_cast<const char*>(pf[pf_row] + pf_col * kLine<KV>), _MM_HINT_T1);
-    ++pf_next;
-    if (++pf_col == lpr) pf_col = 0, ++pf_row;
+    const char* p = reinterpret_cast<const char*>(pf[pf_next++]);
+    for (int64_t l = 0; l < lpr; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
   };
   auto tick = [&]() {
-    for (pf_credit += pf_lines; pf_credit >= pf_slots && pf_next < pf_lines; pf_credit -= pf_slots) issue();
+    for (pf_credit += pf_rows; pf_credit >= pf_slots && pf_next < pf_rows; pf_credit -= pf_slots) issue();
   };
   auto flush = [&]() {
-    while (pf_next < pf_lines) issue();
+    while (pf_next < pf_rows) issue();
   };
   const int64_t ntiles = (u1 - u0 + T - 1) / T;
   // The tiles are read in the order K 0 .. ntiles-1, then V 0 .. ntiles-1: aim kAhead tiles ahead in it.
@@ -176,8 +227,8 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
     int64_t ahead = tile + kAhead;
     const KV* base = ahead < ntiles ? kc : vc;
     if (ahead >= ntiles) ahead -= ntiles;
-    pf_lines = ahead < ntiles ? rows_of(base, u0 + ahead * T, pf) * lpr : 0;
-    pf_next = pf_row = pf_col = pf_credit = 0;
+    pf_rows = ahead < ntiles ? rows_of(base, u0 + ahead * T, pf) : 0;
+    pf_next = pf_credit = 0;
   };
   for (int64_t tile = 0; tile < kAhead; ++tile) {  // the first tiles, before they are needed
     plan_prefetch(tile - kAhead);
@@ -193,7 +244,7 @@ static void attend_spans_avx512(const SpanJob* jobs, int64_t R, const KV* kc, co
     lo = std::max(t0, jb.l0);
     hi = std::min(t0 + T, jb.l1);
   };
-  const __m512 scv = _mm512_set1_ps(sc);
+  const SpanVec::V scv = SpanVec::set1(sc);
   // Pass 1: scores, token j's head r at scores[off[j] + r * stride[j] + l - l0].
   rows_of(kc, u0, kr);
   alignas(64) float tmp[GB * T];
@@ -293,10 +344,10 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   std::fill(lsum, lsum + hq, 0.f);
   std::fill(acc, acc + hq * d, 0.f);
   if (span <= 0) return;
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_SPAN_TILES)
   if constexpr (D > 0 && D % 16 == 0) {
     const SpanJob job{q, l0, l1, m, lsum, acc};
-    attend_spans_avx512<D, KV>(&job, 1, kc, vc, table, bs, row, hq, g, sc, scores);
+    attend_spans_tiled<D, KV>(&job, 1, kc, vc, table, bs, row, hq, g, sc, scores);
     return;
   }
 #endif
@@ -562,7 +613,7 @@ template <typename KV>
 static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
                                int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
                                std::vector<float>& scores) {
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_SPAN_TILES)
   if (d == 64 || d == 128) {  // all the tokens together (empty spans keep these initial results)
     for (int64_t j = 0; j < R; ++j) {
       const SpanJob& jb = jobs[j];
@@ -570,8 +621,8 @@ static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, con
       std::fill(jb.lsum, jb.lsum + hq, 0.f);
       std::fill(jb.acc, jb.acc + hq * d, 0.f);
     }
-    if (d == 64) attend_spans_avx512<64, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
-    else attend_spans_avx512<128, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+    if (d == 64) attend_spans_tiled<64, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
+    else attend_spans_tiled<128, KV>(jobs, R, kc, vc, table, bs, row, hq, g, sc, scores);
     return;
   }
 #endif

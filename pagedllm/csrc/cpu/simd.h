@@ -131,6 +131,29 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp16's arithmetic in 8 lanes; 2^n is built in the exponent bits (n within [-126, 127] after the clamps).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.02f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The first n (< 8) lanes set.
+static inline __m256i lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 // The largest of s[0 .. n) (-inf when n = 0).
@@ -142,6 +165,16 @@ static inline float max_of(const float* s, int64_t n) {
   for (; l + 16 <= n; l += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + l));
   if (l < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, static_cast<__mmask16>((1u << (n - l)) - 1), s + l));
   return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m = ninf;
+  int64_t l = 0;
+  for (; l + 8 <= n; l += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + l));
+  if (l < n) m = _mm256_max_ps(m, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + l, lanes8(n - l)),
+                                                   _mm256_castsi256_ps(lanes8(n - l))));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t l = 0; l < n; ++l) mx = std::max(mx, s[l]);
@@ -167,6 +200,24 @@ static inline float exp_in_place(float* s, int64_t n, float mx) {
     acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
   return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t l = 0;
+  for (; l + 8 <= n; l += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
+    _mm256_storeu_ps(s + l, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (l < n) {
+    const __m256i k = lanes8(n - l);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + l, k), m)), _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s + l, k, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #else
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
