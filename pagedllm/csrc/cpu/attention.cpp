@@ -1,8 +1,9 @@
 // Paged attention over a block KV cache, reading keys and values in place from their blocks (no gather, no mask):
 // single-query decode (flash-decoding partial results per span, merged per head) and causal prefill of multi-token
 // segments (16 query rows x 8 keys a tile in the vector lanes, flash-attention style). With AVX-512 (AVX2) the
-// decode span takes 16 (8) keys at a time and reduces their dot products together. The cache holds float32 or bfloat16 (KV below:
-// float or uint16_t), widened to float32 as it is read; scores and sums are float32. Figures: bench/RESULTS.md.
+// decode span takes 16 (8) keys at a time and reduces their dot products together. The cache holds float32 or
+// bfloat16 (KV below: float or uint16_t), widened to float32 as it is read; scores and sums are float32. Figures:
+// bench/RESULTS.md.
 #include <vector>
 
 #include "internal.h"
