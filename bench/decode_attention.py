@@ -17,7 +17,6 @@ import argparse
 import statistics
 import time
 
-import pagedllm._C as C
 import torch
 
 from pagedllm.model.kernels import load_cpu_ops
@@ -36,6 +35,8 @@ def main() -> None:
     parser.add_argument("--lib", action="append", default=[], help="a kernel build to time (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from pagedllm import _C as C  # after torch, whose libraries it links
+
     libs = {path: C.CpuOps(path) for path in args.lib} or {"installed": load_cpu_ops()}
     g = torch.Generator().manual_seed(0)
     n, width = args.requests, -(-args.context // BLOCK)

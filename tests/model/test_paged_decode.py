@@ -2,11 +2,11 @@
 SDPA on gathered keys and values.
 
 Random caches and block tables with scattered and repeated block ids; requests of different lengths in one call
-(each reads only its first seq_lens[i] tokens); grouped KV heads; the head sizes the kernel specialises (64, 128:
-with AVX-512 tiles of 16 tokens, with AVX2 of 8, across blocks of 2-32 tokens and query heads in register runs of one
-to four) and generic ones; bad tables are refused with an error instead of reading outside the cache. The kernels
-are built by the install: the tests fail (not skip) where they are missing while a compiler exists
-(tests/model/conftest.py).
+(each reads only its first seq_lens[i] tokens); grouped KV heads; float32 and bfloat16 caches; the head sizes the
+kernel specialises (64, 128: with AVX-512 tiles of 16 tokens, with AVX2 of 8 on a bfloat16 cache, across blocks of
+2-32 tokens and query heads in register runs of one to four) and generic ones; bad tables are refused with an error
+instead of reading outside the cache. The kernels are built by the install: the tests fail (not skip) where they are
+missing while a compiler exists (tests/model/conftest.py).
 """
 
 from __future__ import annotations
@@ -60,12 +60,18 @@ def make_case(seed: int, n: int, width: int, hq: int, hkv: int, d: int, block: i
         (2, 3, 4, 1, 40, 2),
     ],
 )
-def test_kernel_matches_sdpa(isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa(
+    isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int, kv_dtype: torch.dtype
+) -> None:
+    """Each case in a float32 and a bfloat16 cache (with AVX2 only the bfloat16 one runs the tiles)."""
     op = isa_ops.paged_decode_attention
     q, k_cache, v_cache, table, lens, scale = make_case(n * 100 + width, n, width, hq, hkv, d, block)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     out = torch.full_like(q, float("nan"))
     op(out, q, k_cache, v_cache, table, lens, scale)
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, table, lens, scale), atol=1e-5, rtol=1e-5)
+    expected = reference(q, k_cache.float(), v_cache.float(), table, lens, scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

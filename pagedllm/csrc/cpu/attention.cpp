@@ -4,6 +4,7 @@
 // decode span takes 16 (8) keys at a time and reduces their dot products together. The cache holds float32 or
 // bfloat16 (KV below: float or uint16_t), widened to float32 as it is read; scores and sums are float32. Figures:
 // bench/RESULTS.md.
+#include <type_traits>
 #include <vector>
 
 #include "internal.h"
@@ -96,6 +97,15 @@ struct SpanVec {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   }
 };
+#endif
+
+// Whether decode spans over a cache of KV run in tiles. With AVX2 a float32 cache keeps the token loop: from memory it
+// read ~12 GB/s there, the tiles ~10 (bench/decode_attention.py on Zen 3; a bfloat16 cache 1.6x faster in tiles).
+template <typename KV>
+#if defined(__AVX512F__)
+constexpr bool kSpanTiles = true;
+#else
+constexpr bool kSpanTiles = std::is_same_v<KV, uint16_t>;
 #endif
 
 // Vectors of a head's D columns that one pass of values_tile or scores_tile holds in registers per query head.
@@ -346,7 +356,7 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   std::fill(acc, acc + hq * d, 0.f);
   if (span <= 0) return;
 #if defined(PAGEDLLM_SPAN_TILES)
-  if constexpr (D > 0 && D % 16 == 0) {
+  if constexpr (D > 0 && D % 16 == 0 && kSpanTiles<KV>) {
     const SpanJob job{q, l0, l1, m, lsum, acc};
     attend_spans_tiled<D, KV>(&job, 1, kc, vc, table, bs, row, hq, g, sc, scores);
     return;
@@ -615,7 +625,7 @@ static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, con
                                int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
                                std::vector<float>& scores) {
 #if defined(PAGEDLLM_SPAN_TILES)
-  if (d == 64 || d == 128) {  // all the tokens together (empty spans keep these initial results)
+  if (kSpanTiles<KV> && (d == 64 || d == 128)) {  // all the tokens together (empty spans keep these initial results)
     for (int64_t j = 0; j < R; ++j) {
       const SpanJob& jb = jobs[j];
       std::fill(jb.m, jb.m + hq, -std::numeric_limits<float>::infinity());
