@@ -136,6 +136,22 @@ def gguf_model() -> str:
     return default_model_path()
 
 
+def stale_kernels(engines: list[str]) -> str | None:
+    """Why pagedllm's engines would run without their native CPU kernels (missing, or built from other sources: the
+    engine then falls back to plain torch with only a warning in its log), or None. None as well when no pagedllm
+    engine runs or PAGEDLLM_CPU_KERNELS=0 asks for plain torch on purpose."""
+    from pagedllm.config import cpu_isa, cpu_kernels_enabled
+    from pagedllm.model.kernels import KernelsUnavailable, load_cpu_ops
+
+    if not any(e.startswith("pagedllm") for e in engines) or not cpu_kernels_enabled():
+        return None
+    try:
+        load_cpu_ops(cpu_isa())
+    except KernelsUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -515,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown engine {e!r}; choose from {', '.join(ENGINE_LABEL)}")
     if "baseline" in engines and not args.baseline:
         parser.error("engine 'baseline' needs --baseline PATH")
+    problem = stale_kernels(engines)
+    if problem is not None:
+        parser.error(f"pagedllm would run on plain torch, not its native kernels: {problem}")
     command = "python bench/peers/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     model = prepare_model()
     vpy = vllm_python() if "vllm" in engines else None
