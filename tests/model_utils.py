@@ -237,3 +237,52 @@ class PreemptionCounter:
 
     def __exit__(self, *exc: Any) -> None:
         del self.client.get_output  # back to the class method
+
+
+def check_fused_rows_are_lone_tokens(llm: Any, requests: list[tuple[int, int]]) -> None:
+    """Runs tokens of several requests (request i: `rows` consecutive tokens from position `first`, each with its own
+    blocks and a random context in them) through an in-process engine's fused decoder at once, then each token alone,
+    and asserts the same hidden states and KV cache contents, bit for bit. The cache is restored afterwards."""
+    runner = llm.engine_core.engine_core.executor.worker.model_runner
+    decoder = runner.decode_runner
+    assert decoder is not None
+    layers = runner.model.model.layers
+    block = runner.block_size
+    caches = [layer.self_attn.attn.kv_cache for layer in layers]
+    saved = [(k.clone(), v.clone()) for k, v in caches]
+    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own, from block 3 on.
+    width = max(-(-(first + rows) // block) for first, rows in requests)
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    next_block = 3
+    for i, (first, rows) in enumerate(requests):
+        n = -(-(first + rows) // block)
+        table[i, :n] = torch.arange(next_block, next_block + n)
+        next_block += n
+    g = torch.Generator().manual_seed(5)
+    for k, v in caches:  # a context to attend to in the blocks used (restored at the end)
+        for blk in range(3, next_block):
+            k[blk].copy_(torch.randn(k[blk].shape, generator=g))
+            v[blk].copy_(torch.randn(v[blk].shape, generator=g))
+    context = [(k.clone(), v.clone()) for k, v in caches]
+    positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
+    table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
+    slots = table[table_rows, positions // block] * block + positions % block
+    ids = torch.randint(runner.vocab_size, (positions.numel(),), generator=g)
+    try:
+        together = decoder(ids, positions, slots, table, table_rows)
+        after_together = [(k.clone(), v.clone()) for k, v in caches]
+        for (k, v), (k0, v0) in zip(caches, context):
+            k.copy_(k0)
+            v.copy_(v0)
+        one = torch.tensor([0])
+        alone = [
+            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table[table_rows[r]][None], one)
+            for r in range(positions.numel())
+        ]
+        assert torch.equal(together, torch.cat(alone))
+        for (k, v), (ka, va) in zip(caches, after_together):
+            assert torch.equal(k, ka) and torch.equal(v, va)
+    finally:
+        for (k, v), (k0, v0) in zip(caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)

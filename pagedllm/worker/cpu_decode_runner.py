@@ -5,7 +5,8 @@ Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations,
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes
 the final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft
-tokens (speculative decoding: consecutive positions), at most `max_rows` rows in all; row r belongs to the request
+tokens (speculative decoding: consecutive positions), at most `max_rows` rows a call (the model runner makes as
+many calls as a step's decoding rows need, whole requests in each); row r belongs to the request
 whose block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes
 their keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
 the step's other requests, prompt tokens, and for every other model). Each of the R tokens is computed exactly as
@@ -14,9 +15,9 @@ it would be alone, so a request's decode tokens do not depend on what shares its
 Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
 both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share
 of the step: ~1.5 ms of a 9 ms lone decode step, ~15 ms of a 47 ms step of 16 requests on two Zen 3 cores
-(bench/RESULTS.md). `max_rows` is 16 where a layer keeps float32 panels (the layer-by-layer path's own bound for
-them: linear.PANEL_MAX_ROWS; more rows run faster as one GEMM) and 256 where every linear is quantized or in bf16
-panels, whose kernels take any number of rows at once. The C++ side is pagedllm/csrc/cpu/decoder.cpp; it has the
+(bench/RESULTS.md). Every weight kind takes any number of rows at once (float32 panels in register blocks of rows
+whose sums do not depend on the block, bf16 panels, quantized weights), each weight read from memory once a call;
+`max_rows` (256) only bounds a call's scratch. The C++ side is pagedllm/csrc/cpu/decoder.cpp; it has the
 hook points where tensor parallelism all-reduces the attention output projection and the MLP down projection.
 """
 
@@ -28,11 +29,10 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.model.layers.linear import PANEL_MAX_ROWS
 
 # What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-MAX_ROWS = 256  # rows of a fused step where no linear keeps float32 panels
+MAX_ROWS = 256  # rows of one call (the model runner makes as many calls as a step needs)
 
 
 def _get(module: nn.Module, path: str) -> Any:
@@ -49,12 +49,7 @@ class CpuDecodeRunner:
         self.ops = ops
         self.tp = tp or TensorParallelGroup()
         self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
-        float_panels = any(
-            getattr(lin, "qweight", None) is None and getattr(lin, "bf16_panels", None) is None
-            for layer in model.model.layers
-            for lin in (_get(layer, path) for path in _LINEARS)
-        )
-        self.max_rows = PANEL_MAX_ROWS if float_panels else MAX_ROWS
+        self.max_rows = MAX_ROWS
 
     @classmethod
     def create(cls, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> CpuDecodeRunner | None:

@@ -179,18 +179,25 @@ class ModelRunner:
         k = len(fused_reqs)
         lone_verify = k == 1 and len(order) == 1 and order[0] in spec
         parts = []
-        if k:  # the fused decoder reads the block tables itself
-            t = int(cu[k])
-            blocks = -(-int((starts[:k] + n_tok[:k]).max()) // self.block_size)
+        # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
+        # requests go in consecutive chunks of whole requests (each row is what it is alone, whatever its chunk).
+        a = 0
+        while a < k:
+            b = a + 1
+            while b < k and cu[b + 1] - cu[a] <= self.decode_runner.max_rows:
+                b += 1
+            t0, t1 = int(cu[a]), int(cu[b])
+            blocks = -(-int((starts[a:b] + n_tok[a:b]).max()) // self.block_size)
             parts.append(
                 self.decode_runner(
-                    self._t(input_ids[:t]),
-                    self._t(positions[:t]),
-                    self._t(slots[:t]),
-                    self._t(np.ascontiguousarray(batch.block_table[rows[:k], :blocks])),
-                    self._t(req_idx[:t]),
+                    self._t(input_ids[t0:t1]),
+                    self._t(positions[t0:t1]),
+                    self._t(slots[t0:t1]),
+                    self._t(np.ascontiguousarray(batch.block_table[rows[a:b], :blocks])),
+                    self._t(req_idx[t0:t1] - a),
                 )
             )
+            a = b
         if k < len(order):
             t = int(cu[k])
             num_decodes = int(np.count_nonzero(n_tok[k:] == 1))  # the rest keeps its decodes first
@@ -237,8 +244,9 @@ class ModelRunner:
         return self.sample_tokens(None)
 
     def _fused_requests(self, order: list[str], counts: dict[str, int], spec: dict[str, list[int]]) -> list[str]:
-        """The requests of `order` (in its order) that run in the fused decoder: those decoding (a decode token and
-        its drafts, no prompt token), if there is a fused decoder and they fit its rows; else none."""
+        """The requests of `order` (in its order) that run in the fused decoder, if there is one: those decoding (a
+        decode token and its drafts, no prompt token) whose rows fit one call of it (execute_model runs them in as
+        many calls as their rows need)."""
         if self.decode_runner is None:
             return []
         batch = self.input_batch
@@ -247,11 +255,10 @@ class ModelRunner:
             state = batch.requests[r]
             if (
                 counts[r] == 1 + len(spec.get(r, ()))
+                and counts[r] <= self.decode_runner.max_rows
                 and state.num_computed_tokens >= batch.num_prompt_tokens[state.row]
             ):
                 chosen.append(r)
-        if sum(counts[r] for r in chosen) > self.decode_runner.max_rows:
-            return []
         return chosen
 
     @torch.inference_mode()

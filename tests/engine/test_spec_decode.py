@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
+from tests.model_utils import check_fused_rows_are_lone_tokens
 
 ENGINE = {"engine_client": "inproc", "kv_cache_memory_bytes": "128MiB", "max_model_len": 1024}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -84,49 +84,7 @@ def test_fused_decoder_rows_are_lone_tokens(spec: LLM, requests: list[tuple[int,
     drafts). The same hidden states and KV cache contents, bit for bit, as one-token calls one at a time (the
     quantized weights' int8 products, shared weight decoding for several rows, each row's attention over its own
     request's blocks)."""
-    runner = _core(spec).executor.worker.model_runner
-    decoder = runner.decode_runner
-    assert decoder is not None
-    layers = runner.model.model.layers
-    block = runner.block_size
-    caches = [layer.self_attn.attn.kv_cache for layer in layers]
-    saved = [(k.clone(), v.clone()) for k, v in caches]
-    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own, from block 3 on.
-    width = max(-(-(first + rows) // block) for first, rows in requests)
-    table = torch.zeros(len(requests), width, dtype=torch.int64)
-    next_block = 3
-    for i, (first, rows) in enumerate(requests):
-        n = -(-(first + rows) // block)
-        table[i, :n] = torch.arange(next_block, next_block + n)
-        next_block += n
-    g = torch.Generator().manual_seed(5)
-    for k, v in caches:  # a context to attend to in the blocks used (restored at the end)
-        for blk in range(3, next_block):
-            k[blk].copy_(torch.randn(k[blk].shape, generator=g))
-            v[blk].copy_(torch.randn(v[blk].shape, generator=g))
-    context = [(k.clone(), v.clone()) for k, v in caches]
-    positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
-    table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
-    slots = table[table_rows, positions // block] * block + positions % block
-    ids = torch.randint(100, 40000, (positions.numel(),), generator=g)
-    try:
-        together = decoder(ids, positions, slots, table, table_rows)
-        after_together = [(k.clone(), v.clone()) for k, v in caches]
-        for (k, v), (k0, v0) in zip(caches, context):
-            k.copy_(k0)
-            v.copy_(v0)
-        one = torch.tensor([0])
-        alone = [
-            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table[table_rows[r]][None], one)
-            for r in range(positions.numel())
-        ]
-        assert torch.equal(together, torch.cat(alone))
-        for (k, v), (ka, va) in zip(caches, after_together):
-            assert torch.equal(k, ka) and torch.equal(v, va)
-    finally:
-        for (k, v), (k0, v0) in zip(caches, saved):
-            k.copy_(k0)
-            v.copy_(v0)
+    check_fused_rows_are_lone_tokens(spec, requests)
 
 
 def test_sampling_with_drafts(plain: LLM, spec: LLM) -> None:

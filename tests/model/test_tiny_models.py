@@ -24,7 +24,14 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.kernels import available_isas
 from pagedllm.outputs import Logprob, RequestOutput
-from tests.model_utils import PreemptionCounter, hf_greedy, hf_logprobs, make_tiny_model, random_prompts
+from tests.model_utils import (
+    PreemptionCounter,
+    check_fused_rows_are_lone_tokens,
+    hf_greedy,
+    hf_logprobs,
+    make_tiny_model,
+    random_prompts,
+)
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -149,6 +156,60 @@ def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, m
     assert_matches_hf(model_dir, prompts, outs)
     # Every token after the prefill's first, all requests in each step (they prefill together and finish together).
     assert fused_calls == [num_prompts] * (MAX_TOKENS - 1)
+
+
+def test_fused_decoder_float32_rows_are_lone_tokens(model_dir: str) -> None:
+    """The fused decoder on float32 panels, for every variant: the tokens of several requests at once (23 rows, more
+    than a block of the panel kernel, some requests with several consecutive tokens as when verifying drafts) give
+    the same hidden states and KV cache contents, bit for bit, as each token alone."""
+    require_native_kernels()
+    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
+    with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
+        check_fused_rows_are_lone_tokens(llm, [(37, 5), (12, 3), (70, 1), (5, 2), (20, 4), (9, 7), (100, 1)])
+
+
+@pytest.mark.parametrize("max_rows", [None, 4], ids=["one-call", "chunks-of-4"])
+def test_many_decoding_requests_run_fused(
+    tiny_model_dir: Path, max_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every decoding request of a step runs in the fused decoder, never layer by layer, however many there are:
+    more than the float32 panels' few-row bound of the layer-by-layer path (16) in one call, and more than one call
+    takes (here made 4 rows) in several calls of whole requests. Each one's tokens are then those it decodes alone,
+    whatever shares its steps: greedy output as each request's own run alone, and as HF's."""
+    require_native_kernels()
+    from pagedllm.model.layers.linear import PANEL_MAX_ROWS
+    from pagedllm.worker import cpu_decode_runner
+    from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
+
+    if max_rows is not None:
+        monkeypatch.setattr(cpu_decode_runner, "MAX_ROWS", max_rows)
+    calls: list[int] = []  # rows of each fused call
+    original = CpuDecodeRunner.__call__
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls.append(args[0].numel())
+        return original(self, *args)
+
+    monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
+    arch, kwargs = VARIANTS["llama"]
+    folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
+    num = PANEL_MAX_ROWS + 5
+    prompts = random_prompts([3 + 5 * i % 41 for i in range(num)], seed=12)
+    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
+    steps = 8
+    with LLM(folder, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
+        together = generate(llm, prompts, greedy(steps))
+        assert_idle(llm)
+        # Every decode token of every request ran fused (the requests prefill in one step and decode together).
+        assert sum(calls) == num * (steps - 1)
+        per_step = 1 if max_rows is None else -(-num // max_rows)
+        assert len(calls) == per_step * (steps - 1) and max(calls) <= (max_rows or num)
+        alone = [generate(llm, [p], greedy(steps))[0] for p in prompts]
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}: batched != alone"
+    expected = hf_greedy(folder, prompts, steps)
+    for i, (out, ref) in enumerate(zip(together, expected)):
+        assert list(out.outputs[0].token_ids) == ref, f"prompt {i}: engine != HF"
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])

@@ -71,20 +71,21 @@ struct Bf16Rows {
 };
 
 // Outputs [o0, o1) of a linear layer for the step's rows x [rows, in] (outputs of row r at y + r * ys): through its
-// quantized rows on xq (x quantized) or its bf16 panels on xb (x rounded to bf16), each weight decoded or read once
-// for all the rows, or through its panels, a row at a time over chunks of 2 kPanel outputs (a chunk's weights are read from
-// memory once and from cache by the other rows). Each row's outputs are what they would be for that row alone.
+// quantized rows on xq (x quantized), its bf16 panels on xb (x rounded to bf16) or its float32 panels on xt (x
+// transposed; unused for one row), each weight decoded or read from memory once for all the rows. Each row's outputs
+// are what they would be for that row alone.
 inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t rows,
-                        const Q8Rows8& xq, Bf16Rows& xb, const float* bias, float* y, int64_t ys, int64_t o0,
-                        int64_t o1, int64_t in) {
+                        const Q8Rows8& xq, Bf16Rows& xb, std::vector<float>& xt, const float* bias, float* y,
+                        int64_t ys, int64_t o0, int64_t o1, int64_t in) {
   if (qw.nseg > 0) {
     quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), rows, bias, y, ys, o0, o1);
   } else if (w16 != nullptr) {
     bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2, xb.out.data());
   } else {
-    const int64_t step = rows == 1 ? o1 - o0 : 2 * kPanel;
-    for (int64_t c = o0; c < o1; c += step)
-      for (int64_t r = 0; r < rows; ++r) gemv_panels(panels, x + r * in, bias, y + r * ys, c, std::min(c + step, o1), in);
+    if (rows > 1)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < in; ++i) xt[i * rows + r] = x[r * in + i];
+    panel_rows_range(panels, rows > 1 ? xt.data() : x, rows, in, bias, y, ys, o0, o1);
   }
 }
 
@@ -134,22 +135,24 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     std::vector<SpanJob> jobs(R);
     // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
     const int64_t widest = std::max({hidden, hq * d, inter});
-    bool any_q = false, any_16 = false;  // the copies only the layers' weight kinds need
+    bool any_q = false, any_16 = false, any_32 = false;  // the copies only the layers' weight kinds need
     for (const DecoderLayer& w : dec.layers)
       for (const auto& [qw, w16] : {std::pair{&w.qkv_q, w.qkv16}, {&w.o_q, w.o16}, {&w.gate_up_q, w.gate_up16},
                                     {&w.down_q, w.down16}}) {
         any_q = any_q || qw->nseg > 0;
         any_16 = any_16 || (qw->nseg == 0 && w16 != nullptr);
+        any_32 = any_32 || (qw->nseg == 0 && w16 == nullptr);
       }
     Q8Rows8 xq(any_q ? R : 0, widest);
     Bf16Rows xb(any_16 ? R : 0, widest);
+    std::vector<float> xt(any_32 && R > 1 ? R * widest : 0);  // this thread's transposed copy, for float32 panels
     auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
       if (qw.nseg > 0) xq.set(x, R, len);
       else if (w16 != nullptr) xb.set(x, R, len);
     };
     auto linear = [&](const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t in,
                       const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
-      linear_rows(panels, qw, w16, x, R, xq, xb, bias, y, ys, o0, o1, in);
+      linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in);
     };
     int64_t ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v

@@ -45,6 +45,14 @@ void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
 
+// y[m][o] for outputs [o0, o1) (any alignment) of `rows` input rows, given transposed (xt[i * rows + m]; for one row
+// that is the row itself), from W's panels: over each panel, the rows in near-equal blocks of at most kPanelBlock
+// (the panel read from memory once, from cache by the other blocks). A row's sums run over the inputs in order in
+// one accumulator pair, whatever its block, so its outputs do not depend on the other rows (gemv_panels sums in
+// another order).
+void panel_rows_range(const float* wp, const float* xt, int64_t rows, int64_t in, const float* bias, float* y,
+                      int64_t ys, int64_t o0, int64_t o1);
+
 // Input rows up to which quant_linear runs on int8 products without its `int8` flag (beyond: de-quantized panels).
 // With AVX512-BF16 the de-quantized bf16 panels overtake the int8 products of weights as stored from about 5 rows
 // (~400 against ~80 GFLOP/s on Zen 4, with a de-quantization per call that costs about as much as 4 rows of int8

@@ -65,17 +65,18 @@ static inline __attribute__((always_inline)) void panel_fma(const float* __restr
   }
 }
 
-// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs go to y + m * ys.
+// MB rows at once: xt holds them transposed (xt[i * ld + m]); row m's outputs [lo, hi) of the panel go to y + m * ys.
 template <int MB>
 static void panel_rows(const float* __restrict wp, const float* __restrict xt, int64_t ld, int64_t in, float* y,
-                       int64_t ys, const float* bias, int64_t nout) {
+                       int64_t ys, const float* bias, int64_t lo, int64_t hi) {
   pvec acc0[MB], acc1[MB];
   for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
   panel_fma<MB>(wp, xt, ld, 0, in, acc0, acc1);
-  for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, 0, nout);
+  for (int m = 0; m < MB; ++m) panel_out(acc0[m], acc1[m], y + m * ys, bias, lo, hi);
 }
 
-using PanelRowsFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t);
+using PanelRowsFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const float*, int64_t,
+                             int64_t);
 
 // panel_rows<mb> for a block size known only at run time (1 <= mb <= kPanelBlock).
 template <int... Ms>
@@ -200,7 +201,43 @@ void panel_linear(float* yp, const float* xp, const float* wp, const float* bp, 
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out_features - base);
     for (int64_t b = 0; b < blocks; ++b)
       kernel[b](wp + p * in * kPanel, xt.data() + first[b], rows, in, yp + first[b] * out_features + base,
-                out_features, bp ? bp + base : nullptr, nout);
+                out_features, bp ? bp + base : nullptr, 0, nout);
+  }
+}
+
+// One row against two consecutive panels at once, each panel's sums exactly as panel_rows<1> runs them: four
+// independent accumulator chains instead of two hide more of the FMA latency.
+static void panel_row_pair(const float* __restrict wp, const float* __restrict x, int64_t in, float* y,
+                           const float* bias) {
+  const float* __restrict wq = wp + in * kPanel;
+  pvec a0 = pv_zero(), a1 = pv_zero(), b0 = pv_zero(), b1 = pv_zero();
+  for (int64_t i = 0; i < in; ++i) {
+    const pvec xv = pv_splat(x[i]);
+    a0 = pv_fma(pv_load(wp + i * kPanel), xv, a0);
+    a1 = pv_fma(pv_load(wp + i * kPanel + kLanes), xv, a1);
+    b0 = pv_fma(pv_load(wq + i * kPanel), xv, b0);
+    b1 = pv_fma(pv_load(wq + i * kPanel + kLanes), xv, b1);
+  }
+  panel_out(a0, a1, y, bias, 0, kPanel);
+  panel_out(b0, b1, y + kPanel, bias ? bias + kPanel : nullptr, 0, kPanel);
+}
+
+void panel_rows_range(const float* wp, const float* xt, int64_t rows, int64_t in, const float* bias, float* y,
+                      int64_t ys, int64_t o0, int64_t o1) {
+  const int64_t blocks = (rows + kPanelBlock - 1) / kPanelBlock;
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    if (rows == 1 && p * kPanel >= o0 && (p + 2) * kPanel <= o1) {  // two whole panels
+      panel_row_pair(wp + p * in * kPanel, xt, in, y + p * kPanel, bias ? bias + p * kPanel : nullptr);
+      ++p;
+      continue;
+    }
+    const int64_t base = p * kPanel;
+    const int64_t lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, kPanel);
+    for (int64_t b = 0; b < blocks; ++b) {  // near-equal blocks; the panel is in cache after the first
+      const int64_t m0 = rows * b / blocks, m1 = rows * (b + 1) / blocks;
+      panel_rows_for(static_cast<int>(m1 - m0), std::make_integer_sequence<int, kPanelBlock>{})(
+          wp + p * in * kPanel, xt + m0, rows, in, y + m0 * ys + base, ys, bias ? bias + base : nullptr, lo, hi);
+    }
   }
 }
 
