@@ -443,12 +443,24 @@ static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, 
 // kc, vc point at the query head's KV head within token rows of `row` floats; ot is [d, R] scratch.
 constexpr int kPrefillRows = 16, kPrefillKeys = 8;
 
+// Rows rows[c][0, D) of a tile of kPrefillKeys tokens, widened to float32 into out[c * D + x].
+template <int D, typename KV>
+static inline void widen_tile(const KV* const* rows, float* __restrict out) {
+  for (int c = 0; c < kPrefillKeys; ++c) {
+    const KV* __restrict r = rows[c];
+#pragma omp simd
+    for (int x = 0; x < D; ++x) out[c * D + x] = kv_f(r[x]);
+  }
+}
+
 template <int D, typename KV>
 static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const KV* kc,
                          const KV* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
   constexpr int R = kPrefillRows, C = kPrefillKeys;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
+  constexpr bool kWiden = D > 0 && !std::is_same_v<KV, float>;
+  alignas(64) float kw[kWiden ? C * D : 1];  // the tile's keys, then its values, widened (token c at c * D)
   float m[R], l[R];
   std::fill(m, m + R, ninf);
   std::fill(l, l + R, 0.f);
@@ -463,12 +475,15 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
       kr[c] = kc + off;
       vr[c] = vc + off;
     }
+    // A bfloat16 tile is widened once (vector code) into float32 scratch, not element by element in the loops below,
+    // where each element is broadcast against the rows.
+    if constexpr (kWiden) widen_tile<D>(kr, kw);
     float s[C][R] = {};
     for (int64_t x = 0; x < d; ++x) {
       const float* qx = qt + x * R;
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const float kv = kv_f(kr[c][x]);
+        const float kv = kWiden ? kw[c * D + x] : kv_f(kr[c][x]);
 #pragma omp simd
         for (int i = 0; i < R; ++i) s[c][i] += kv * qx[i];
       }
@@ -497,6 +512,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
         s[c][i] = e;
         l[i] += e;
       }
+    if constexpr (kWiden) widen_tile<D>(vr, kw);
     for (int64_t x = 0; x < d; ++x) {
       float* o = ot + x * R;
       float acc[R];
@@ -504,7 +520,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
       for (int i = 0; i < R; ++i) acc[i] = o[i] * alpha[i];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const float vv = kv_f(vr[c][x]);
+        const float vv = kWiden ? kw[c * D + x] : kv_f(vr[c][x]);
 #pragma omp simd
         for (int i = 0; i < R; ++i) acc[i] += s[c][i] * vv;
       }
