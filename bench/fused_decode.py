@@ -3,9 +3,9 @@
     python bench/fused_decode.py [--model M] [--batch 4,16] [--rounds 4] [--num-prompts N]
 
 Two engines of one model (in-process engine cores): one as it runs by default, where a decode step of any number of
-requests (up to the runner's `max_rows`) runs in the fused decoder (worker/cpu_decode_runner.py), and one whose
-fused decoder takes single-request steps only (`max_rows` = 1), so that several requests' decode steps run the
-model layer by layer, as before the fused decoder took batches. For each batch size B: `repeat` prompts (a passage
+requests runs in the fused decoder (worker/cpu_decode_runner.py), and one whose fused decoder takes single-request
+steps only (its runner's `_fused_requests` replaced), so that several requests' decode steps run the model layer by
+layer, as before the fused decoder took batches. For each batch size B: `repeat` prompts (a passage
 and a request to write it again; pagedllm/benchmarks/datasets.py), B at a time, greedy, each up to its passage's
 length; output tokens per second, median of alternating rounds, and how many outputs are identical between the two
 (the paths sum in different orders, so greedy tokens may part where two candidates are nearly tied). Prints a
@@ -48,7 +48,13 @@ def main() -> int:
     runner = engines["layer by layer"].engine_core.engine_core.executor.worker.model_runner
     if runner.decode_runner is None:
         raise SystemExit("this model has no fused decoder here (not a Llama-family model, or no native kernels)")
-    runner.decode_runner.max_rows = 1
+    fused_requests = runner._fused_requests
+
+    def lone_only(order: list[str], counts: dict[str, int], spec: dict[str, list[int]]) -> list[str]:
+        chosen = fused_requests(order, counts, spec)
+        return chosen if len(chosen) == 1 else []
+
+    runner._fused_requests = lone_only  # several decoding requests: layer by layer
     tokenizer = load_tokenizer(engines["fused"].config.model_config.model)
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):

@@ -27,7 +27,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.model import hugepages
-from pagedllm.model.attention.backends.base import CommonAttentionMetadata
+from pagedllm.model.attention.backends.base import CommonAttentionMetadata, table_rows
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.layers.linear import int8_inputs
@@ -187,13 +187,13 @@ class ModelRunner:
             while b < k and cu[b + 1] - cu[a] <= self.decode_runner.max_rows:
                 b += 1
             t0, t1 = int(cu[a]), int(cu[b])
-            blocks = -(-int((starts[a:b] + n_tok[a:b]).max()) // self.block_size)
+            tables = table_rows(batch.block_table, rows[a:b], int((starts[a:b] + n_tok[a:b]).max()), self.block_size)
             parts.append(
                 self.decode_runner(
                     self._t(input_ids[t0:t1]),
                     self._t(positions[t0:t1]),
                     self._t(slots[t0:t1]),
-                    self._t(np.ascontiguousarray(batch.block_table[rows[a:b], :blocks])),
+                    self._t(tables),
                     self._t(req_idx[t0:t1] - a),
                 )
             )

@@ -57,8 +57,12 @@ class CommonAttentionMetadata:
 
     def tables(self, first: int, last: int, tokens: int) -> np.ndarray:
         """[last - first, blocks] block-table rows of requests [first, last), wide enough for `tokens` tokens."""
-        blocks = -(-tokens // self.block_size)
-        return np.ascontiguousarray(self.block_table[self.rows[first:last], :blocks])
+        return table_rows(self.block_table, self.rows[first:last], tokens, self.block_size)
+
+
+def table_rows(block_table: np.ndarray, rows: np.ndarray, tokens: int, block_size: int) -> np.ndarray:
+    """[len(rows), blocks] contiguous copy of the given rows of a block table, wide enough for `tokens` tokens."""
+    return np.ascontiguousarray(block_table[rows, : -(-tokens // block_size)])
 
 
 class AttentionBackend(ABC):
