@@ -76,6 +76,22 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> str:
     return make_tiny_model(tiny_model_dir, arch, **kwargs)
 
 
+@pytest.fixture()
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each call of the fused decoder (`CpuDecodeRunner.__call__`) in this process while the test runs."""
+    from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
+
+    calls: list[int] = []
+    original = CpuDecodeRunner.__call__
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls.append(args[0].numel())
+        return original(self, *args)
+
+    monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
+    return calls
+
+
 def require_native_kernels() -> None:
     """Skip where no compiler could have built the native kernels; fail where one could and they are missing."""
     if shutil.which("c++") is None:
@@ -133,21 +149,11 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("num_prompts", [1, 5])
-def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, fused_calls: list[int]) -> None:
     """Decode steps (no prompt token) run in the fused decoder (worker/cpu_decode_runner.py: one native call for
     all layers), for every variant: one request alone (every step a lone token), or several of different lengths
     sharing steps (each row attending to its own request's blocks), greedy output as HF's."""
     require_native_kernels()
-    from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
-
-    fused_calls = []
-    original = CpuDecodeRunner.__call__
-
-    def counting(self: Any, *args: Any) -> Any:
-        fused_calls.append(args[0].numel())
-        return original(self, *args)
-
-    monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
     prompts = random_prompts([37, 5, 60, 18, 9][:num_prompts], seed=11)
     engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
@@ -170,7 +176,7 @@ def test_fused_decoder_float32_rows_are_lone_tokens(model_dir: str) -> None:
 
 @pytest.mark.parametrize("max_rows", [None, 4], ids=["one-call", "chunks-of-4"])
 def test_many_decoding_requests_run_fused(
-    tiny_model_dir: Path, max_rows: int | None, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, max_rows: int | None, fused_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every decoding request of a step runs in the fused decoder, never layer by layer, however many there are:
     more than the float32 panels' few-row bound of the layer-by-layer path (16) in one call, and more than one call
@@ -179,18 +185,9 @@ def test_many_decoding_requests_run_fused(
     require_native_kernels()
     from pagedllm.model.layers.linear import PANEL_MAX_ROWS
     from pagedllm.worker import cpu_decode_runner
-    from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 
     if max_rows is not None:
         monkeypatch.setattr(cpu_decode_runner, "MAX_ROWS", max_rows)
-    calls: list[int] = []  # rows of each fused call
-    original = CpuDecodeRunner.__call__
-
-    def counting(self: Any, *args: Any) -> Any:
-        calls.append(args[0].numel())
-        return original(self, *args)
-
-    monkeypatch.setattr(CpuDecodeRunner, "__call__", counting)
     arch, kwargs = VARIANTS["llama"]
     folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
     num = PANEL_MAX_ROWS + 5
@@ -201,9 +198,9 @@ def test_many_decoding_requests_run_fused(
         together = generate(llm, prompts, greedy(steps))
         assert_idle(llm)
         # Every decode token of every request ran fused (the requests prefill in one step and decode together).
-        assert sum(calls) == num * (steps - 1)
+        assert sum(fused_calls) == num * (steps - 1)
         per_step = 1 if max_rows is None else -(-num // max_rows)
-        assert len(calls) == per_step * (steps - 1) and max(calls) <= (max_rows or num)
+        assert len(fused_calls) == per_step * (steps - 1) and max(fused_calls) <= (max_rows or num)
         alone = [generate(llm, [p], greedy(steps))[0] for p in prompts]
     for i, (a, b) in enumerate(zip(together, alone)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}: batched != alone"
