@@ -27,7 +27,16 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("pagedllm", "csrc", "cpu")
 KERNEL_SOURCES = [
     os.path.join(CSRC, f)
-    for f in ("attention.cpp", "elementwise.cpp", "linear.cpp", "decoder.cpp", "quant.cpp", "bf16.cpp", "ops.cpp")
+    for f in (
+        "attention.cpp",
+        "elementwise.cpp",
+        "linear.cpp",
+        "decoder.cpp",
+        "quant.cpp",
+        "bf16.cpp",
+        "sampling.cpp",
+        "ops.cpp",
+    )
 ]
 # Every build bakes in the hash of all these sources (the loader checks it), so a change to any of them rebuilds all.
 ALL_SOURCES = sorted(os.path.join(CSRC, f) for f in os.listdir(os.path.join(ROOT, CSRC)) if f.endswith((".cpp", ".h")))

@@ -16,8 +16,8 @@ logits. At batch 1 that is llama.cpp's plain decode loop.
 Every engine gets the same treatment: load (timed apart), one small untimed warm-up, then the timed calls.
 throughput mode: all requests in one `generate` (HF: static batches of --hf-batch-size, as its users run it);
 wall time of that call. decode mode (one request): a 1-token call ("ttft") and a full call, --num-iters times;
-decode tok/s = (output_len - 1) / (median full - median ttft). Greedy, ignore_eos; every request must produce
-exactly its requested number of tokens, which the result records.
+decode tok/s = (output_len - 1) / (median full - median ttft). Greedy (or sampled with --temperature and --top-p,
+unseeded), ignore_eos; every request must produce exactly its requested number of tokens, which the result records.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class PagedLLMEngine:
             model=model, num_threads=num_threads, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=2048
         )
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], sampling: dict[str, Any]) -> list[list[int]]:
         from pagedllm import SamplingParams
 
         self.llm.reset_prefix_cache()  # no request may reuse an earlier call's KV
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling) for n in output_lens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -63,12 +63,12 @@ class VLLMEngine:
         # default), OpenMP threads pinned by VLLM_CPU_OMP_THREADS_BIND.
         self.llm = LLM(model=model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5, seed=0)
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], sampling: dict[str, Any]) -> list[list[int]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.llm.reset_prefix_cache()
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling) for n in output_lens]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -111,7 +111,9 @@ class LlamaCppEngine:
         logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, k), shape=(self.n_vocab,))
         return int(logits.argmax())
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], sampling: dict[str, Any]) -> list[list[int]]:
+        if sampling["temperature"] > 0:
+            raise ValueError("the llama.cpp runner takes the argmax: greedy only")
         if len(prompts) > self.max_seqs:
             raise ValueError(f"at most {self.max_seqs} sequences")
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)  # no reuse of an earlier call's KV
@@ -140,12 +142,12 @@ class LlamaCppEngine:
 
 
 class HFEngine:
-    def __init__(self, model: str, num_threads: int, batch_size: int) -> None:
+    def __init__(self, model: str, num_threads: int, batch_size: int, sampling: dict[str, Any]) -> None:
         from pagedllm.benchmarks.throughput import HFRunner
 
-        self.runner = HFRunner(SimpleNamespace(model=model, temperature=0.0, hf_batch_size=batch_size))
+        self.runner = HFRunner(SimpleNamespace(model=model, hf_batch_size=batch_size, **sampling))
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_lens: list[int], sampling: dict[str, Any]) -> list[list[int]]:
         return self.runner.generate(prompts, output_lens)
 
     def close(self) -> None:
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.workload) as f:
         w = json.load(f)
     prompts, output_lens = w["prompts"], w["output_lens"]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     if args.engine == "pagedllm":
         load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads, args.dtype, args.kv_cache_dtype)
     elif args.engine == "vllm":
@@ -173,14 +176,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.engine == "llamacpp":
         load_s, engine = _timed(LlamaCppEngine, args.model, args.num_threads)
     else:
-        load_s, engine = _timed(HFEngine, args.model, args.num_threads, args.hf_batch_size)
-    engine.generate(WARMUP["prompts"], WARMUP["output_lens"])
+        load_s, engine = _timed(HFEngine, args.model, args.num_threads, args.hf_batch_size, sampling)
+    engine.generate(WARMUP["prompts"], WARMUP["output_lens"], sampling)
     result: dict[str, Any] = {"engine": args.engine, "load_s": load_s, "threads": args.num_threads}
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(output_lens)
     if args.mode == "throughput":
         walls, outs = [], []
         for _ in range(args.num_iters):
-            wall, outs = _timed(engine.generate, prompts, output_lens)
+            wall, outs = _timed(engine.generate, prompts, output_lens, sampling)
             walls.append(wall)
         wall = statistics.median(walls)
         result.update(
@@ -196,8 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         ttfts, totals, outs = [], [], []
         for _ in range(args.num_iters):
-            ttfts.append(_timed(engine.generate, prompts, [1])[0])
-            total, outs = _timed(engine.generate, prompts, output_lens)
+            ttfts.append(_timed(engine.generate, prompts, [1], sampling)[0])
+            total, outs = _timed(engine.generate, prompts, output_lens, sampling)
             totals.append(total)
         ttft, total = statistics.median(ttfts), statistics.median(totals)
         out_len = output_lens[0]
@@ -233,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-iters", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (llama.cpp runs greedy only)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
     result = run(args)
     with open(args.out, "w") as f:

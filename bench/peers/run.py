@@ -1,6 +1,6 @@
 """The peer harness: identical workloads on pagedllm, HF transformers, vLLM's CPU backend and llama.cpp, in one run.
 
-    python bench/peers/run.py [--workloads varied,uniform,decode,online]
+    python bench/peers/run.py [--workloads varied,uniform,decode,online,uniform-top-p,decode-top-p]
                               [--engines pagedllm,pagedllm-gguf,pagedllm-gguf-kvf32,pagedllm-bf16,hf,vllm,llamacpp]
                               [--rates 1,2,4,8]
                               [--record]
@@ -61,7 +61,12 @@ OFFLINE = {
     "varied": {"num": 64, "input": (32, 384), "output": (32, 192), "mode": "throughput"},
     "uniform": {"num": 64, "input": (128, 128), "output": (128, 128), "mode": "throughput"},
     "decode": {"num": 1, "input": (128, 128), "output": (128, 128), "mode": "decode"},
+    # The same, sampled as chat clients often ask (temperature 0.8, nucleus 0.9, no seed) instead of
+    # greedy: the sampler's share of a step (pagedllm, vLLM and HF only).
+    "uniform-top-p": {"num": 64, "input": (128, 128), "output": (128, 128), "mode": "throughput", "top_p": 0.9},
+    "decode-top-p": {"num": 1, "input": (128, 128), "output": (128, 128), "mode": "decode", "top_p": 0.9},
 }
+SAMPLED_TEMPERATURE = 0.8  # of the workloads with a top_p
 ENGINE_LABEL = {
     "pagedllm": "pagedllm",
     "pagedllm-gguf": "pagedllm (GGUF as stored)",
@@ -208,6 +213,8 @@ def run_offline(
                 cmd += ["--kv-cache-dtype", "float32"]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
+            if "top_p" in spec:
+                cmd += ["--temperature", str(SAMPLED_TEMPERATURE), "--top-p", str(spec["top_p"])]
             cmd += ["--num-iters", str(args.decode_iters if spec["mode"] == "decode" else args.num_iters)]
             idle, busy = wait_idle(args.idle_threshold, args.idle_wait)
             tag = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines:
         if e not in ENGINE_LABEL:
             parser.error(f"unknown engine {e!r}; choose from {', '.join(ENGINE_LABEL)}")
+    if any("top_p" in OFFLINE.get(w, {}) for w in workloads) and "llamacpp" in engines:
+        parser.error("the top-p workloads run pagedllm, HF and vLLM only (the llama.cpp runner takes the argmax)")
     if "baseline" in engines and not args.baseline:
         parser.error("engine 'baseline' needs --baseline PATH")
     problem = stale_kernels(engines)

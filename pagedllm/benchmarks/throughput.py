@@ -113,6 +113,7 @@ class OursRunner:
 
         self.llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         self.temperature = args.temperature
+        self.top_p = getattr(args, "top_p", 1.0)
         self.vocab_size = int(self.llm.config.model_config.vocab_size)
         self.stats: dict[str, Any] = {}
 
@@ -120,7 +121,10 @@ class OursRunner:
         from pagedllm import SamplingParams
 
         self.llm.reset_prefix_cache()
-        params = [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
+        params = [
+            SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=n, ignore_eos=True)
+            for n in output_lens
+        ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -149,6 +153,7 @@ class HFRunner:
         pad = gen.pad_token_id if gen.pad_token_id is not None else getattr(cfg, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (eos if eos is not None else 0))
         self.temperature = args.temperature
+        self.top_p = getattr(args, "top_p", 1.0)
         self.batch_size = args.hf_batch_size
         self.vocab_size = int(cfg.vocab_size)
         self.stats: dict[str, Any] = {}
@@ -161,8 +166,8 @@ class HFRunner:
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p) :] = 1
         sampling: dict[str, Any] = {"do_sample": False}
-        if self.temperature > 0:  # plain temperature sampling like ours: switch off HF's default top-k=50
-            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+        if self.temperature > 0:  # temperature (and top-p) sampling like ours: switch off HF's default top-k=50
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": self.top_p}
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,

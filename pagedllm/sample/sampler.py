@@ -6,10 +6,11 @@ Contract (vLLM V1 semantics):
   each request's own number. Rank = 1 + number of vocab entries with a strictly greater logprob.
 - Processing order: logit_bias -> min_tokens (forbid ids) -> repetition, frequency, presence penalties
   -> greedy rows take the argmax -> random rows: temperature, top-k, top-p, min-p, then sample.
-- Random rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) per token.
+- Random rows without a seed invert their cumulative distribution with one uniform from the default RNG.
+  Seeded rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) per token.
   A row with its own generator draws exactly vocab_size uniforms from it per step and nothing else, so
   a seeded request yields the same tokens whatever batch it is in (filters break ties by token id, never
-  by batch shape). Unseeded rows use the default RNG.
+  by batch shape).
 - Greedy rows never touch their own generator. An all-greedy batch without bias, penalties or
   min_tokens is a plain argmax and consumes no randomness at all.
 - The input logits are never modified. Everything is vectorised device-agnostic torch: the only per-row
@@ -20,6 +21,7 @@ Contract (vLLM V1 semantics):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +84,12 @@ def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_lo
 
 
 class Sampler(torch.nn.Module):
-    """Stateless: all per-request state (including RNG) arrives in the SamplingMetadata."""
+    """Stateless: all per-request state (including RNG) arrives in the SamplingMetadata. `native`: the native CPU
+    ops (pagedllm._C.CpuOps), whose nucleus filter then serves float32 CPU logits (None: torch throughout)."""
+
+    def __init__(self, native: Any | None = None) -> None:
+        super().__init__()
+        self.native = native
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = metadata.max_num_logprobs
@@ -109,8 +116,8 @@ class Sampler(torch.nn.Module):
             assert greedy_sampled is not None
             return greedy_sampled
 
-        probs = sampling_probs(logits, metadata)
-        random_sampled = exponential_race(probs, metadata.generators)
+        probs = sampling_probs(logits, metadata, self.native)
+        random_sampled = random_sample(probs, metadata.generators, native=self.native)
         if greedy_sampled is None:
             return random_sampled
         return torch.where(greedy_rows(metadata), greedy_sampled, random_sampled)
@@ -137,19 +144,19 @@ def greedy_rows(metadata: SamplingMetadata) -> torch.Tensor:
     return metadata.temperature < _GREEDY_EPS
 
 
-def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | None = None) -> torch.Tensor:
     """The distribution random rows sample from, from processed logits (modified in place): temperature, top-k,
     top-p, softmax, then min-p, which zeroes tokens without renormalising. Greedy rows get temperature 1 (their
-    row is only kept finite: the caller takes their argmax instead)."""
+    row is only kept finite: the caller takes their argmax instead). `native`: as Sampler's."""
     temperature = metadata.temperature.to(logits.device)
     temperature = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits.div_(temperature.unsqueeze(1))
     if metadata.top_k is not None or metadata.top_p is not None:
-        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, native)
     probs = torch.softmax(logits, dim=-1)
     if metadata.min_p is not None:
         max_probs = probs.amax(dim=-1, keepdim=True)
-        # Renormalising is unnecessary: the exponential race works on unnormalised weights.
+        # Renormalising is unnecessary: random_sample works on unnormalised weights.
         probs = probs.masked_fill(probs < metadata.min_p.to(logits.device).unsqueeze(1) * max_probs, 0.0)
     return probs
 
@@ -233,17 +240,30 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits - freq * counts - pres * output_mask.to(torch.float32)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, native: Any | None = None
+) -> torch.Tensor:
     """Mask (to -inf, in place) everything outside each row's top-k set, then outside its top-p set.
 
     Both filters keep a prefix of the total order "logit descending, then token id ascending", i.e. what a
     stable descending sort gives. Ties are therefore resolved by token id, as argmax does (top_k=1 is
     exactly greedy), and never by batch-dependent kernel choices, so a seeded row behaves the same in any
-    batch. A full vocab sort is only needed for top-p when some row in the batch has no top-k.
+    batch. Top-p keeps a token while the mass before it (a cumsum of the row's softmax in that order) is < p.
+    With `native` (CpuOps) on float32 CPU logits, both run natively (csrc/cpu/sampling.cpp: the same tokens,
+    ordering only the few that can be kept); in torch, a full vocab sort is only needed for top-p when some row
+    in the batch has no top-k.
     """
     if logits.shape[0] == 0:
         return logits
     vocab = logits.shape[-1]
+    native = native if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if native is not None:
+        logits = logits.contiguous()
+        if top_k is not None:
+            native.top_k_mask(logits, top_k.to(dtype=torch.int64).contiguous())
+        if top_p is not None:
+            native.top_p_mask(logits, torch.softmax(logits, dim=-1), top_p.to(dtype=torch.float32).contiguous())
+        return logits
     all_rows_top_k = False
     k_max = 0
     if top_k is not None:
@@ -257,7 +277,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     if top_p is None:
         return logits
 
-    p = top_p.to(logits.device).unsqueeze(1)
+    p = top_p.to(device=logits.device, dtype=torch.float32).unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1)
     if all_rows_top_k:
         # Every row has at most k_max finite logits: only those candidates need ordering.
         cand_vals, cand_idx = logits.topk(k_max, dim=-1)
@@ -266,12 +287,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         cand_vals = cand_vals.gather(1, by_id)
         sorted_vals, order = cand_vals.sort(dim=-1, descending=True, stable=True)
         sorted_idx = cand_idx.gather(1, order)
-        remove = _outside_top_p(sorted_vals, p)
+        remove = _outside_top_p(probs.gather(1, sorted_idx), p)
         # Everything outside the candidates is already -inf, so rebuilding the row from them is exact.
         return logits.fill_(float("-inf")).scatter_(1, sorted_idx, sorted_vals.masked_fill(remove, float("-inf")))
 
-    sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
-    remove = _outside_top_p(sorted_vals, p)
+    sorted_idx = logits.sort(dim=-1, descending=True, stable=True).indices
+    remove = _outside_top_p(probs.gather(1, sorted_idx), p)
     # Undo the sort: scatter the sorted-order mask back to vocab order.
     remove = torch.empty_like(remove).scatter_(1, sorted_idx, remove)
     return logits.masked_fill_(remove, float("-inf"))
@@ -289,9 +310,9 @@ def _mask_outside_top_k(logits: torch.Tensor, k: torch.Tensor, active: torch.Ten
     logits.masked_fill_(~keep & active.unsqueeze(1), float("-inf"))
 
 
-def _outside_top_p(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Given logits sorted descending [n, m] and top_p [n, 1], the sorted positions to drop."""
-    sorted_probs = torch.softmax(sorted_vals, dim=-1)
+def _outside_top_p(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Given the probabilities of a row's tokens in filter order [n, m] (the first m; softmax over the whole row)
+    and top_p [n, 1], the sorted positions to drop."""
     # Keep a token while the mass strictly before it is < top_p: the smallest prefix reaching top_p. The
     # first token has 0 mass before it, so it is always kept. Rows with top_p == 1 are exempt because
     # float rounding could otherwise drop tail tokens.
@@ -299,22 +320,54 @@ def _outside_top_p(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (mass_before >= p) & (p < 1.0)
 
 
-def exponential_race(
-    probs: torch.Tensor, generators: dict[int, torch.Generator], states_after: dict[int, torch.Tensor] | None = None
+def random_sample(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    states_after: dict[int, torch.Tensor] | None = None,
+    native: Any | None = None,
 ) -> torch.Tensor:
-    """Sample one token per row from (unnormalised) probs: argmax(probs / E), E ~ Exponential(1).
+    """Sample one token per row from (unnormalised) probs.
 
-    This equals multinomial sampling, but lets each seeded row draw its noise from its own generator with a
-    batch-independent number of draws (exactly vocab_size uniforms per step). E is drawn as -log(U):
-    on CPU uniform_ + log is several times faster than exponential_. Seeded rows draw in row order; with
-    `states_after`, each one's generator state after its draw is recorded there (by row), to rewind to.
+    Rows without a generator draw one uniform each from the default RNG and invert the row's cumulative
+    distribution, summed in float64: one pass over the row. Seeded rows (their generator in `generators`) run the
+    exponential race argmax(probs / E), E ~ Exponential(1) drawn as -log(U) from their own generator: exactly
+    vocab_size uniforms a step whatever the batch, so a seeded request's tokens do not depend on its batch. Both are
+    exact draws from the row's distribution. Seeded rows draw in row order; with `states_after`, each one's
+    generator state after its draw is recorded there (by row), to rewind to. `native` (CpuOps) inverts float32 CPU
+    rows natively (as Sampler's).
     """
+    vocab = probs.shape[-1]
+    sampled = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    unseeded = len(generators) < probs.shape[0]
+    if unseeded and native is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
+        probs = probs.contiguous()
+        native.sample_inverse(sampled, probs, torch.rand(probs.shape[0], dtype=torch.float64))
+    elif unseeded:
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:].contiguous()
+        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)
+        # u < total, but for rounding: never past the last token with mass (the first reaching the total).
+        last = torch.searchsorted(cdf, total)
+        sampled = torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(1).clamp_(max=vocab - 1)
+    if generators:
+        rows = sorted(generators)
+        index = torch.tensor(rows, device=probs.device)
+        sampled.index_copy_(0, index, _exponential_race(probs.index_select(0, index), rows, generators, states_after))
+    return sampled
+
+
+def _exponential_race(
+    probs: torch.Tensor,
+    rows: list[int],
+    generators: dict[int, torch.Generator],
+    states_after: dict[int, torch.Tensor] | None,
+) -> torch.Tensor:
+    """argmax(probs / E) of the seeded rows `rows` (probs row i is batch row rows[i]), E = -log(U) with vocab_size
+    uniforms U from each row's generator (on CPU uniform_ + log is several times faster than exponential_)."""
     noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        # Default RNG for the unseeded rows; seeded rows are overwritten below.
-        noise.uniform_()
-    for row, gen in generators.items():
-        noise[row].uniform_(generator=gen)
+    for i, row in enumerate(rows):
+        gen = generators[row]
+        noise[i].uniform_(generator=gen)
         if states_after is not None:
             states_after[row] = gen.get_state()
     noise.log_().neg_()
@@ -322,4 +375,4 @@ def exponential_race(
     # could pick a masked token. Clamping keeps masked tokens at 0 and p / tiny stays finite for p <= 1.
     # U == 0 gives E == inf, i.e. weight 0 for that token in that draw, which is harmless.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return probs.div(noise).argmax(dim=-1)

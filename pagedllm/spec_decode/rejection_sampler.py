@@ -6,11 +6,11 @@ single row (logit bias, min_tokens, penalties seeing the drafts before j as outp
 top-p, min-p: the metadata row of position j must say so). The result is the accepted drafts and one more token.
 
 The rule. Each row j draws the token the sampler would draw there: the argmax for a greedy row, else one
-exponential race over p_j (`exponential_race`, an exact draw from p_j) with the row's own noise. d_j is accepted
+exact draw from p_j (`random_sample`: the exponential race for a seeded row, with its own noise). d_j is accepted
 when it equals that token; at the first row where it does not, that token is output and the rest are dropped; when
 every draft is accepted, the last row's token follows them. For a draft that is a point mass, as an n-gram draft
 is, this is the standard speculative-sampling rule (accept d with probability p(d), else sample from p with d
-removed, renormalised): the race picks d with probability p(d), and conditioned on not picking it, its token is
+removed, renormalised): the draw picks d with probability p(d), and conditioned on not picking it, its token is
 distributed as p without d. So the output is distributed exactly as sampling one token at a time, and greedy rows
 give exactly the greedy tokens.
 Seeded requests (their generator in `metadata.generators`, the same object on each of their rows) draw their noise
@@ -22,19 +22,24 @@ A request without drafts has one row and gets the sampler's token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import (
-    exponential_race,
     greedy_rows,
     needs_processing,
     processed_logits,
+    random_sample,
     sampling_probs,
 )
 
 
 class RejectionSampler:
+    def __init__(self, native: Any | None = None) -> None:
+        self.native = native  # as Sampler's: native CPU ops for the nucleus filter, or None
+
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], starts: list[int]
     ) -> list[list[int]]:
@@ -47,9 +52,9 @@ class RejectionSampler:
         if metadata.all_greedy:
             assert greedy_target is not None
             return _walk(greedy_target.tolist(), drafts, starts)
-        probs = sampling_probs(work, metadata)
+        probs = sampling_probs(work, metadata, self.native)
         after: dict[int, torch.Tensor] = {}  # each seeded row's generator state after its draw
-        sampled = exponential_race(probs, metadata.generators, after)
+        sampled = random_sample(probs, metadata.generators, after, self.native)
         if greedy_target is not None:
             sampled = torch.where(greedy_rows(metadata).to(sampled.device), greedy_target, sampled)
         out = _walk(sampled.tolist(), drafts, starts)

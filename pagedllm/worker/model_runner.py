@@ -93,10 +93,11 @@ class ModelRunner:
             self._logits_rows = 0 if packed else int(cpu_ops.quant_dot_max_rows())
         else:
             self._logits_rows = 1
-        self.sampler = Sampler()
+        # The sampler's nucleus (top-p) filter runs natively with the native ops (the same tokens as torch's).
+        self.sampler = Sampler(cpu_ops)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = RejectionSampler(cpu_ops)
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
         self._pending: _PendingSample | None = None
 

@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -111,6 +112,40 @@ class CpuOps {
     TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && x.size(1) == 2 * out.size(1),
                 "x [T, 2I], out [T, I]");
     t_->silu_and_mul(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), out.size(1), at::get_num_threads());
+  }
+
+  void sample_inverse(torch::Tensor out, torch::Tensor probs, torch::Tensor u) const {
+    check_index(out, "out");
+    check_float(probs, "probs");
+    TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.device().is_cpu(),
+                "u must be a contiguous float64 CPU tensor");
+    TORCH_CHECK(probs.dim() == 2 && u.dim() == 1 && out.dim() == 1 && u.size(0) == probs.size(0) &&
+                    out.size(0) == probs.size(0) && probs.size(1) > 0,
+                "probs [R, V], u and out [R]");
+    t_->sample_inverse(probs.data_ptr<float>(), u.data_ptr<double>(), out.data_ptr<int64_t>(), probs.size(0),
+                       probs.size(1), at::get_num_threads());
+  }
+
+  void top_k_mask(torch::Tensor logits, torch::Tensor top_k) const {
+    check_float(logits, "logits");
+    check_index(top_k, "top_k");
+    TORCH_CHECK(logits.dim() == 2 && top_k.dim() == 1 && top_k.size(0) == logits.size(0), "logits [R, V], top_k [R]");
+    TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+    t_->top_k_mask(logits.data_ptr<float>(), top_k.data_ptr<int64_t>(), logits.size(0), logits.size(1),
+                   at::get_num_threads());
+  }
+
+  void top_p_mask(torch::Tensor logits, torch::Tensor probs, torch::Tensor top_p) const {
+    check_float(logits, "logits");
+    check_float(probs, "probs");
+    check_float(top_p, "top_p");
+    TORCH_CHECK(logits.dim() == 2 && probs.sizes() == logits.sizes() && top_p.dim() == 1 &&
+                    top_p.size(0) == logits.size(0),
+                "logits and probs [R, V] of one shape, top_p [R]");
+    TORCH_CHECK(at::get_overlap_status(logits, probs) == at::MemOverlapStatus::No, "probs must not overlap logits");
+    TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+    t_->top_p_mask(logits.data_ptr<float>(), probs.data_ptr<float>(), top_p.data_ptr<float>(), logits.size(0),
+                   logits.size(1), at::get_num_threads());
   }
 
   void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) const {
@@ -567,6 +602,12 @@ PYBIND11_MODULE(_C, m) {
       .def("panel_width", &CpuOps::panel_width)
       .def("silu_and_mul", &CpuOps::silu_and_mul)
       .def("rms_norm", &CpuOps::rms_norm)
+      .def("sample_inverse", &CpuOps::sample_inverse, py::arg("out"), py::arg("probs"), py::arg("u"),
+           "out [R] = the token at u [R] (float64 in [0, 1)) of each row's cumulative distribution (probs [R, V])")
+      .def("top_k_mask", &CpuOps::top_k_mask, py::arg("logits"), py::arg("top_k"),
+           "in place: logits [R, V] to -inf outside each row's top_k largest (ties: lower ids; rows with 0 < k < V)")
+      .def("top_p_mask", &CpuOps::top_p_mask, py::arg("logits"), py::arg("probs"), py::arg("top_p"),
+           "in place: logits [R, V] to -inf outside each row's nucleus (rows with top_p < 1; probs = softmax(logits))")
       .def("fused_add_rms_norm", &CpuOps::fused_add_rms_norm)
       .def("rotary_inplace", &CpuOps::rotary_inplace)
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())

@@ -104,7 +104,7 @@ void bf16_gemm_range(const uint32_t* wp, const uint32_t* xt, int64_t rows, const
                      int64_t o0, int64_t o1, int64_t in2, float* t);
 
 // The ops table's entries, one per kernel family source (attention.cpp, elementwise.cpp, linear.cpp, decoder.cpp,
-// quant.cpp).
+// quant.cpp, bf16.cpp, sampling.cpp).
 void paged_decode(const PagedDecodeArgs* args);
 void paged_prefill(const PagedPrefillArgs* args);
 void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads);
@@ -128,5 +128,8 @@ void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, in
 void bf16_panel_linear(float* y, const float* x, const uint32_t* panels, const float* bias, int64_t rows, int64_t in,
                        int64_t out, int threads);
 int32_t bf16_has_native();
+void sample_inverse(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
+void top_k_mask(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads);
+void top_p_mask(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads);
 
 }  // namespace pagedllm

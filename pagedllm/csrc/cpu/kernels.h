@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 7
+#define PAGEDLLM_CPU_ABI 8
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -165,6 +165,13 @@ struct PagedllmCpuOps {
                             int64_t in, int64_t out, int threads);
   // 1 where this build multiplies bf16 in hardware (AVX512-BF16), 0 where it widens to float32.
   int32_t (*bf16_native)(void);
+  // In place on logits [rows, vocab]: -inf outside each row's k[r] largest (ties: lower ids; rows with 0 < k[r] <
+  // vocab), and outside each row's nucleus, for the rows with p[r] < 1 (sampling.cpp;
+  // probs = softmax(logits) row by row).
+  // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised).
+  void (*sample_inverse)(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
+  void (*top_k_mask)(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads);
+  void (*top_p_mask)(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

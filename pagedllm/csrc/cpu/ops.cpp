@@ -31,6 +31,9 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::bf16_pack_panels,
       pagedllm::bf16_panel_linear,
       pagedllm::bf16_has_native,
+      pagedllm::sample_inverse,
+      pagedllm::top_k_mask,
+      pagedllm::top_p_mask,
   };
   return &table;
 }

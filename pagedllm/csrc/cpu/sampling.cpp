@@ -1,0 +1,279 @@
+// Top-k and nucleus (top-p) filtering of sampling rows without sorting the vocabulary, and sampling by the inverse
+// of a row's cumulative distribution.
+//
+// sample_inverse draws token out[r] of row r at u[r] in [0, 1): the first token with mass whose running sum passes
+// u[r] * (the row's sum), in one pass over the row plus one over the blocks up to the token. The row's probs need
+// not be normalised.
+//
+// top_k_mask sets logits[r, i] = -inf outside the k[r] largest logits of row r (ties: the lower ids), for the rows
+// with 0 < k[r] < vocab: the tokens of the reference's `_mask_outside_top_k`. Only the logits within a distance of
+// the largest that holds k of them (found by counting passes, the distance doubling) are ordered.
+//
+// top_p_mask sets logits[r, i] = -inf for every token i outside row r's nucleus, for the rows whose p[r] < 1: the
+// same tokens as the torch reference (sample/sampler.py, `_apply_top_k_top_p`). That reference orders a row's tokens
+// by logit descending, then id ascending (a stable sort), and keeps a token while the mass before it is < p, the
+// mass before token j being float32(running sum of probs, in double, up to and including j) - probs[j] in float32:
+// torch's CPU cumsum of a float32 row sums in double. probs is softmax(logits) of the row, computed by the caller.
+//
+// A stable sort of 49152 logits costs ~5 ms on one core, and a nucleus is mostly a few to a few hundred tokens. So
+// only a prefix of that order is sorted, the candidates: the tokens whose logit is at least the smallest logit of the
+// tokens whose prob is >= t, for the first t of the largest prob, a quarter of it, a sixteenth, ... above which the
+// mass exceeds p + kMargin (one vectorized pass each). A logit threshold takes every tie with it, so the candidates
+// are a prefix of the reference's order. Their mass exceeds p by far more than rounding, so the cut falls inside
+// them or right after them, and every later token is outside the nucleus in the reference too: the mass before it
+// is no smaller. (Should the sum in float32 lanes ever mislead, the walk sees it and takes all tokens.) Where no t
+// reaches p + kMargin (p within kMargin of 1), all tokens are candidates. A row's result does not depend on the
+// others'.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "internal.h"
+#include "simd.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr double kMargin = 1e-5;  // far above the rounding of a sum of probs in float32 (~6e-8)
+
+// The mass of the tokens whose prob is >= t, and the smallest logit among them (+inf: none), in one pass: float32
+// sums in lanes, then in double.
+double mass_at_least(const float* logits, const float* probs, int64_t vocab, float t, float& low) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  double sum = 0;
+  low = inf;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 tv = _mm256_set1_ps(t), infv = _mm256_set1_ps(inf);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, m0 = infv, m1 = infv;
+  for (; i + 16 <= vocab; i += 16) {
+    const __m256 q0 = _mm256_loadu_ps(probs + i), q1 = _mm256_loadu_ps(probs + i + 8);
+    const __m256 in0 = _mm256_cmp_ps(q0, tv, _CMP_GE_OQ), in1 = _mm256_cmp_ps(q1, tv, _CMP_GE_OQ);
+    a0 = _mm256_add_ps(a0, _mm256_and_ps(in0, q0));
+    a1 = _mm256_add_ps(a1, _mm256_and_ps(in1, q1));
+    m0 = _mm256_min_ps(m0, _mm256_blendv_ps(infv, _mm256_loadu_ps(logits + i), in0));
+    m1 = _mm256_min_ps(m1, _mm256_blendv_ps(infv, _mm256_loadu_ps(logits + i + 8), in1));
+  }
+  alignas(32) float a[8], m[8];
+  _mm256_store_ps(a, _mm256_add_ps(a0, a1));
+  _mm256_store_ps(m, _mm256_min_ps(m0, m1));
+  for (int j = 0; j < 8; ++j) {
+    sum += a[j];
+    low = std::min(low, m[j]);
+  }
+#endif
+  for (; i < vocab; ++i)
+    if (probs[i] >= t) {
+      sum += probs[i];
+      low = std::min(low, logits[i]);
+    }
+  return sum;
+}
+
+// The largest prob of a row.
+float largest(const float* probs, int64_t vocab) {
+  float top = 0;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0;
+  for (; i + 16 <= vocab; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(probs + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(probs + i + 8));
+  }
+  alignas(32) float m[8];
+  _mm256_store_ps(m, _mm256_max_ps(m0, m1));
+  top = *std::max_element(m, m + 8);
+#endif
+  for (; i < vocab; ++i) top = std::max(top, probs[i]);
+  return top;
+}
+
+// The number of logits >= t, and the largest logit (-inf: none above -inf), in one pass each.
+int64_t count_at_least(const float* logits, int64_t vocab, float t) {
+  int64_t n = 0, i = 0;
+#if defined(__AVX2__)
+  const __m256 tv = _mm256_set1_ps(t);
+  for (; i + 8 <= vocab; i += 8)
+    n += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(logits + i), tv, _CMP_GE_OQ))));
+#endif
+  for (; i < vocab; ++i) n += logits[i] >= t;
+  return n;
+}
+
+float largest_logit(const float* logits, int64_t vocab) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 m0 = _mm256_set1_ps(top), m1 = m0;
+  for (; i + 16 <= vocab; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(logits + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(logits + i + 8));
+  }
+  alignas(32) float m[8];
+  _mm256_store_ps(m, _mm256_max_ps(m0, m1));
+  top = *std::max_element(m, m + 8);
+#endif
+  for (; i < vocab; ++i) top = std::max(top, logits[i]);
+  return top;
+}
+
+// Appends the ids of the tokens whose logit is >= floor, in order.
+void collect(const float* logits, int64_t vocab, float floor, std::vector<int32_t>& cand) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 f = _mm256_set1_ps(floor);
+  for (; i + 8 <= vocab; i += 8) {
+    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(logits + i), f, _CMP_GE_OQ)));
+    for (; bits != 0; bits &= bits - 1) cand.push_back(static_cast<int32_t>(i + __builtin_ctz(bits)));
+  }
+#endif
+  for (; i < vocab; ++i)
+    if (logits[i] >= floor) cand.push_back(static_cast<int32_t>(i));
+}
+
+void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::vector<int32_t>& cand,
+               std::vector<float>& kept) {
+  // The candidates: every token whose logit is at least the smallest logit of the tokens with prob >= t, for the
+  // largest t of max_prob * 4^-k whose tokens hold more than p + kMargin (all tokens where none does).
+  const float top = largest(probs, vocab);
+  float floor_logit = -std::numeric_limits<float>::infinity();
+  for (float t = top; t > 0 && t >= top * 0x1p-64f; t *= 0.25f) {
+    float low;
+    if (mass_at_least(logits, probs, vocab, t, low) >= static_cast<double>(p) + kMargin) {
+      floor_logit = low;
+      break;
+    }
+  }
+  size_t keep;
+  double run;
+  for (;;) {
+    cand.clear();
+    collect(logits, vocab, floor_logit, cand);
+    std::sort(cand.begin(), cand.end(), [logits](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    keep = cand.size();
+    run = 0;
+    for (size_t j = 0; j < cand.size(); ++j) {
+      const float q = probs[cand[j]];
+      run += q;
+      if (static_cast<float>(run) - q >= p) {
+        keep = j;
+        break;
+      }
+    }
+    // The cut is inside the candidates, or right after them when their mass exceeds p by far more than rounding
+    // (the mass before the next token is then >= p); should it not (it cannot, by the margin), all are candidates.
+    if (keep < cand.size() || run >= static_cast<double>(p) + kMargin / 2 ||
+        floor_logit == -std::numeric_limits<float>::infinity())
+      break;
+    floor_logit = -std::numeric_limits<float>::infinity();
+  }
+  if (keep == static_cast<size_t>(vocab)) return;  // every token kept
+  kept.resize(keep);
+  for (size_t j = 0; j < keep; ++j) kept[j] = logits[cand[j]];
+  std::fill(logits, logits + vocab, -std::numeric_limits<float>::infinity());
+  for (size_t j = 0; j < keep; ++j) logits[cand[j]] = kept[j];
+}
+
+// Keeps the k largest logits of a row (ties: the lower ids), -inf elsewhere. The candidates are the logits >= the
+// largest minus d, d doubling from 1 until there are k of them (all, once d is past every finite logit).
+void top_k_row(float* logits, int64_t k, int64_t vocab, std::vector<int32_t>& cand, std::vector<float>& kept) {
+  const float top = largest_logit(logits, vocab);
+  float floor_logit = -std::numeric_limits<float>::infinity();
+  if (std::isfinite(top))
+    for (float d = 1.f; d < 1e30f; d *= 2.f)
+      if (count_at_least(logits, vocab, top - d) >= k) {
+        floor_logit = top - d;
+        break;
+      }
+  cand.clear();
+  collect(logits, vocab, floor_logit, cand);
+  const size_t keep = std::min(cand.size(), static_cast<size_t>(k));
+  std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), [logits](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  kept.resize(keep);
+  for (size_t j = 0; j < keep; ++j) kept[j] = logits[cand[j]];
+  std::fill(logits, logits + vocab, -std::numeric_limits<float>::infinity());
+  for (size_t j = 0; j < keep; ++j) logits[cand[j]] = kept[j];
+}
+
+// The token at u (in [0, 1)) of a row's cumulative distribution: the first whose running sum (in double) passes
+// u * total, skipping tokens without mass; the last token with mass should rounding run past the end.
+constexpr int64_t kBlock = 16;
+
+// The sum of probs [b, e) (e - b <= kBlock), in float32: exact enough to skip whole blocks.
+inline float block_sum(const float* probs, int64_t b, int64_t e) {
+#if defined(__AVX2__)
+  if (e - b == kBlock) {
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(probs + b), _mm256_loadu_ps(probs + b + 8));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  float part = 0;
+  for (int64_t i = b; i < e; ++i) part += probs[i];
+  return part;
+}
+
+int64_t inverse_cdf_row(const float* probs, int64_t vocab, double u) {
+  double total = 0;
+  for (int64_t b = 0; b < vocab; b += kBlock) total += block_sum(probs, b, std::min(vocab, b + kBlock));
+  const double target = u * total;
+  double run = 0;
+  for (int64_t b = 0; b < vocab; b += kBlock) {
+    const int64_t e = std::min(vocab, b + kBlock);
+    const float part = block_sum(probs, b, e);
+    if (run + part <= target) {  // not in this block
+      run += part;
+      continue;
+    }
+    for (int64_t i = b; i < e; ++i)
+      if (probs[i] > 0) {
+        run += probs[i];
+        if (run > target) return i;
+      }
+  }
+  for (int64_t i = vocab - 1; i > 0; --i)  // rounding ran past the end
+    if (probs[i] > 0) return i;
+  return 0;
+}
+
+}  // namespace
+
+void sample_inverse(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads) {
+#pragma omp parallel for num_threads(team_for_grain(threads, rows, 1)) schedule(dynamic, 1)
+  for (int64_t r = 0; r < rows; ++r) out[r] = inverse_cdf_row(probs + r * vocab, vocab, u[r]);
+}
+
+void top_k_mask(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads) {
+#pragma omp parallel num_threads(team_for_grain(threads, rows, 1))
+  {
+    std::vector<int32_t> cand;
+    std::vector<float> kept;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; ++r)
+      if (k[r] > 0 && k[r] < vocab) top_k_row(logits + r * vocab, k[r], vocab, cand, kept);
+  }
+}
+
+void top_p_mask(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads) {
+#pragma omp parallel num_threads(team_for_grain(threads, rows, 1))
+  {
+    std::vector<int32_t> cand;
+    std::vector<float> kept;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; ++r)
+      if (p[r] < 1.f) top_p_row(logits + r * vocab, probs + r * vocab, p[r], vocab, cand, kept);
+  }
+}
+
+}  // namespace pagedllm

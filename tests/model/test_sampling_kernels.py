@@ -1,0 +1,229 @@
+"""The native top-k and nucleus (top-p) filters (csrc/cpu/sampling.cpp) against the sampler's torch path, for every
+ISA build this CPU runs (tests/model/conftest.py).
+
+The torch path (topk, and a stable sort of the whole row for top-p) is itself checked against a naive per-row
+reference in tests/unit/test_sampler.py. Here the native filters must give the very same logits, bit for bit and
+-inf for -inf, on rows of a real vocabulary's size: peaked and flat distributions, ties at the cut, -inf entries, p
+near 0 and near 1, probabilities that underflow to 0, k of 1, of more than the finite logits and of the whole
+vocabulary, rows of one token; a row's result must not depend on its batch; the Sampler draws the same seeded
+tokens with them as without; bad input is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler, _apply_top_k_top_p
+from pagedllm.sampling_params import SamplingParams
+
+VOCAB = 49152
+
+
+@pytest.fixture
+def ops(isa_ops):
+    return isa_ops
+
+
+def _both(ops, logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor | None = None):
+    torch_out = _apply_top_k_top_p(logits.clone(), top_k, top_p)
+    native_out = _apply_top_k_top_p(logits.clone(), top_k, top_p, ops)
+    return torch_out, native_out
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "case, scale, ps",
+    [
+        ("peaked", 4.0, [0.5, 0.9, 0.95, 0.99, 0.3, 1e-7, 1.0, 0.8]),
+        ("flat", 0.05, [0.9, 0.5, 0.999, 0.1]),
+        ("underflow", 60.0, [0.999999, 0.9999999, 0.99, 0.5]),
+        ("near_one", 1.0, [0.99999, 0.999999, 0.9999999, 0.99999994]),
+    ],
+)
+def test_native_top_p_equals_torch(ops, case: str, scale: float, ps: list[float]) -> None:
+    g = _gen(len(case))
+    logits = torch.randn(len(ps), VOCAB, generator=g) * scale
+    top_p = torch.tensor(ps)
+    ref, got = _both(ops, logits, top_p)
+    assert torch.equal(got, ref)
+    kept = torch.isfinite(got).sum(dim=-1)
+    # Rows with p = 1 are untouched; the others lost tokens (peaked rows most of them).
+    assert all(k == VOCAB for k, p in zip(kept.tolist(), ps) if p >= 1.0)
+    if case == "peaked":
+        assert 0 < int(kept[1]) < VOCAB // 10
+
+
+def test_native_top_p_ties_at_the_cut(ops) -> None:
+    # Logits of one decimal, as bf16 logits tie: the cut falls among equal logits, and the lower ids are kept.
+    g = _gen(1)
+    rows = 64
+    logits = (torch.randn(rows, 5000, generator=g) * 2).round(decimals=1)
+    top_p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    ref, got = _both(ops, logits, top_p)
+    assert torch.equal(got, ref)
+    # A row of equal logits: p = 0.5 keeps exactly the lower half of the ids.
+    flat = torch.zeros(1, 1000)
+    ref, got = _both(ops, flat, torch.tensor([0.5]))
+    assert torch.equal(got, ref)
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == list(range(500))
+
+
+def test_native_top_p_after_top_k(ops) -> None:
+    # Top-k leaves -inf entries (probability 0); some rows without top-k, one with k = 1, one with p = 1.
+    g = _gen(2)
+    rows = 10
+    logits = torch.randn(rows, VOCAB, generator=g) * 2
+    top_k = torch.tensor([5, 50, 1, VOCAB, 1000, VOCAB, 20, 2, 300, 7])
+    top_p = torch.tensor([0.9, 0.5, 0.9, 0.95, 0.99, 1.0, 0.2, 0.7, 0.999999, 1e-6])
+    ref, got = _both(ops, logits, top_p, top_k)
+    assert torch.equal(got, ref)
+    # A row with a single finite logit (probability exactly 1) keeps it.
+    one = torch.full((1, 100), float("-inf"))
+    one[0, 42] = 3.0
+    ref, got = _both(ops, one, torch.tensor([0.5]))
+    assert torch.equal(got, ref)
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [42]
+
+
+def test_native_top_k_equals_torch(ops) -> None:
+    g = _gen(5)
+    rows = 12
+    logits = torch.randn(rows, VOCAB, generator=g) * torch.linspace(0.05, 8.0, rows).unsqueeze(1)
+    logits[3] = logits[3].round(decimals=1)  # ties at the k-th value: the lower ids are kept
+    logits[4, 100:] = float("-inf")  # fewer finite logits than k
+    logits[5] = 0.0  # every logit tied
+    top_k = torch.tensor([1, 50, 5000, 40, 200, 7, VOCAB, VOCAB - 1, 2, 1000, 3, 64])
+    ref = _apply_top_k_top_p(logits.clone(), top_k, None)
+    got = _apply_top_k_top_p(logits.clone(), top_k, None, ops)
+    assert torch.equal(got, ref)
+    kept = torch.isfinite(got).sum(dim=-1).tolist()
+    assert kept[0] == 1 and kept[1] == 50 and kept[4] == 100 and kept[6] == VOCAB
+    assert torch.isfinite(got[5]).nonzero().flatten().tolist() == list(range(7))
+    for r in (0, 2, 9):  # each row alone as in the batch
+        alone = _apply_top_k_top_p(logits[r : r + 1].clone(), top_k[r : r + 1], None, ops)
+        assert torch.equal(alone[0], got[r])
+
+
+def test_native_top_p_row_independent_of_batch(ops) -> None:
+    g = _gen(3)
+    logits = torch.randn(6, VOCAB, generator=g) * torch.tensor([[0.1], [1.0], [3.0], [6.0], [0.5], [2.0]])
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.999, 1.0, 0.75])
+    batched = _apply_top_k_top_p(logits.clone(), None, top_p, ops)
+    for r in range(6):
+        alone = _apply_top_k_top_p(logits[r : r + 1].clone(), None, top_p[r : r + 1], ops)
+        assert torch.equal(alone[0], batched[r])
+
+
+def test_sampler_with_native_filters_draws_the_same_seeded_tokens(ops) -> None:
+    g = _gen(4)
+    rows = 8
+    logits = torch.randn(rows, VOCAB, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.8, top_p=p, top_k=k, seed=i)
+        for i, (p, k) in enumerate(zip([0.9, 0.95, 0.5, 1.0] * 2, [-1, 50, -1, 20, 1, -1, 100, -1]))
+    ]
+
+    def draw(native) -> list[int]:
+        tokens = []
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(rows)]
+        for _ in range(5):
+            md = SamplingMetadata.from_requests(
+                params,
+                prompt_token_ids=[[0, 1]] * rows,
+                output_token_ids=[[] for _ in range(rows)],
+                generators=gens,
+                eos_token_ids=[None] * rows,
+                vocab_size=VOCAB,
+                device=torch.device("cpu"),
+            )
+            tokens += Sampler(native)(logits, md).sampled_token_ids.tolist()
+        return tokens
+
+    assert draw(ops) == draw(None)
+
+
+def test_native_filters_refuse_bad_input(ops) -> None:
+    logits = torch.randn(2, 10)
+    probs = torch.softmax(logits, dim=-1)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.top_p_mask(logits, probs[:1].contiguous(), torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.top_p_mask(logits, probs, torch.tensor([0.5]))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.top_p_mask(logits.double(), probs, torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="overlap"):
+        ops.top_p_mask(logits, logits, torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="top_k"):
+        ops.top_k_mask(logits, torch.tensor([3, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"top_k \[R\]"):
+        ops.top_k_mask(logits, torch.tensor([3]))
+
+
+def _inverse_reference(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token at u of each row's cumulative distribution (float64), and how far u * total lies from the nearest
+    boundary of the cumulative sums (relative to the total)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = u.unsqueeze(1) * total
+    token = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    gap = ((cdf - target).abs() / total).min(dim=-1).values
+    return token, gap
+
+
+def test_native_inverse_cdf_draws_the_token_at_u(ops) -> None:
+    g = _gen(6)
+    rows = 400
+    probs = torch.softmax(torch.randn(rows, VOCAB, generator=g) * 3, dim=-1)
+    probs[: rows // 2] *= 0.37  # unnormalised rows
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    out = torch.empty(rows, dtype=torch.int64)
+    ops.sample_inverse(out, probs, u)
+    expected, gap = _inverse_reference(probs, u)
+    far = gap > 1e-6  # u not within rounding of a boundary: both sums must agree on the token
+    assert far.sum() > rows * 0.8
+    assert torch.equal(out[far], expected[far])
+
+
+def test_native_inverse_cdf_never_draws_a_token_without_mass(ops) -> None:
+    vocab = 1000
+    probs = torch.zeros(6, vocab)
+    probs[0, 0] = 1.0  # one token, first
+    probs[1, vocab - 1] = 0.5  # one token, last
+    probs[2, 10:20] = 0.1  # a few tokens amid zeros
+    probs[3, 500] = 1e-30  # a tiny mass alone
+    probs[4, :7] = torch.tensor([0.0, 0.2, 0.0, 0.3, 0.0, 0.5, 0.0])
+    probs[5, 990:] = 1.0  # trailing block
+    with_mass = [set(torch.nonzero(probs[r]).flatten().tolist()) for r in range(6)]
+    for u in (0.0, 1e-300, 0.5, 1.0 - 2**-53):
+        out = torch.empty(6, dtype=torch.int64)
+        ops.sample_inverse(out, probs, torch.full((6,), u, dtype=torch.float64))
+        for r in range(6):
+            assert int(out[r]) in with_mass[r], (u, r)
+    out = torch.empty(6, dtype=torch.int64)
+    ops.sample_inverse(out, probs, torch.full((6,), 1.0 - 2**-53, dtype=torch.float64))
+    assert out.tolist()[:5] == [0, vocab - 1, 19, 500, 5]
+
+
+def test_sampler_with_native_draws_the_distribution(ops) -> None:
+    # Unseeded rows go through the native inverse CDF: frequencies match the distribution (chi-square, fixed seed),
+    # and a filtered-out token never appears.
+    torch.manual_seed(7)
+    rows, p = 20000, torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = p.log().expand(rows, -1).contiguous()
+    md = SamplingMetadata.from_requests(
+        [SamplingParams(temperature=1.0)] * rows,
+        prompt_token_ids=[[0, 1]] * rows,
+        output_token_ids=[[] for _ in range(rows)],
+        generators=[None] * rows,
+        eos_token_ids=[None] * rows,
+        vocab_size=4,
+        device=torch.device("cpu"),
+    )
+    counts = torch.bincount(Sampler(ops)(logits, md).sampled_token_ids, minlength=4).double()
+    chi2 = float(((counts - rows * p.double()) ** 2 / (rows * p.double())).sum())
+    assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001
