@@ -16,6 +16,9 @@ Contract (vLLM V1 semantics):
 - The input logits are never modified. Everything is vectorised device-agnostic torch: the only per-row
   Python loop is over seeded generators (one kernel each), and the only host sync is one small `.tolist()`
   per step when some row uses top-k (topk needs a Python int).
+- With the native CPU ops (`Sampler(native)`), float32 CPU rows are filtered by top-k and top-p without a
+  vocabulary sort (the very tokens the torch path keeps) and unseeded rows are drawn by a native inverse CDF
+  (csrc/cpu/sampling.cpp); no host sync then.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_lo
 
 class Sampler(torch.nn.Module):
     """Stateless: all per-request state (including RNG) arrives in the SamplingMetadata. `native`: the native CPU
-    ops (pagedllm._C.CpuOps), whose nucleus filter then serves float32 CPU logits (None: torch throughout)."""
+    ops (pagedllm._C.CpuOps), whose top-k and top-p filters and inverse-CDF draws then serve float32 CPU rows
+    (None: torch throughout)."""
 
     def __init__(self, native: Any | None = None) -> None:
         super().__init__()
@@ -317,7 +321,8 @@ def _outside_top_p(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     # first token has 0 mass before it, so it is always kept. Rows with top_p == 1 are exempt because
     # float rounding could otherwise drop tail tokens.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    return (mass_before >= p) & (p < 1.0)
+    # Everything after the first token dropped is dropped too (a prefix, whatever the last bits of the probs).
+    return ((mass_before >= p) & (p < 1.0)).cumsum(dim=-1) > 0
 
 
 def random_sample(

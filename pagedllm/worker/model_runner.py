@@ -93,7 +93,8 @@ class ModelRunner:
             self._logits_rows = 0 if packed else int(cpu_ops.quant_dot_max_rows())
         else:
             self._logits_rows = 1
-        # The sampler's nucleus (top-p) filter runs natively with the native ops (the same tokens as torch's).
+        # With the native ops, the sampler's top-k and top-p filters (the same tokens as torch's) and its unseeded
+        # draws run natively.
         self.sampler = Sampler(cpu_ops)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None

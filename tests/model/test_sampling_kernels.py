@@ -209,21 +209,99 @@ def test_native_inverse_cdf_never_draws_a_token_without_mass(ops) -> None:
     assert out.tolist()[:5] == [0, vocab - 1, 19, 500, 5]
 
 
-def test_sampler_with_native_draws_the_distribution(ops) -> None:
-    # Unseeded rows go through the native inverse CDF: frequencies match the distribution (chi-square, fixed seed),
-    # and a filtered-out token never appears.
-    torch.manual_seed(7)
-    rows, p = 20000, torch.tensor([0.05, 0.5, 0.15, 0.3])
-    logits = p.log().expand(rows, -1).contiguous()
-    md = SamplingMetadata.from_requests(
-        [SamplingParams(temperature=1.0)] * rows,
-        prompt_token_ids=[[0, 1]] * rows,
-        output_token_ids=[[] for _ in range(rows)],
-        generators=[None] * rows,
-        eos_token_ids=[None] * rows,
-        vocab_size=4,
+def _metadata(params: list[SamplingParams], vocab: int, generators: list | None = None) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.from_requests(
+        params,
+        prompt_token_ids=[[0, 1]] * n,
+        output_token_ids=[[] for _ in range(n)],
+        generators=generators if generators is not None else [None] * n,
+        eos_token_ids=[None] * n,
+        vocab_size=vocab,
         device=torch.device("cpu"),
     )
-    counts = torch.bincount(Sampler(ops)(logits, md).sampled_token_ids, minlength=4).double()
-    chi2 = float(((counts - rows * p.double()) ** 2 / (rows * p.double())).sum())
-    assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("vocab", [37, 32001])
+def test_native_filters_on_odd_vocabularies(ops, vocab: int) -> None:
+    # Vocabularies that are not a multiple of the vector width: the scalar tails of every pass.
+    g = _gen(vocab)
+    rows = 16
+    logits = (torch.randn(rows, vocab, generator=g) * 3).round(decimals=1)
+    logits[0, -1] = logits[0].max() + 1  # the largest logit in the tail
+    top_k = torch.randint(1, vocab, (rows,), generator=g)
+    top_k[::4] = vocab
+    top_p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    top_p[1::5] = 1.0
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        ref = _apply_top_k_top_p(logits.clone(), k, p)
+        got = _apply_top_k_top_p(logits.clone(), k, p, ops)
+        assert torch.equal(got, ref)
+
+
+def test_sampler_with_native_draws_the_distribution(ops) -> None:
+    # Unseeded rows go through the native inverse CDF: after top-p and min-p (on a vocabulary that is not a multiple
+    # of the vector width), the frequencies match the kept tokens' renormalised distribution (chi-square, fixed
+    # seed), and a filtered-out token never appears.
+    torch.manual_seed(7)
+    rows, vocab = 20000, 37
+    p = torch.rand(vocab, generator=_gen(8)) + 0.05
+    p[[3, 20, 36]] = 2.0  # a few large tokens, one in the tail
+    p /= p.sum()
+    logits = p.log().expand(rows, -1).contiguous()
+    order = p.argsort(descending=True, stable=True)
+    before = p[order].double().cumsum(0) - p[order].double()
+    kept = order[before < 0.6]  # top_p = 0.6
+    params = [SamplingParams(temperature=1.0, top_p=0.6)] * rows
+    counts = torch.bincount(Sampler(ops)(logits, _metadata(params, vocab)).sampled_token_ids, minlength=vocab)
+    assert int(counts.sum()) == rows and int(counts[kept].sum()) == rows
+    q = p[kept].double() / p[kept].double().sum()
+    chi2 = float(((counts[kept].double() - rows * q) ** 2 / (rows * q)).sum())
+    df = len(kept) - 1
+    assert 2 <= df < vocab // 2
+    # The 0.999 quantile of chi-square with df degrees of freedom (Wilson-Hilferty; within 1% from df = 2 on).
+    assert chi2 < df * (1 - 2 / (9 * df) + 3.0902 * (2 / (9 * df)) ** 0.5) ** 3
+    # min-p zeroes tokens without renormalising: the native draw never picks them either.
+    params = [SamplingParams(temperature=1.0, min_p=0.5)] * 2000
+    drawn = set(Sampler(ops)(logits[:2000], _metadata(params, vocab)).sampled_token_ids.tolist())
+    assert drawn == set(torch.nonzero(p >= 0.5 * p.max()).flatten().tolist())
+
+
+def test_native_seeded_rows_unchanged_beside_unseeded_ones(ops) -> None:
+    # Seeded rows keep the exponential race on their own generator: the same tokens with the native ops as without,
+    # whatever unseeded rows share their batch.
+    g = _gen(9)
+    rows = 6
+    logits = torch.randn(rows, 5000, generator=g) * 2
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=k, seed=1) for k in (-1, 40, -1, 7, -1, 300)]
+    seeded = [0, 2, 3, 5]
+
+    def run(native) -> tuple[list[int], list]:
+        gens = [torch.Generator().manual_seed(10 + r) if r in seeded else None for r in range(rows)]
+        tokens = Sampler(native)(logits, _metadata(params, 5000, gens)).sampled_token_ids.tolist()
+        return [tokens[r] for r in seeded], [gens[r].get_state() for r in seeded]
+
+    (a, states_a), (b, states_b) = run(ops), run(None)
+    assert a == b and all(torch.equal(x, y) for x, y in zip(states_a, states_b))
+
+
+def test_native_rejection_sampler_keeps_seeded_requests(ops) -> None:
+    # A seeded request verifying two drafts beside an unseeded one: its tokens and its generator's state after the
+    # rewind are the same with the native ops as without.
+    from pagedllm.spec_decode.rejection_sampler import RejectionSampler
+
+    g = _gen(10)
+    logits = torch.randn(6, 5000, generator=g) * 2
+    logits[0, 17] = logits[1, 4000] = 20.0  # the drafts, near certain
+    drafts = [[17, 4000], [1, 2]]
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=3)] * 3 + [SamplingParams(temperature=0.7, top_k=50)] * 3
+
+    def run(native) -> tuple[list[int], torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        md = _metadata(params, 5000, [gen] * 3 + [None] * 3)
+        tokens = RejectionSampler(native)(logits, md, drafts, [0, 3])
+        return tokens[0], gen.get_state()
+
+    (a, state_a), (b, state_b) = run(ops), run(None)
+    assert a == b and torch.equal(state_a, state_b)
+    assert a[:2] == [17, 4000]  # both drafts accepted (their probability is ~1 - 1e-5)

@@ -165,11 +165,11 @@ struct PagedllmCpuOps {
                             int64_t in, int64_t out, int threads);
   // 1 where this build multiplies bf16 in hardware (AVX512-BF16), 0 where it widens to float32.
   int32_t (*bf16_native)(void);
-  // In place on logits [rows, vocab]: -inf outside each row's k[r] largest (ties: lower ids; rows with 0 < k[r] <
-  // vocab), and outside each row's nucleus, for the rows with p[r] < 1 (sampling.cpp;
-  // probs = softmax(logits) row by row).
-  // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised).
+  // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised;
+  // sampling.cpp).
   void (*sample_inverse)(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
+  // In place on logits [rows, vocab]: -inf outside each row's k[r] largest (ties: lower ids; rows with 0 < k[r] <
+  // vocab), or outside each row's nucleus, for the rows with p[r] < 1 (probs = softmax(logits) row by row).
   void (*top_k_mask)(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads);
   void (*top_p_mask)(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads);
 };

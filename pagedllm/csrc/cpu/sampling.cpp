@@ -40,7 +40,9 @@
 namespace pagedllm {
 namespace {
 
-constexpr double kMargin = 1e-5;  // far above the rounding of a sum of probs in float32 (~6e-8)
+// Candidates must hold p + kMargin by a float32 sum in lanes (its error can near 1e-5 in the worst case, ~1e-7 in
+// practice): enough to make the double check of the walk below hold nearly always (else all tokens are candidates).
+constexpr double kMargin = 1e-5;
 
 // The mass of the tokens whose prob is >= t, and the smallest logit among them (+inf: none), in one pass: float32
 // sums in lanes, then in double.
@@ -106,21 +108,30 @@ int64_t count_at_least(const float* logits, int64_t vocab, float t) {
   return n;
 }
 
-float largest_logit(const float* logits, int64_t vocab) {
-  float top = -std::numeric_limits<float>::infinity();
+// The largest logit of a row and its smallest finite one (top = -inf: no finite logit above -inf).
+void logit_range(const float* logits, int64_t vocab, float& top, float& low) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  top = -inf;
+  low = inf;
   int64_t i = 0;
 #if defined(__AVX2__)
-  __m256 m0 = _mm256_set1_ps(top), m1 = m0;
-  for (; i + 16 <= vocab; i += 16) {
-    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(logits + i));
-    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(logits + i + 8));
+  const __m256 ninf = _mm256_set1_ps(-inf), pinf = _mm256_set1_ps(inf);
+  __m256 hi = ninf, lo = pinf;
+  for (; i + 8 <= vocab; i += 8) {
+    const __m256 x = _mm256_loadu_ps(logits + i);
+    hi = _mm256_max_ps(hi, x);
+    lo = _mm256_min_ps(lo, _mm256_blendv_ps(x, pinf, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ)));
   }
-  alignas(32) float m[8];
-  _mm256_store_ps(m, _mm256_max_ps(m0, m1));
-  top = *std::max_element(m, m + 8);
+  alignas(32) float h[8], l[8];
+  _mm256_store_ps(h, hi);
+  _mm256_store_ps(l, lo);
+  top = *std::max_element(h, h + 8);
+  low = *std::min_element(l, l + 8);
 #endif
-  for (; i < vocab; ++i) top = std::max(top, logits[i]);
-  return top;
+  for (; i < vocab; ++i) {
+    top = std::max(top, logits[i]);
+    if (logits[i] > -inf) low = std::min(low, logits[i]);
+  }
 }
 
 // Appends the ids of the tokens whose logit is >= floor, in order.
@@ -143,7 +154,8 @@ void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::v
   // largest t of max_prob * 4^-k whose tokens hold more than p + kMargin (all tokens where none does).
   const float top = largest(probs, vocab);
   float floor_logit = -std::numeric_limits<float>::infinity();
-  for (float t = top; t > 0 && t >= top * 0x1p-64f; t *= 0.25f) {
+  const bool near_one = static_cast<double>(p) + kMargin >= 1.0;  // no threshold can hold p + kMargin: all tokens
+  for (float t = top; !near_one && t > 0 && t >= top * 0x1p-64f; t *= 0.25f) {
     float low;
     if (mass_at_least(logits, probs, vocab, t, low) >= static_cast<double>(p) + kMargin) {
       floor_logit = low;
@@ -183,16 +195,20 @@ void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::v
 }
 
 // Keeps the k largest logits of a row (ties: the lower ids), -inf elsewhere. The candidates are the logits >= the
-// largest minus d, d doubling from 1 until there are k of them (all, once d is past every finite logit).
+// largest minus d, d doubling from 1 until there are k of them (all, once d is past the smallest finite logit).
 void top_k_row(float* logits, int64_t k, int64_t vocab, std::vector<int32_t>& cand, std::vector<float>& kept) {
-  const float top = largest_logit(logits, vocab);
-  float floor_logit = -std::numeric_limits<float>::infinity();
-  if (std::isfinite(top))
-    for (float d = 1.f; d < 1e30f; d *= 2.f)
+  float top, low;
+  logit_range(logits, vocab, top, low);
+  float floor_logit = -std::numeric_limits<float>::infinity();  // fewer than k finite logits: all are candidates
+  if (std::isfinite(top)) {
+    bool found = false;
+    for (float d = 1.f; !found && top - d > low; d *= 2.f)
       if (count_at_least(logits, vocab, top - d) >= k) {
         floor_logit = top - d;
-        break;
+        found = true;
       }
+    if (!found && count_at_least(logits, vocab, low) >= k) floor_logit = low;
+  }
   cand.clear();
   collect(logits, vocab, floor_logit, cand);
   const size_t keep = std::min(cand.size(), static_cast<size_t>(k));
@@ -209,17 +225,18 @@ void top_k_row(float* logits, int64_t k, int64_t vocab, std::vector<int32_t>& ca
 // u * total, skipping tokens without mass; the last token with mass should rounding run past the end.
 constexpr int64_t kBlock = 16;
 
-// The sum of probs [b, e) (e - b <= kBlock), in float32: exact enough to skip whole blocks.
-inline float block_sum(const float* probs, int64_t b, int64_t e) {
+// The sum of probs [b, e) (e - b <= kBlock), in double.
+inline double block_sum(const float* probs, int64_t b, int64_t e) {
 #if defined(__AVX2__)
   if (e - b == kBlock) {
-    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(probs + b), _mm256_loadu_ps(probs + b + 8));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    const __m256d v = _mm256_add_pd(
+        _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(probs + b)), _mm256_cvtps_pd(_mm_loadu_ps(probs + b + 4))),
+        _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(probs + b + 8)), _mm256_cvtps_pd(_mm_loadu_ps(probs + b + 12))));
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
   }
 #endif
-  float part = 0;
+  double part = 0;
   for (int64_t i = b; i < e; ++i) part += probs[i];
   return part;
 }
@@ -231,7 +248,7 @@ int64_t inverse_cdf_row(const float* probs, int64_t vocab, double u) {
   double run = 0;
   for (int64_t b = 0; b < vocab; b += kBlock) {
     const int64_t e = std::min(vocab, b + kBlock);
-    const float part = block_sum(probs, b, e);
+    const double part = block_sum(probs, b, e);
     if (run + part <= target) {  // not in this block
       run += part;
       continue;
