@@ -78,25 +78,7 @@ double mass_at_least(const float* logits, const float* probs, int64_t vocab, flo
   return sum;
 }
 
-// The largest prob of a row.
-float largest(const float* probs, int64_t vocab) {
-  float top = 0;
-  int64_t i = 0;
-#if defined(__AVX2__)
-  __m256 m0 = _mm256_setzero_ps(), m1 = m0;
-  for (; i + 16 <= vocab; i += 16) {
-    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(probs + i));
-    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(probs + i + 8));
-  }
-  alignas(32) float m[8];
-  _mm256_store_ps(m, _mm256_max_ps(m0, m1));
-  top = *std::max_element(m, m + 8);
-#endif
-  for (; i < vocab; ++i) top = std::max(top, probs[i]);
-  return top;
-}
-
-// The number of logits >= t, and the largest logit (-inf: none above -inf), in one pass each.
+// The number of logits >= t, in one pass.
 int64_t count_at_least(const float* logits, int64_t vocab, float t) {
   int64_t n = 0, i = 0;
 #if defined(__AVX2__)
@@ -148,11 +130,25 @@ void collect(const float* logits, int64_t vocab, float floor, std::vector<int32_
     if (logits[i] >= floor) cand.push_back(static_cast<int32_t>(i));
 }
 
+// Orders token ids as the torch path's stable descending sort of the logits does: logit descending, then id.
+struct ByLogit {
+  const float* logits;
+  bool operator()(int32_t a, int32_t b) const { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); }
+};
+
+// Keeps the logits of the first `keep` candidates of a row, -inf everywhere else.
+void keep_first(float* logits, int64_t vocab, const std::vector<int32_t>& cand, size_t keep, std::vector<float>& kept) {
+  kept.resize(keep);
+  for (size_t j = 0; j < keep; ++j) kept[j] = logits[cand[j]];
+  std::fill(logits, logits + vocab, -std::numeric_limits<float>::infinity());
+  for (size_t j = 0; j < keep; ++j) logits[cand[j]] = kept[j];
+}
+
 void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::vector<int32_t>& cand,
                std::vector<float>& kept) {
   // The candidates: every token whose logit is at least the smallest logit of the tokens with prob >= t, for the
   // largest t of max_prob * 4^-k whose tokens hold more than p + kMargin (all tokens where none does).
-  const float top = largest(probs, vocab);
+  const float top = max_of(probs, vocab);
   float floor_logit = -std::numeric_limits<float>::infinity();
   const bool near_one = static_cast<double>(p) + kMargin >= 1.0;  // no threshold can hold p + kMargin: all tokens
   for (float t = top; !near_one && t > 0 && t >= top * 0x1p-64f; t *= 0.25f) {
@@ -167,9 +163,7 @@ void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::v
   for (;;) {
     cand.clear();
     collect(logits, vocab, floor_logit, cand);
-    std::sort(cand.begin(), cand.end(), [logits](int32_t a, int32_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    });
+    std::sort(cand.begin(), cand.end(), ByLogit{logits});
     keep = cand.size();
     run = 0;
     for (size_t j = 0; j < cand.size(); ++j) {
@@ -188,10 +182,7 @@ void top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::v
     floor_logit = -std::numeric_limits<float>::infinity();
   }
   if (keep == static_cast<size_t>(vocab)) return;  // every token kept
-  kept.resize(keep);
-  for (size_t j = 0; j < keep; ++j) kept[j] = logits[cand[j]];
-  std::fill(logits, logits + vocab, -std::numeric_limits<float>::infinity());
-  for (size_t j = 0; j < keep; ++j) logits[cand[j]] = kept[j];
+  keep_first(logits, vocab, cand, keep, kept);
 }
 
 // Keeps the k largest logits of a row (ties: the lower ids), -inf elsewhere. The candidates are the logits >= the
@@ -212,17 +203,10 @@ void top_k_row(float* logits, int64_t k, int64_t vocab, std::vector<int32_t>& ca
   cand.clear();
   collect(logits, vocab, floor_logit, cand);
   const size_t keep = std::min(cand.size(), static_cast<size_t>(k));
-  std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), [logits](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
-  kept.resize(keep);
-  for (size_t j = 0; j < keep; ++j) kept[j] = logits[cand[j]];
-  std::fill(logits, logits + vocab, -std::numeric_limits<float>::infinity());
-  for (size_t j = 0; j < keep; ++j) logits[cand[j]] = kept[j];
+  std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), ByLogit{logits});
+  keep_first(logits, vocab, cand, keep, kept);
 }
 
-// The token at u (in [0, 1)) of a row's cumulative distribution: the first whose running sum (in double) passes
-// u * total, skipping tokens without mass; the last token with mass should rounding run past the end.
 constexpr int64_t kBlock = 16;
 
 // The sum of probs [b, e) (e - b <= kBlock), in double.
@@ -241,6 +225,8 @@ inline double block_sum(const float* probs, int64_t b, int64_t e) {
   return part;
 }
 
+// The token at u (in [0, 1)) of a row's cumulative distribution: the first whose running sum (in double) passes
+// u * total, skipping tokens without mass; the last token with mass should rounding run past the end.
 int64_t inverse_cdf_row(const float* probs, int64_t vocab, double u) {
   double total = 0;
   for (int64_t b = 0; b < vocab; b += kBlock) total += block_sum(probs, b, std::min(vocab, b + kBlock));
