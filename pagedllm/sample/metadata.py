@@ -8,10 +8,12 @@ Contract:
   three penalty tensors are None together, when `no_penalties`).
   When present, rows that do not use the feature hold a neutral value (top_k = vocab_size, top_p = 1.0,
   min_p = 0.0, penalties 0/0/1) so the batched op leaves them unchanged.
-- Greedy rows have temperature exactly 0.0, neutral filters and no entry in `generators`: they never
-  consume randomness.
-- `generators` holds only random rows that have their own (seeded) generator; the generator must be on
-  the logits' device.
+- Greedy rows have temperature exactly 0.0, neutral filters and no entry in `seeds`: they never consume
+  randomness.
+- `seeds` holds only random rows of requests with a seed: (the seed, the row's draw index). The draw index is
+  the number of tokens the request has output before the one this row samples, so the t-th output token of a
+  seeded request always comes from its t-th draw (sampler.seeded_uniforms), whatever its batch, its drafts or a
+  preemption.
 - `prompt_token_ids` is padded with `vocab_size`, so `vocab_size` must equal the logits' last dimension.
 
 The model runner gets it each step from `InputBatch.sampling_metadata`, which slices per-row arrays kept
@@ -40,7 +42,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [num_reqs] int64; None when no row uses top-k
     top_p: torch.Tensor | None  # [num_reqs] float32; None when no row uses top-p
     min_p: torch.Tensor | None  # [num_reqs] float32; None when no row uses min-p
-    generators: dict[int, torch.Generator]  # row index -> that request's own generator (seeded rows)
+    seeds: dict[int, tuple[int, int]]  # row index -> (seed, draw index): random rows of seeded requests
     no_penalties: bool
     # [num_reqs] float32 each; None when no_penalties (no row uses any penalty)
     presence_penalties: torch.Tensor | None
@@ -58,14 +60,14 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
         eos_token_ids: list[int | None],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
-        """Batch per-row parameters; all lists are indexed by row and must have the same length."""
+        """Batch per-row parameters; all lists are indexed by row and must have the same length. A row's seed is
+        its params' `seed`, its draw index the length of its output tokens."""
         num_reqs = len(params)
-        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(eos_token_ids) == num_reqs):
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(eos_token_ids) == num_reqs):
             raise ValueError("from_requests: all per-row lists must have the same length")
 
         temperature: list[float] = []
@@ -75,7 +77,7 @@ class SamplingMetadata:
         presence: list[float] = []
         frequency: list[float] = []
         repetition: list[float] = []
-        gens: dict[int, torch.Generator] = {}
+        seeds: dict[int, tuple[int, int]] = {}
         min_tokens: dict[int, tuple[int, set[int]]] = {}
         logit_bias: list[dict[int, float] | None] = []
         max_num_logprobs: int | None = None
@@ -100,9 +102,9 @@ class SamplingMetadata:
                 top_p.append(p.top_p)
                 uses_min_p |= p.min_p > 0.0
                 min_p.append(p.min_p)
-                # A greedy row's generator is deliberately left out so it is never advanced.
-                if generators[i] is not None:
-                    gens[i] = generators[i]
+                # Only random rows draw: a greedy row's seed is deliberately left out.
+                if p.seed is not None:
+                    seeds[i] = (p.seed, len(output_token_ids[i]))
 
             presence.append(p.presence_penalty)
             frequency.append(p.frequency_penalty)
@@ -150,7 +152,7 @@ class SamplingMetadata:
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if uses_top_k else None,
             top_p=f32(top_p) if uses_top_p else None,
             min_p=f32(min_p) if uses_min_p else None,
-            generators=gens,
+            seeds=seeds,
             no_penalties=no_penalties,
             presence_penalties=None if no_penalties else f32(presence),
             frequency_penalties=None if no_penalties else f32(frequency),

@@ -6,18 +6,18 @@ Contract (vLLM V1 semantics):
   each request's own number. Rank = 1 + number of vocab entries with a strictly greater logprob.
 - Processing order: logit_bias -> min_tokens (forbid ids) -> repetition, frequency, presence penalties
   -> greedy rows take the argmax -> random rows: temperature, top-k, top-p, min-p, then sample.
-- Random rows without a seed invert their cumulative distribution with one uniform from the default RNG.
-  Seeded rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) per token.
-  A row with its own generator draws exactly vocab_size uniforms from it per step and nothing else, so
-  a seeded request yields the same tokens whatever batch it is in (filters break ties by token id, never
-  by batch shape).
-- Greedy rows never touch their own generator. An all-greedy batch without bias, penalties or
-  min_tokens is a plain argmax and consumes no randomness at all.
-- The input logits are never modified. Everything is vectorised device-agnostic torch: the only per-row
-  Python loop is over seeded generators (one kernel each), and the only host sync is one small `.tolist()`
-  per step when some row uses top-k (topk needs a Python int).
+- Random rows invert their cumulative distribution at one uniform U: the first token whose cumulative
+  probability exceeds U times the row's total (an exact draw). A row without a seed takes U from the default
+  RNG. A seeded row's U is a function of its seed and its draw index alone (`seeded_uniforms`, a counter-based
+  generator), so a seeded request yields the same tokens whatever batch it is in, however many drafts are
+  verified with it and after a preemption (filters break ties by token id, never by batch shape).
+- Greedy rows draw nothing. An all-greedy batch without bias, penalties or min_tokens is a plain argmax and
+  consumes no randomness at all.
+- The input logits are never modified. Everything is vectorised device-agnostic torch (the seeded uniforms are
+  computed on the host, a few integer operations a row), and the only host sync is one small `.tolist()` per step
+  when some row uses top-k (topk needs a Python int).
 - With the native CPU ops (`Sampler(native)`), float32 CPU rows are filtered by top-k and top-p without a
-  vocabulary sort (the very tokens the torch path keeps) and unseeded rows are drawn by a native inverse CDF
+  vocabulary sort (the very tokens the torch path keeps) and drawn by a native inverse CDF
   (csrc/cpu/sampling.cpp); no host sync then.
 """
 
@@ -121,7 +121,7 @@ class Sampler(torch.nn.Module):
             return greedy_sampled
 
         probs = sampling_probs(logits, metadata, self.native)
-        random_sampled = random_sample(probs, metadata.generators, native=self.native)
+        random_sampled = random_sample(probs, metadata.seeds, native=self.native)
         if greedy_sampled is None:
             return random_sampled
         return torch.where(greedy_rows(metadata), greedy_sampled, random_sampled)
@@ -325,59 +325,52 @@ def _outside_top_p(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return ((mass_before >= p) & (p < 1.0)).cumsum(dim=-1) > 0
 
 
-def random_sample(
-    probs: torch.Tensor,
-    generators: dict[int, torch.Generator],
-    states_after: dict[int, torch.Tensor] | None = None,
-    native: Any | None = None,
-) -> torch.Tensor:
-    """Sample one token per row from (unnormalised) probs.
-
-    Rows without a generator draw one uniform each from the default RNG and invert the row's cumulative
-    distribution, summed in float64: one pass over the row. Seeded rows (their generator in `generators`) run the
-    exponential race argmax(probs / E), E ~ Exponential(1) drawn as -log(U) from their own generator: exactly
-    vocab_size uniforms a step whatever the batch, so a seeded request's tokens do not depend on its batch. Both are
-    exact draws from the row's distribution. Seeded rows draw in row order; with `states_after`, each one's
-    generator state after its draw is recorded there (by row), to rewind to. `native` (CpuOps) inverts float32 CPU
-    rows natively (as Sampler's).
-    """
-    vocab = probs.shape[-1]
-    sampled = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-    unseeded = len(generators) < probs.shape[0]
-    if unseeded and native is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
-        probs = probs.contiguous()
-        native.sample_inverse(sampled, probs, torch.rand(probs.shape[0], dtype=torch.float64))
-    elif unseeded:
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        total = cdf[:, -1:].contiguous()
-        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)
-        # u < total, but for rounding: never past the last token with mass (the first reaching the total).
-        last = torch.searchsorted(cdf, total)
-        sampled = torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(1).clamp_(max=vocab - 1)
-    if generators:
-        rows = sorted(generators)
-        index = torch.tensor(rows, device=probs.device)
-        sampled.index_copy_(0, index, _exponential_race(probs.index_select(0, index), rows, generators, states_after))
-    return sampled
+def random_sample(probs: torch.Tensor, seeds: dict[int, tuple[int, int]], native: Any | None = None) -> torch.Tensor:
+    """Sample one token per row from (unnormalised) probs: the first token whose cumulative probability, summed in
+    float64, exceeds U times the row's total, never one without mass. U is the row's `seeded_uniforms` value for
+    a row in `seeds` (row -> (seed, draw index)), a uniform from the default RNG otherwise. `native` (CpuOps)
+    inverts float32 CPU rows natively (as Sampler's)."""
+    n, vocab = probs.shape
+    u = torch.empty(n, dtype=torch.float64, device=probs.device)
+    if len(seeds) < n:
+        u.uniform_()
+    if seeds:
+        rows = sorted(seeds)
+        values = torch.from_numpy(seeded_uniforms([seeds[r] for r in rows])).to(probs.device)
+        u.index_copy_(0, torch.tensor(rows, device=probs.device), values)
+    sampled = torch.empty(n, dtype=torch.int64, device=probs.device)
+    if native is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
+        native.sample_inverse(sampled, probs.contiguous(), u)
+        return sampled
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    # u < total, but for rounding: never past the last token with mass (the first reaching the total).
+    last = torch.searchsorted(cdf, total)
+    return (
+        torch.minimum(torch.searchsorted(cdf, u.unsqueeze(1).mul_(total), right=True), last)
+        .squeeze(1)
+        .clamp_(max=vocab - 1)
+    )
 
 
-def _exponential_race(
-    probs: torch.Tensor,
-    rows: list[int],
-    generators: dict[int, torch.Generator],
-    states_after: dict[int, torch.Tensor] | None,
-) -> torch.Tensor:
-    """argmax(probs / E) of the seeded rows `rows` (probs row i is batch row rows[i]), E = -log(U) with vocab_size
-    uniforms U from each row's generator (on CPU uniform_ + log is several times faster than exponential_)."""
-    noise = torch.empty_like(probs)
-    for i, row in enumerate(rows):
-        gen = generators[row]
-        noise[i].uniform_(generator=gen)
-        if states_after is not None:
-            states_after[row] = gen.get_state()
-    noise.log_().neg_()
-    # Some backends can return U == 1 (E == 0); 0/0 would be NaN, which argmax treats as the maximum and
-    # could pick a masked token. Clamping keeps masked tokens at 0 and p / tiny stays finite for p <= 1.
-    # U == 0 gives E == inf, i.e. weight 0 for that token in that draw, which is harmless.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div(noise).argmax(dim=-1)
+_MASK64 = (1 << 64) - 1
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: 2^64 / the golden ratio, odd
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output function (a bijection of uint64 that mixes every bit into every other)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniforms(draws: list[tuple[int, int]]) -> np.ndarray:
+    """U in [0, 1) (float64, 53 random bits) for each (seed, draw index): output `index` of a splitmix64 stream
+    whose state starts at the mixed seed. A counter-based generator: a draw depends on its seed and index alone,
+    so a seeded request draws the same U for its t-th token whatever was drawn before or beside it, with nothing to
+    keep or rewind between steps. Seeds are taken modulo 2^64."""
+    seed = np.array([s & _MASK64 for s, _ in draws], dtype=np.uint64)
+    index = np.array([i for _, i in draws], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _mix64(_mix64(seed) + (index + np.uint64(1)) * _GAMMA)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53

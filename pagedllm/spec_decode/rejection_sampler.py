@@ -6,17 +6,17 @@ single row (logit bias, min_tokens, penalties seeing the drafts before j as outp
 top-p, min-p: the metadata row of position j must say so). The result is the accepted drafts and one more token.
 
 The rule. Each row j draws the token the sampler would draw there: the argmax for a greedy row, else one
-exact draw from p_j (`random_sample`: the exponential race for a seeded row, with its own noise). d_j is accepted
+exact draw from p_j (`random_sample`: inverse CDF at one uniform). d_j is accepted
 when it equals that token; at the first row where it does not, that token is output and the rest are dropped; when
 every draft is accepted, the last row's token follows them. For a draft that is a point mass, as an n-gram draft
 is, this is the standard speculative-sampling rule (accept d with probability p(d), else sample from p with d
 removed, renormalised): the draw picks d with probability p(d), and conditioned on not picking it, its token is
 distributed as p without d. So the output is distributed exactly as sampling one token at a time, and greedy rows
 give exactly the greedy tokens.
-Seeded requests (their generator in `metadata.generators`, the same object on each of their rows) draw their noise
-from it row after row, vocab_size uniforms a row as the sampler does a step, and the generator is then rewound to
-just after the rows whose tokens were output. So the t-th output token of a seeded request always comes from the
-t-th draw of its generator: its output is the same with drafts as without, however many drafts were proposed.
+Seeded requests: row j of a request's rows has draw index (its output tokens so far) + j in `metadata.seeds`, so
+the row that outputs its t-th token draws with index t, as plain decoding would (a counter-based generator,
+sampler.seeded_uniforms: nothing to rewind after a rejection). Its output is the same with drafts as without,
+however many drafts were proposed.
 A request without drafts has one row and gets the sampler's token.
 """
 
@@ -43,8 +43,9 @@ class RejectionSampler:
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], starts: list[int]
     ) -> list[list[int]]:
-        """logits [num_rows, vocab] (raw); metadata of the same rows; request i's drafts and its first row. Returns
-        each request's tokens: its accepted drafts, then one token."""
+        """logits [num_rows, vocab] (raw); metadata of the same rows (a seeded row's draw index counting the
+        drafts before it); request i's drafts and its first row. Returns each request's tokens: its accepted
+        drafts, then one token."""
         if metadata.all_greedy and not needs_processing(metadata):
             return _walk(logits.argmax(dim=-1).tolist(), drafts, starts)
         work = processed_logits(logits, metadata)
@@ -53,17 +54,10 @@ class RejectionSampler:
             assert greedy_target is not None
             return _walk(greedy_target.tolist(), drafts, starts)
         probs = sampling_probs(work, metadata, self.native)
-        after: dict[int, torch.Tensor] = {}  # each seeded row's generator state after its draw
-        sampled = random_sample(probs, metadata.generators, after, self.native)
+        sampled = random_sample(probs, metadata.seeds, self.native)
         if greedy_target is not None:
             sampled = torch.where(greedy_rows(metadata).to(sampled.device), greedy_target, sampled)
-        out = _walk(sampled.tolist(), drafts, starts)
-        for tokens, start in zip(out, starts):
-            last = start + len(tokens) - 1  # the row of the last output token
-            gen = metadata.generators.get(last)
-            if gen is not None:
-                gen.set_state(after[last])
-        return out
+        return _walk(sampled.tolist(), drafts, starts)
 
 
 def _walk(sampled: list[int], drafts: list[list[int]], starts: list[int]) -> list[list[int]]:

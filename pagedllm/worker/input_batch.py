@@ -35,7 +35,6 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -77,7 +76,7 @@ class InputBatch:
         # Per-row Python objects; the dicts hold only the rows that use the feature.
         self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # the request's own list
         self.logit_bias: dict[int, dict[int, float]] = {}  # rows with a logit bias
-        self.generators: dict[int, torch.Generator] = {}  # random rows with a seed
+        self.seeds: dict[int, int] = {}  # random rows with a seed: the seed
         # Rows still below min_tokens: (min_tokens, ids forbidden until then); dropped once reached.
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
 
@@ -92,12 +91,7 @@ class InputBatch:
             if state is not None:
                 self._release_row(state)
         for new in sched.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
-            state = CachedRequestState(new.req_id, new.prompt_token_ids, params, new.eos_token_id, gen)
+            state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id)
             self.requests[new.req_id] = state
             self._take_row(state, new.block_ids)
             state.num_computed_tokens = new.num_computed_tokens
@@ -142,7 +136,7 @@ class InputBatch:
                 top_k=None,
                 top_p=None,
                 min_p=None,
-                generators={},
+                seeds={},
                 no_penalties=True,
                 presence_penalties=None,
                 frequency_penalties=None,
@@ -163,13 +157,13 @@ class InputBatch:
         no_penalties = not self.has_penalty[rows].any()
         num_logprobs = int(self.num_logprobs[rows].max(initial=-1))
 
-        generators: dict[int, torch.Generator] = {}
+        seeds: dict[int, tuple[int, int]] = {}
         min_tokens: dict[int, tuple[int, set[int]]] = {}
-        if self.generators or self.min_tokens:
+        if self.seeds or self.min_tokens:
             for i, r in enumerate(row_list):
-                gen = self.generators.get(r)
-                if gen is not None:
-                    generators[i] = gen
+                seed = self.seeds.get(r)
+                if seed is not None:
+                    seeds[i] = (seed, len(self.output_token_ids[r]))
                 entry = self.min_tokens.get(r)
                 if entry is not None:
                     # Out-of-range ids cannot be produced anyway; dropping them keeps the index op in bounds.
@@ -201,7 +195,7 @@ class InputBatch:
             top_k=dev(top_k) if (top_k < vocab_size).any() else None,
             top_p=dev(top_p) if (top_p < 1.0).any() else None,
             min_p=dev(min_p) if (min_p > 0.0).any() else None,
-            generators=generators,
+            seeds=seeds,
             no_penalties=no_penalties,
             presence_penalties=None if no_penalties else dev(self.presence_penalty[rows]),
             frequency_penalties=None if no_penalties else dev(self.frequency_penalty[rows]),
@@ -243,9 +237,9 @@ class InputBatch:
         self.output_token_ids[row] = state.output_token_ids
         if p.logit_bias:
             self.logit_bias[row] = p.logit_bias
-        # A greedy row's generator is deliberately left out so it is never advanced.
-        if state.generator is not None and not greedy:
-            self.generators[row] = state.generator
+        # Only random rows draw: a greedy row's seed is deliberately left out.
+        if p.seed is not None and not greedy:
+            self.seeds[row] = p.seed
         forbidden = set(p.stop_token_ids or ())
         if state.eos_token_id is not None and not p.ignore_eos:
             forbidden.add(state.eos_token_id)
@@ -275,7 +269,7 @@ class InputBatch:
         row = state.row
         if row >= 0:
             self.free_rows.append(row)
-            self.generators.pop(row, None)
+            self.seeds.pop(row, None)
             self.min_tokens.pop(row, None)
             self.logit_bias.pop(row, None)
             self.output_token_ids[row] = []

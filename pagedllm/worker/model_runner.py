@@ -301,11 +301,15 @@ class ModelRunner:
         np.cumsum(counts[:-1], out=starts[1:])
         rows = pending.rows[pending.sample_rows]
         metadata = self.input_batch.sampling_metadata(np.repeat(rows, counts), self.vocab_size)
-        # Position j of a request sees its first j drafts as output tokens (penalties, min_tokens read them).
-        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens else ()):
+        # Position j of a request sees its first j drafts as output tokens (penalties and min_tokens read them; a
+        # seeded row draws with its output position as the draw index).
+        seeds = metadata.seeds
+        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens or seeds else ()):
             for pos in range(1, len(d) + 1):
                 row = int(starts[j]) + pos
                 metadata.output_token_ids[row] = metadata.output_token_ids[row] + d[:pos]
+                if row in seeds:
+                    seeds[row] = (seeds[row][0], seeds[row][1] + pos)
         if self.tp.rank == 0:
             tokens = self.rejection_sampler(logits, metadata, drafts, starts.tolist())
         else:

@@ -56,7 +56,6 @@ def reference(batch: InputBatch, req_ids: list[str], vocab: int = VOCAB) -> Samp
         [s.sampling_params for s in states],
         [s.prompt_token_ids for s in states],
         [s.output_token_ids for s in states],
-        [s.generator for s in states],
         [s.eos_token_id for s in states],
         vocab,
         CPU,
@@ -69,8 +68,6 @@ def assert_same(got: SamplingMetadata, want: SamplingMetadata) -> None:
         if isinstance(b, torch.Tensor) or isinstance(a, torch.Tensor):
             assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f.name
             assert a.dtype == b.dtype and torch.equal(a, b), (f.name, a, b)
-        elif f.name == "generators":
-            assert a.keys() == b.keys() and all(a[k] is b[k] for k in a), f.name
         else:
             assert a == b, (f.name, a, b)
 
@@ -104,7 +101,7 @@ def test_mixed_rows_equal_reference_in_any_order_and_subset() -> None:
     assert not md.all_greedy and not md.all_random and md.max_num_logprobs == 3
     assert md.top_k is not None and md.top_k.tolist() == [VOCAB, 5, VOCAB, VOCAB, VOCAB, VOCAB]
     assert md.logit_bias[4] == {3: 2.5}  # the out-of-range id is dropped
-    assert set(md.generators) == {1, 5}  # seeded random rows only, by position in this step's order
+    assert set(md.seeds) == {1, 5}  # seeded random rows only, by position in this step's order
     # The model runner asks for its own order (decodes first) and only the rows that sample.
     check(batch, ["wide_k", "penalized", "greedy", "seeded"])
     check(batch, ["biased", "nucleus"])
@@ -116,10 +113,10 @@ def test_all_greedy_rows_take_the_fast_path() -> None:
     batch.update(diff([new("a", [1, 2], GREEDY), new("b", [3], GREEDY), new("c", [4], GREEDY, eos=None)]))
     md = check(batch, ["c", "a", "b"])
     assert md.all_greedy and md.no_penalties and md.top_k is None and md.prompt_token_ids is None
-    # Seeded greedy requests never expose their generator, and logprobs leave the path plain-greedy otherwise.
+    # Seeded greedy requests never draw, and logprobs leave the path plain-greedy otherwise.
     batch.update(diff([new("d", [5], SamplingParams(temperature=0.0, seed=4, logprobs=2))]))
     md = check(batch, ["a", "d"])
-    assert md.all_greedy and md.generators == {} and md.max_num_logprobs == 2
+    assert md.all_greedy and md.seeds == {} and md.max_num_logprobs == 2
 
 
 def test_penalty_history_follows_appended_tokens() -> None:
@@ -167,32 +164,32 @@ def test_finished_rows_are_reused_without_leftovers() -> None:
     batch.update(diff([new("c", [6], GREEDY)], finished={"b"}))
     assert "b" not in batch.requests and batch.requests["c"].row == row_b
     md = check(batch, ["a", "c"])
-    assert md.generators == {} and md.output_token_ids == [[], []] and md.logit_bias == [None, None]
+    assert md.seeds == {} and md.output_token_ids == [[], []] and md.logit_bias == [None, None]
     assert md.prompt_token_ids is not None and md.prompt_token_ids.tolist() == [[1, 2, 3], [6, VOCAB, VOCAB]]
     batch.update(diff([new("d", [7], MIXED["biased"])], finished={"a"}))
     md = check(batch, ["d", "c"])
     assert md.min_tokens == {} and md.logit_bias == [{3: 2.5}, None]
 
 
-def test_preempted_request_keeps_its_state_and_generator() -> None:
+def test_preempted_request_keeps_its_state_and_seed() -> None:
     batch = make_batch(max_reqs=2)
     add = [new("s", [1, 2], SamplingParams(seed=5, min_tokens=4, frequency_penalty=0.1)), new("g", [3], GREEDY)]
     batch.update(diff(add))
     s = batch.requests["s"]
-    gen = s.generator
     batch.append_token(s, 10)
     s.num_prompt_logprobs_done = 1
     batch.update(diff(preempted={"s"}))
     assert s.row == -1 and "s" in batch.requests
-    assert batch.generators == {} and batch.min_tokens == {}  # the free row keeps nothing of s
+    assert batch.seeds == {} and batch.min_tokens == {}  # the free row keeps nothing of s
     # A new request takes the freed row; s comes back later on another row, with its history.
     batch.update(diff([new("n", [4], GREEDY)]))
     batch.update(diff(resumed=["s"], finished={"g"}))
-    assert s.row >= 0 and s.generator is gen and s.output_token_ids == [10]
+    assert s.row >= 0 and s.output_token_ids == [10]
     assert s.num_prompt_logprobs_done == 1  # a recompute of the prompt reports no prompt logprob twice
     assert batch.token_ids[s.row, :3].tolist() == [1, 2, 10]
     md = check(batch, ["n", "s"])
-    assert md.generators[1] is gen and md.min_tokens == {1: (4, {EOS})} and md.output_token_ids[1] == [10]
+    # Its next token is its second draw: the draw index counts the token it output before the preemption.
+    assert md.seeds == {1: (5, 1)} and md.min_tokens == {1: (4, {EOS})} and md.output_token_ids[1] == [10]
 
 
 def test_empty_selection() -> None:

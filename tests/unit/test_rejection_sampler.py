@@ -7,8 +7,8 @@
   distributed as p (the first row's softmax) whatever the draft, the token after an accepted draft as the next row's
   distribution, and the output length as the acceptance probabilities say. The same statistic rejects two broken
   rules computed here (always accept the draft; resample from p without removing the draft), so it can fail.
-* Seeded requests: the same tokens on every call, equal to plain one-token-at-a-time sampling with the same seed, and
-  the generator left just after the rows whose tokens were output.
+* Seeded requests: the same tokens on every call, equal to plain one-token-at-a-time sampling with the same seed (row
+  j of a request draws at its output position, as the model runner numbers it).
 * Temperature with top-k / top-p: no token outside the kept set is ever output, accepted or sampled.
 """
 
@@ -29,19 +29,20 @@ GREEDY = SamplingParams(temperature=0.0)
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
 
 
-def metadata(
-    params: list[SamplingParams], vocab: int, generators: list[torch.Generator | None] | None = None
-) -> SamplingMetadata:
+def metadata(params: list[SamplingParams], vocab: int, positions: list[int] | None = None) -> SamplingMetadata:
+    """Rows of `params`; a seeded row's draw index is its entry of `positions` (its output position)."""
     n = len(params)
-    return SamplingMetadata.from_requests(
+    md = SamplingMetadata.from_requests(
         params,
         prompt_token_ids=[[0] for _ in range(n)],
         output_token_ids=[[] for _ in range(n)],
-        generators=generators if generators is not None else [None] * n,
         eos_token_ids=[None] * n,
         vocab_size=vocab,
         device=CPU,
     )
+    if positions is not None:
+        md.seeds = {row: (seed, positions[row]) for row, (seed, _) in md.seeds.items()}
+    return md
 
 
 def layout(drafts: list[list[int]]) -> list[int]:
@@ -253,12 +254,11 @@ def test_seeded_requests_repeat_their_tokens() -> None:
     params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
 
     def call() -> list[list[int]]:
-        gens = [torch.Generator().manual_seed(p.seed) for p in params]
         row_params = [params[i] for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
-        row_gens: list[torch.Generator | None] = [gens[i] for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+        positions = [j for d in drafts for j in range(len(d) + 1)]
         # The default RNG differs between the calls: seeded rows must not depend on it.
         torch.manual_seed(len(calls))
-        return RejectionSampler()(logits, metadata(row_params, vocab, row_gens), drafts, starts)
+        return RejectionSampler()(logits, metadata(row_params, vocab, positions), drafts, starts)
 
     calls: list[list[list[int]]] = []
     for _ in range(3):
@@ -268,32 +268,24 @@ def test_seeded_requests_repeat_their_tokens() -> None:
     assert len({o[-1] for o in calls[0]}) > 1
 
 
-def test_seeded_output_equals_plain_sampling_and_rewinds_the_generator() -> None:
-    """The t-th output token of a seeded request comes from the t-th draw of its generator, however many drafts were
-    proposed, so verifying drafts gives the tokens plain sampling gives, and leaves the generator as plain sampling
-    of that many tokens would."""
+def test_seeded_output_equals_plain_sampling() -> None:
+    """The t-th output token of a seeded request comes from its t-th draw, however many drafts were proposed, so
+    verifying drafts gives the tokens plain sampling gives."""
     vocab, seed, steps = 40, 1234, 4
     params = SamplingParams(temperature=0.9, top_k=20, seed=seed)
     rows = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(1))
-    # Plain sampling, one row (position) per step, with the same generator throughout.
-    g_plain = torch.Generator().manual_seed(seed)
-    plain: list[int] = []
-    states = [g_plain.get_state()]
-    for t in range(steps):
-        md = metadata([params], vocab, [g_plain])
-        plain.append(int(Sampler()(rows[t : t + 1], md).sampled_token_ids[0]))
-        states.append(g_plain.get_state())
+    # Plain sampling, one row (position) per step.
+    plain = [int(Sampler()(rows[t : t + 1], metadata([params], vocab, [t])).sampled_token_ids[0]) for t in range(steps)]
+    assert len(set(plain)) > 1
     wrong = [(t + 1) % vocab for t in plain]  # a draft differing from plain sampling at each position
 
     for drafts in ([], plain[:3], [wrong[0], 0, 0], plain[:1] + [wrong[1]], plain[:2] + [wrong[2]]):
-        g = torch.Generator().manual_seed(seed)
         n = len(drafts) + 1
-        out = RejectionSampler()(rows[:n], metadata([params] * n, vocab, [g] * n), [drafts], [0])[0]
+        out = RejectionSampler()(rows[:n], metadata([params] * n, vocab, list(range(n))), [drafts], [0])[0]
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == plain[accepted]:
             accepted += 1
         assert out == plain[: accepted + 1], drafts
-        assert torch.equal(g.get_state(), states[len(out)]), drafts
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from pagedllm.sample.sampler import (
     Sampler,
     apply_penalties,
     compute_token_logprobs,
+    seeded_uniforms,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,7 +31,6 @@ def make_md(
     vocab: int,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
-    generators: list[torch.Generator | None] | None = None,
     eos: list[int | None] | None = None,
 ) -> SamplingMetadata:
     n = len(params)
@@ -37,7 +38,6 @@ def make_md(
         params,
         prompt_token_ids=prompts if prompts is not None else [[0, 1] for _ in range(n)],
         output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
-        generators=generators if generators is not None else [None] * n,
         eos_token_ids=eos if eos is not None else [None] * n,
         vocab_size=vocab,
         device=CPU,
@@ -54,6 +54,10 @@ def gen(seed: int) -> torch.Generator:
     return g
 
 
+def seeded(seed: int, temperature: float = 1.0, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, **kw)
+
+
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -63,18 +67,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def test_metadata_from_requests_fields() -> None:
     params = [
-        GREEDY,
+        SamplingParams(temperature=0.0, seed=0),
         SamplingParams(temperature=0.7, top_k=5, logprobs=3, seed=1),
         SamplingParams(top_p=0.9, min_p=0.1, logprobs=1),
-        SamplingParams(repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7]),
+        SamplingParams(repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7], seed=3),
     ]
-    gens = [gen(0), gen(1), None, None]
     md = make_md(
         params,
         vocab=10,
         prompts=[[1], [2, 3, 4], [], [5, 6]],
         outputs=[[], [], [], [9]],
-        generators=gens,
         eos=[2, 2, 2, 2],
     )
     assert md.temperature.dtype == torch.float32
@@ -83,8 +85,8 @@ def test_metadata_from_requests_fields() -> None:
     assert md.top_k is not None and md.top_k.tolist() == [10, 5, 10, 10]
     assert md.top_p is not None and md.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])
     assert md.min_p is not None and md.min_p.tolist() == pytest.approx([0.0, 0.0, 0.1, 0.0])
-    # The greedy row's generator is left out so it is never advanced.
-    assert set(md.generators) == {1} and md.generators[1] is gens[1]
+    # Random rows with a seed: (seed, draw index = tokens output so far); the greedy row's seed is left out.
+    assert md.seeds == {1: (1, 0), 3: (3, 1)}
     assert not md.no_penalties
     assert md.prompt_token_ids is not None
     assert md.prompt_token_ids.tolist() == [[1, 10, 10], [2, 3, 4], [10, 10, 10], [5, 6, 10]]
@@ -135,14 +137,10 @@ def test_mixed_greedy_and_random_rows() -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 30)
     params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=1.5, top_p=0.95) for i in range(8)]
-    greedy_gen = gen(5)
-    state = greedy_gen.get_state()
-    gens = [greedy_gen] + [None] * 7
+    params[0] = SamplingParams(temperature=0.0, seed=5)  # a greedy row's seed draws nothing
     for _ in range(5):
-        tokens = sample(logits, params, generators=gens)
+        tokens = sample(logits, params)
         assert torch.equal(tokens[0::2], logits[0::2].argmax(dim=-1))
-    # A greedy row's own generator is never advanced.
-    assert torch.equal(greedy_gen.get_state(), state)
 
 
 def test_top_k_one_equals_greedy() -> None:
@@ -257,9 +255,7 @@ def test_seeded_row_same_alone_and_in_batch() -> None:
         SamplingParams(temperature=1.0, seed=99, min_p=0.05),
         SamplingParams(temperature=0.5, top_k=3),
     ]
-    g_alone, g_batch, g_other = gen(seed), gen(seed), gen(99)
     batch_params = others[:2] + [target] + others[2:]
-    batch_gens: list[torch.Generator | None] = [None, None, g_batch, g_other, None]
     logit_gen = gen(0)
     alone_tokens: list[int] = []
     batch_tokens: list[int] = []
@@ -268,32 +264,66 @@ def test_seeded_row_same_alone_and_in_batch() -> None:
     for _ in range(steps):
         batch_logits = torch.randn(5, vocab, generator=logit_gen)
         row = batch_logits[2:3].clone()
-        a = sample(row, [target], outputs=[out_alone], generators=[g_alone])
-        b = sample(batch_logits, batch_params, outputs=out_batch, generators=batch_gens)
+        a = sample(row, [target], outputs=[out_alone])
+        b = sample(batch_logits, batch_params, outputs=out_batch)
         alone_tokens.append(int(a[0]))
         batch_tokens.append(int(b[2]))
         out_alone.append(int(a[0]))
         for i in range(5):
             out_batch[i].append(int(b[i]))
     assert alone_tokens == batch_tokens
-    # The generator advances: the tokens are not one repeated value, and both copies stay in lockstep.
-    assert len(set(alone_tokens)) > 1
-    assert torch.equal(g_alone.get_state(), g_batch.get_state())
+    assert len(set(alone_tokens)) > 1  # each output position draws anew
 
-    # A fresh generator with the same seed reproduces the whole sequence.
-    g_again = gen(seed)
+    # The same seed reproduces the whole sequence.
     logit_gen = gen(0)
-    replay = []
+    replay: list[int] = []
     for _ in range(steps):
         row = torch.randn(5, vocab, generator=logit_gen)[2:3]
-        replay.append(int(sample(row, [target], generators=[g_again])[0]))
+        replay.append(int(sample(row, [target], outputs=[replay])[0]))
     assert replay == alone_tokens
 
 
 def test_seeded_rows_do_not_touch_default_rng() -> None:
     rng_state = torch.get_rng_state()
-    sample(torch.zeros(3, 32), [SamplingParams(seed=s) for s in range(3)], generators=[gen(s) for s in range(3)])
+    sample(torch.zeros(3, 32), [SamplingParams(seed=s) for s in range(3)])
     assert torch.equal(torch.get_rng_state(), rng_state)
+
+
+def test_seeded_uniforms() -> None:
+    draws = [(s, i) for s in (0, 1, 2**63, -1, 2**70 + 5) for i in range(4)]
+    u = seeded_uniforms(draws)
+    assert u.dtype == np.float64 and u.shape == (len(draws),)
+    assert ((u >= 0) & (u < 1)).all()
+    assert len(set(u.tolist())) == len(draws)  # every seed and index its own value
+    assert np.array_equal(u, seeded_uniforms(draws))  # a function of (seed, index) alone
+    assert np.array_equal(seeded_uniforms([(3, 7)]), seeded_uniforms([(9, 1), (3, 7)])[1:])
+    # Seeds are taken modulo 2^64: -1 is 2^64 - 1, 2^70 + 5 is 2^70 mod 2^64 + 5 = 5.
+    assert np.array_equal(seeded_uniforms([(-1, 2)]), seeded_uniforms([(2**64 - 1, 2)]))
+    assert np.array_equal(seeded_uniforms([(2**70 + 5, 0)]), seeded_uniforms([(5, 0)]))
+    # Uniform: a chi-square over 20 bins of 20000 consecutive draws of one seed, and of one draw of 20000 seeds.
+    for values in (seeded_uniforms([(42, i) for i in range(20000)]), seeded_uniforms([(s, 0) for s in range(20000)])):
+        counts = np.bincount((values * 20).astype(np.int64), minlength=20)
+        chi2 = float(((counts - 1000.0) ** 2 / 1000.0).sum())
+        assert chi2 < 43.8, chi2  # the 0.999 quantile with 19 degrees of freedom
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """One seeded request, 20000 output positions over one row: the draws are the row's distribution (chi-square),
+    and each is the inverse CDF at its seeded uniform."""
+    base = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 1.5, -3.0, 0.2])
+    n = 20000
+    params = [seeded(7)]
+    expected = torch.softmax(base, dim=-1).double()
+    md = make_md(params * n, 8)
+    assert md.seeds == {i: (7, 0) for i in range(n)}
+    md.seeds = {i: (7, i) for i in range(n)}  # as if row i were the request's output position i
+    tokens = Sampler()(base.expand(n, -1).contiguous(), md).sampled_token_ids
+    counts = torch.bincount(tokens, minlength=8).double()
+    chi2 = float(((counts - n * expected) ** 2 / (n * expected)).sum())
+    assert chi2 < 24.3, chi2  # the 0.999 quantile with 7 degrees of freedom
+    u = torch.from_numpy(seeded_uniforms([(7, i) for i in range(n)]))
+    cdf = torch.softmax(base, dim=-1).cumsum(0, dtype=torch.float64)
+    assert torch.equal(tokens, torch.searchsorted(cdf, u * cdf[-1], right=True))
 
 
 # ------------------------------------------------------------------------------------------------
