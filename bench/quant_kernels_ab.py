@@ -9,14 +9,15 @@ bytes (per layer: q|k|v, o, gate|up, down; then the output head), each build its
 worth of weights streams from memory as in the engine, not from cache. Per row count and round, each build runs
 every layer's four linears on int8 inputs (`quant_linear(..., int8=True)`, the path of decode rows) and then the
 head, 5 times each; the median of 5 is that round's figure, and the line shows the median over the rounds (ms per
-pass over the layers, and per head call). The outputs of the builds must be identical (checked). Stop other work
-first: two cores are all there is.
+pass over the layers, and per head call). The outputs of the builds must be identical: the script fails when they
+are not. Stop other work first: two cores are all there is.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -65,9 +66,9 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     path = args.model or str(default_model_path())
     builds = []
-    for so in args.builds:
+    for i, so in enumerate(args.builds):
         ops = C.CpuOps(so)
-        builds.append((so.rsplit("/", 1)[-1], ops, *matrices(ops, path)))
+        builds.append((f"{i + 1}:{so.rsplit('/', 1)[-1]}", ops, *matrices(ops, path)))  # two builds may share a name
     print(f"model {path}; builds: {', '.join(b[0] for b in builds)}; {args.num_threads} threads")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {n: torch.randn(rows, n) for n in set(builds[0][4])}
@@ -100,6 +101,8 @@ def main() -> None:
             for name, (a, b) in times.items()
         )
         print(f"rows {rows:3d}: {cells}  (outputs identical: {same})", flush=True)
+        if not same:
+            sys.exit("the builds' outputs differ")
 
 
 if __name__ == "__main__":

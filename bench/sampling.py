@@ -4,9 +4,9 @@
 
 For each batch size, `--batch` copies of one prompt generate `--max-tokens` tokens each (ignore_eos) under five
 sampling settings: greedy; temperature 0.8; temperature 0.8 with top_p 0.9; with top_k 50; and with a seed per
-request (seeded rows take another path than unseeded ones). The settings take turns within each round; each line
-shows every round and the best. Before/after comparisons: run it once per tree, the trees alternating, with
-`PYTHONPATH=<tree>` (this script imports nothing that a tree without it lacks).
+request (a seeded row's uniform comes from its seed and output position, not the default RNG). The settings take
+turns within each round; each line shows every round and the best. Before/after comparisons: run it once per tree,
+the trees alternating, with `PYTHONPATH=<tree>` (this script imports nothing that a tree without it lacks).
 """
 
 from __future__ import annotations

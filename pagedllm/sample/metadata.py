@@ -8,8 +8,8 @@ Contract:
   three penalty tensors are None together, when `no_penalties`).
   When present, rows that do not use the feature hold a neutral value (top_k = vocab_size, top_p = 1.0,
   min_p = 0.0, penalties 0/0/1) so the batched op leaves them unchanged.
-- Greedy rows have temperature exactly 0.0, neutral filters and no entry in `seeds`: they never consume
-  randomness.
+- Greedy rows have temperature exactly 0.0, neutral filters and no entry in `seeds`: their tokens never depend
+  on randomness.
 - `seeds` holds only random rows of requests with a seed: (the seed, the row's draw index). The draw index is
   the number of tokens the request has output before the one this row samples, so the t-th output token of a
   seeded request always comes from its t-th draw (sampler.seeded_uniforms), whatever its batch, its drafts or a

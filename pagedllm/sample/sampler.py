@@ -10,12 +10,15 @@ Contract (vLLM V1 semantics):
   probability exceeds U times the row's total (an exact draw). A row without a seed takes U from the default
   RNG. A seeded row's U is a function of its seed and its draw index alone (`seeded_uniforms`, a counter-based
   generator), so a seeded request yields the same tokens whatever batch it is in, however many drafts are
-  verified with it and after a preemption (filters break ties by token id, never by batch shape).
-- Greedy rows draw nothing. An all-greedy batch without bias, penalties or min_tokens is a plain argmax and
+  verified with it and after a preemption (filters break ties by token id, never by batch shape). The cumulative
+  sums run in float64, natively in blocks on the CPU and in order in torch elsewhere: a U within rounding of a
+  boundary between two tokens could pick the other one on another device or kernel build.
+- Greedy rows' tokens never depend on randomness (a batch with an unseeded random row draws one default-RNG
+  uniform for each of its rows). An all-greedy batch without bias, penalties or min_tokens is a plain argmax and
   consumes no randomness at all.
 - The input logits are never modified. Everything is vectorised device-agnostic torch (the seeded uniforms are
-  computed on the host, a few integer operations a row), and the only host sync is one small `.tolist()` per step
-  when some row uses top-k (topk needs a Python int).
+  computed on the host, a few integer operations a row, and copied to the device), and the only host sync besides
+  that copy is one small `.tolist()` per step when some row uses top-k (topk needs a Python int).
 - With the native CPU ops (`Sampler(native)`), float32 CPU rows are filtered by top-k and top-p without a
   vocabulary sort (the very tokens the torch path keeps) and drawn by a native inverse CDF
   (csrc/cpu/sampling.cpp); no host sync then.

@@ -38,7 +38,7 @@ from pagedllm.sample.sampler import (
 
 class RejectionSampler:
     def __init__(self, native: Any | None = None) -> None:
-        self.native = native  # as Sampler's: native CPU ops for the top-k/top-p filters and unseeded draws, or None
+        self.native = native  # as Sampler's: native CPU ops for the top-k/top-p filters and the draws, or None
 
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], starts: list[int]

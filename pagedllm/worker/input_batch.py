@@ -1,20 +1,20 @@
 """InputBatch: the worker's persistent per-request state, updated from SchedulerOutput diffs.
 
-Each request the worker knows keeps a `CachedRequestState` (its tokens, sampling settings, generator) until
+Each request the worker knows keeps a `CachedRequestState` (its tokens and sampling settings) until
 it finishes. Requests in the running set also own a row of the CPU-side arrays, written once when the
 request takes the row (new, or resumed after preemption) and then only extended:
 - token ids and block table: the block table gains the step's new block ids, the token row each sampled token
   (and, for the step that verifies them, the draft tokens after the known ones);
-- sampling state (temperature, top-k/top-p/min-p, penalties, logprobs, seeded generator, logit bias,
+- sampling state (temperature, top-k/top-p/min-p, penalties, logprobs, seed, logit bias,
   min_tokens, a reference to the output-token history that penalties read): filled from the request's
   `SamplingParams` when it takes the row, so a step only slices it.
-A preempted request gives up its row but keeps its state, so its seeded generator continues where it stopped
-and its prompt logprobs are not reported twice when it recomputes its prompt.
+A preempted request gives up its row but keeps its state, so its output history (and with it a seeded request's
+draw index) continues where it stopped and its prompt logprobs are not reported twice when it recomputes its prompt.
 
-`sampling_metadata(rows, vocab_size)` is the one call the model runner makes per step: the `SamplingMetadata`
-of the given rows, in that order, built by indexing the row arrays (no Python work per field and request; the
-only per-row Python is gathering list references and the rows that use a seed, logit bias or min_tokens). It
-equals what `SamplingMetadata.from_requests` builds from the same requests.
+`sampling_metadata(rows, vocab_size[, draft_pos])` is the one call the model runner makes per step: the
+`SamplingMetadata` of the given rows, in that order, built by indexing the row arrays (no Python work per field and
+request; the only per-row Python is gathering list references and the rows that use a seed, logit bias or
+min_tokens). It equals what `SamplingMetadata.from_requests` builds from the same requests.
 """
 
 from __future__ import annotations
@@ -122,8 +122,13 @@ class InputBatch:
             del self.min_tokens[state.row]
             self._refresh_plain(state.row, state.sampling_params)
 
-    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
-        """The SamplingMetadata of `rows` [num_reqs] (rows of running requests), row i of it being rows[i]."""
+    def sampling_metadata(
+        self, rows: np.ndarray, vocab_size: int, draft_pos: np.ndarray | None = None
+    ) -> SamplingMetadata:
+        """The SamplingMetadata of `rows` [num_reqs] (rows of running requests), row i of it being rows[i]. With
+        `draft_pos` (a step verifying drafts: row i is position draft_pos[i] of its request's rows, 0 at its last
+        known token, j after its j-th draft), a seeded row's draw index is the request's output length plus it:
+        the output position of the token that row samples."""
         rows = np.asarray(rows, dtype=np.int64)
         n = len(rows)
         row_list = rows.tolist()
@@ -163,7 +168,8 @@ class InputBatch:
             for i, r in enumerate(row_list):
                 seed = self.seeds.get(r)
                 if seed is not None:
-                    seeds[i] = (seed, len(self.output_token_ids[r]))
+                    offset = 0 if draft_pos is None else int(draft_pos[i])
+                    seeds[i] = (seed, len(self.output_token_ids[r]) + offset)
                 entry = self.min_tokens.get(r)
                 if entry is not None:
                     # Out-of-range ids cannot be produced anyway; dropping them keeps the index op in bounds.

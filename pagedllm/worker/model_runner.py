@@ -93,8 +93,8 @@ class ModelRunner:
             self._logits_rows = 0 if packed else int(cpu_ops.quant_dot_max_rows())
         else:
             self._logits_rows = 1
-        # With the native ops, the sampler's top-k and top-p filters (the same tokens as torch's) and its unseeded
-        # draws run natively.
+        # With the native ops, the sampler's top-k and top-p filters (the same tokens as torch's) and its draws
+        # run natively.
         self.sampler = Sampler(cpu_ops)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
@@ -300,16 +300,14 @@ class ModelRunner:
         starts = np.zeros(len(drafts), dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
         rows = pending.rows[pending.sample_rows]
-        metadata = self.input_batch.sampling_metadata(np.repeat(rows, counts), self.vocab_size)
-        # Position j of a request sees its first j drafts as output tokens (penalties and min_tokens read them; a
-        # seeded row draws with its output position as the draw index).
-        seeds = metadata.seeds
-        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens or seeds else ()):
+        # Position j of a request sees its first j drafts as output tokens: a seeded row draws at its output
+        # position, and penalties and min_tokens read the drafts before it.
+        draft_pos = np.concatenate([np.arange(c) for c in counts]) if len(counts) else np.zeros(0, dtype=np.int64)
+        metadata = self.input_batch.sampling_metadata(np.repeat(rows, counts), self.vocab_size, draft_pos)
+        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens else ()):
             for pos in range(1, len(d) + 1):
                 row = int(starts[j]) + pos
                 metadata.output_token_ids[row] = metadata.output_token_ids[row] + d[:pos]
-                if row in seeds:
-                    seeds[row] = (seeds[row][0], seeds[row][1] + pos)
         if self.tp.rank == 0:
             tokens = self.rejection_sampler(logits, metadata, drafts, starts.tolist())
         else:

@@ -88,7 +88,7 @@ def test_fused_decoder_rows_are_lone_tokens(spec: LLM, requests: list[tuple[int,
 
 
 def test_sampling_with_drafts(plain: LLM, spec: LLM) -> None:
-    """A seeded request's t-th token comes from the t-th draw of its generator, drafts or not: the same tokens as
+    """A seeded request's t-th token comes from its draw at (seed, t), drafts or not: the same tokens as
     without speculation (and so the same on every run, whatever drafts the policy chose)."""
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=48, ignore_eos=True, logprobs=1)
     stats = _core(spec).scheduler.total_spec_stats

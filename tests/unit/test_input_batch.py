@@ -196,3 +196,18 @@ def test_empty_selection() -> None:
     batch = make_batch()
     add_mixed(batch)
     check(batch, [])
+
+
+def test_draft_positions_offset_seeded_draws() -> None:
+    """A step verifying drafts: a seeded row's draw index is the request's output length plus the row's position
+    among its request's rows, so each verified position draws as plain decoding would there."""
+    batch = make_batch()
+    seeded = SamplingParams(temperature=1.0, seed=9)
+    batch.update(diff([new("s", [1, 2], seeded), new("u", [3], SamplingParams()), new("g", [4], GREEDY)]))
+    s = batch.requests["s"]
+    batch.append_token(s, 5)
+    batch.append_token(s, 6)
+    rows = rows_of(batch, ["s", "u", "g"])
+    assert batch.sampling_metadata(rows, VOCAB).seeds == {0: (9, 2)}
+    md = batch.sampling_metadata(np.repeat(rows, [3, 2, 1]), VOCAB, np.array([0, 1, 2, 0, 1, 0]))
+    assert md.seeds == {0: (9, 2), 1: (9, 3), 2: (9, 4)}  # the unseeded and greedy requests draw no seeded U

@@ -137,7 +137,8 @@ def test_mixed_greedy_and_random_rows() -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 30)
     params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=1.5, top_p=0.95) for i in range(8)]
-    params[0] = SamplingParams(temperature=0.0, seed=5)  # a greedy row's seed draws nothing
+    params[0] = SamplingParams(temperature=0.0, seed=5)
+    assert 0 not in make_md(params, 30).seeds  # a greedy row's seed draws nothing
     for _ in range(5):
         tokens = sample(logits, params)
         assert torch.equal(tokens[0::2], logits[0::2].argmax(dim=-1))
@@ -287,6 +288,12 @@ def test_seeded_rows_do_not_touch_default_rng() -> None:
     rng_state = torch.get_rng_state()
     sample(torch.zeros(3, 32), [SamplingParams(seed=s) for s in range(3)])
     assert torch.equal(torch.get_rng_state(), rng_state)
+    # Beside an unseeded row (which draws from the default RNG) a seeded row's token stays the same.
+    logits = torch.randn(2, 32, generator=gen(3))
+    alone = int(sample(logits[:1], [SamplingParams(seed=11)])[0])
+    for state in range(4):
+        torch.manual_seed(state)
+        assert int(sample(logits, [SamplingParams(seed=11), SamplingParams()])[0]) == alone
 
 
 def test_seeded_uniforms() -> None:

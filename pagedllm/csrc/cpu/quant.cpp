@@ -538,8 +538,9 @@ constexpr int kPackedTile = 8;  // input rows per packed_group call
 //   moved onto x and |q| multiplied (ggml's way, at most 2 * 128 * 127 per pair), each vector's pairs widened by
 //   vpmaddwd. The sum is then sum q x itself, with no offset term.
 // At one or a few rows the weights stream from memory, and the hardware prefetcher alone brings them too late:
-// asking for them ~2.5 KiB ahead made 30 layers' linears 1.1x faster at 1 row and 1.15-1.45x at 2-5 on Zen 3
-// (bench/RESULTS.md); 3.75 and 5 KiB were no better.
+// asking for them ~2.5 KiB ahead made the model's 30 layers of linears 1.04x faster at 1 row, 1.10-1.15x at 2-5
+// and the Q8_0 head 1.2-1.3x at 2-5 on Zen 3 (bench/quant_kernels_ab.py, bench/RESULTS.md). 5 KiB ahead was better
+// at 1 row and worse at 5 in a harness; 5 KiB up to 2 rows was no better in the real kernels.
 constexpr int64_t kPrefetchAhead = 2560;
 
 template <int32_t T, int RB>
@@ -556,8 +557,9 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
       // The first half asks for the weights kPrefetchAhead bytes on (this group's later blocks, then the next
       // group's: a segment's groups lie back to back); the second half finds this group in L1.
       if (h == 0)
-        for (int64_t l = 0; l < cb; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ch + kPrefetchAhead + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < cb; l += 64)  // (past a segment's end: a hint, never a fault; uintptr_t arithmetic)
+          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(ch) + kPrefetchAhead + l),
+                       _MM_HINT_T0);
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
       const __m256 b = T == PQ_Q4_1
                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
