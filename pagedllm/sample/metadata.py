@@ -63,9 +63,11 @@ class SamplingMetadata:
         eos_token_ids: list[int | None],
         vocab_size: int,
         device: torch.device,
+        draft_pos: list[int] | None = None,
     ) -> SamplingMetadata:
         """Batch per-row parameters; all lists are indexed by row and must have the same length. A row's seed is
-        its params' `seed`, its draw index the length of its output tokens."""
+        its params' `seed`, its draw index the length of its output tokens plus its `draft_pos` entry (as
+        `InputBatch.sampling_metadata` has it)."""
         num_reqs = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(eos_token_ids) == num_reqs):
             raise ValueError("from_requests: all per-row lists must have the same length")
@@ -104,7 +106,7 @@ class SamplingMetadata:
                 min_p.append(p.min_p)
                 # Only random rows draw: a greedy row's seed is deliberately left out.
                 if p.seed is not None:
-                    seeds[i] = (p.seed, len(output_token_ids[i]))
+                    seeds[i] = (p.seed, len(output_token_ids[i]) + (draft_pos[i] if draft_pos is not None else 0))
 
             presence.append(p.presence_penalty)
             frequency.append(p.frequency_penalty)

@@ -212,17 +212,15 @@ def test_native_inverse_cdf_never_draws_a_token_without_mass(ops) -> None:
 def _metadata(params: list[SamplingParams], vocab: int, positions: list[int] | None = None) -> SamplingMetadata:
     """Rows of `params`; a seeded row's draw index is its entry of `positions` (0 without)."""
     n = len(params)
-    md = SamplingMetadata.from_requests(
+    return SamplingMetadata.from_requests(
         params,
         prompt_token_ids=[[0, 1]] * n,
         output_token_ids=[[] for _ in range(n)],
         eos_token_ids=[None] * n,
         vocab_size=vocab,
         device=torch.device("cpu"),
+        draft_pos=positions,
     )
-    if positions is not None:
-        md.seeds = {row: (seed, positions[row]) for row, (seed, _) in md.seeds.items()}
-    return md
 
 
 @pytest.mark.parametrize("vocab", [37, 32001])

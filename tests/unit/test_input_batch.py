@@ -211,3 +211,14 @@ def test_draft_positions_offset_seeded_draws() -> None:
     assert batch.sampling_metadata(rows, VOCAB).seeds == {0: (9, 2)}
     md = batch.sampling_metadata(np.repeat(rows, [3, 2, 1]), VOCAB, np.array([0, 1, 2, 0, 1, 0]))
     assert md.seeds == {0: (9, 2), 1: (9, 3), 2: (9, 4)}  # the unseeded and greedy requests draw no seeded U
+    states = [batch.requests[r] for r in ["s"] * 3 + ["u"] * 2 + ["g"]]
+    want = SamplingMetadata.from_requests(
+        [s.sampling_params for s in states],
+        [s.prompt_token_ids for s in states],
+        [s.output_token_ids for s in states],
+        [s.eos_token_id for s in states],
+        VOCAB,
+        CPU,
+        draft_pos=[0, 1, 2, 0, 1, 0],
+    )
+    assert_same(md, want)

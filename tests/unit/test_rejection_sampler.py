@@ -32,17 +32,15 @@ CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
 def metadata(params: list[SamplingParams], vocab: int, positions: list[int] | None = None) -> SamplingMetadata:
     """Rows of `params`; a seeded row's draw index is its entry of `positions` (its output position)."""
     n = len(params)
-    md = SamplingMetadata.from_requests(
+    return SamplingMetadata.from_requests(
         params,
         prompt_token_ids=[[0] for _ in range(n)],
         output_token_ids=[[] for _ in range(n)],
         eos_token_ids=[None] * n,
         vocab_size=vocab,
         device=CPU,
+        draft_pos=positions,
     )
-    if positions is not None:
-        md.seeds = {row: (seed, positions[row]) for row, (seed, _) in md.seeds.items()}
-    return md
 
 
 def layout(drafts: list[list[int]]) -> list[int]:

@@ -32,6 +32,7 @@ def make_md(
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
     eos: list[int | None] | None = None,
+    draft_pos: list[int] | None = None,
 ) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.from_requests(
@@ -41,6 +42,7 @@ def make_md(
         eos_token_ids=eos if eos is not None else [None] * n,
         vocab_size=vocab,
         device=CPU,
+        draft_pos=draft_pos,
     )
 
 
@@ -323,7 +325,8 @@ def test_seeded_draws_follow_the_distribution() -> None:
     expected = torch.softmax(base, dim=-1).double()
     md = make_md(params * n, 8)
     assert md.seeds == {i: (7, 0) for i in range(n)}
-    md.seeds = {i: (7, i) for i in range(n)}  # as if row i were the request's output position i
+    md = make_md(params * n, 8, draft_pos=list(range(n)))  # as if row i were the request's output position i
+    assert md.seeds == {i: (7, i) for i in range(n)}
     tokens = Sampler()(base.expand(n, -1).contiguous(), md).sampled_token_ids
     counts = torch.bincount(tokens, minlength=8).double()
     chi2 = float(((counts - n * expected) ** 2 / (n * expected)).sum())
