@@ -50,7 +50,9 @@ def rows_of(batch: InputBatch, req_ids: list[str]) -> np.ndarray:
     return np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
 
 
-def reference(batch: InputBatch, req_ids: list[str], vocab: int = VOCAB) -> SamplingMetadata:
+def reference(
+    batch: InputBatch, req_ids: list[str], vocab: int = VOCAB, draft_pos: list[int] | None = None
+) -> SamplingMetadata:
     states = [batch.requests[r] for r in req_ids]
     return SamplingMetadata.from_requests(
         [s.sampling_params for s in states],
@@ -59,6 +61,7 @@ def reference(batch: InputBatch, req_ids: list[str], vocab: int = VOCAB) -> Samp
         [s.eos_token_id for s in states],
         vocab,
         CPU,
+        draft_pos=draft_pos,
     )
 
 
@@ -211,14 +214,4 @@ def test_draft_positions_offset_seeded_draws() -> None:
     assert batch.sampling_metadata(rows, VOCAB).seeds == {0: (9, 2)}
     md = batch.sampling_metadata(np.repeat(rows, [3, 2, 1]), VOCAB, np.array([0, 1, 2, 0, 1, 0]))
     assert md.seeds == {0: (9, 2), 1: (9, 3), 2: (9, 4)}  # the unseeded and greedy requests draw no seeded U
-    states = [batch.requests[r] for r in ["s"] * 3 + ["u"] * 2 + ["g"]]
-    want = SamplingMetadata.from_requests(
-        [s.sampling_params for s in states],
-        [s.prompt_token_ids for s in states],
-        [s.output_token_ids for s in states],
-        [s.eos_token_id for s in states],
-        VOCAB,
-        CPU,
-        draft_pos=[0, 1, 2, 0, 1, 0],
-    )
-    assert_same(md, want)
+    assert_same(md, reference(batch, ["s"] * 3 + ["u"] * 2 + ["g"], draft_pos=[0, 1, 2, 0, 1, 0]))
