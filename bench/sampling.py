@@ -1,12 +1,17 @@
 """What the sampler costs a decode step: output tokens per second of one in-process engine, greedy against sampled.
 
     python bench/sampling.py [--model M] [--batch 1,16] [--rounds 2] [--max-tokens 128]
+    python bench/sampling.py --sampler-only [--batch 1,16,64] [--calls 30]
 
 For each batch size, `--batch` copies of one prompt generate `--max-tokens` tokens each (ignore_eos) under five
 sampling settings: greedy; temperature 0.8; temperature 0.8 with top_p 0.9; with top_k 50; and with a seed per
 request (a seeded row's uniform comes from its seed and output position, not the default RNG). The settings take
 turns within each round; each line shows every round and the best. Before/after comparisons: run it once per tree,
 the trees alternating, with `PYTHONPATH=<tree>` (this script imports nothing that a tree without it lacks).
+
+`--sampler-only` times the sampler alone, in process: one call of `Sampler` with the native CPU kernels on rows of
+49152 logits `randn * 3` (a nucleus of ~1800 tokens at top_p 0.9, far more than a model's rows: the filter's worst
+case) under the same settings, the median of `--calls` calls, in milliseconds.
 """
 
 from __future__ import annotations
@@ -31,7 +36,12 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sampler-only", action="store_true", help="time the sampler alone (see above)")
+    parser.add_argument("--calls", type=int, default=30)
     args = parser.parse_args()
+    if args.sampler_only:
+        sampler_only([int(b) for b in args.batch.split(",")], args.calls)
+        return
     kwargs = {"model": args.model} if args.model else {}
     llm = LLM(engine_client="inproc", max_model_len=2048, num_threads=2, **kwargs)
     prompt = "The history of the city begins"
@@ -52,6 +62,35 @@ def main() -> None:
             rounds = ", ".join(f"{x:.1f}" for x in figures)
             print(f"batch {batch:3d}  {name:28s} {rounds}  best {max(figures):.1f} tok/s", flush=True)
     llm.shutdown()
+
+
+def sampler_only(batches: list[int], calls: int) -> None:
+    import statistics
+
+    import torch
+
+    from pagedllm.model.kernels import load_cpu_ops
+    from pagedllm.sample.metadata import SamplingMetadata
+    from pagedllm.sample.sampler import Sampler
+
+    torch.set_num_threads(2)
+    sampler, vocab = Sampler(load_cpu_ops()), 49152
+    for batch in batches:
+        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * 3
+        cells = []
+        for name, setting in SETTINGS.items():
+            params = [SamplingParams(seed=i if "seeded" in name else None, **setting) for i in range(batch)]
+            metadata = SamplingMetadata.from_requests(
+                params, [[0]] * batch, [[] for _ in range(batch)], [None] * batch, vocab, torch.device("cpu")
+            )
+            sampler(logits, metadata)
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                sampler(logits, metadata)
+                times.append(time.perf_counter() - start)
+            cells.append(f"{name} {statistics.median(times) * 1e3:.3f}")
+        print(f"batch {batch:3d}: " + ", ".join(cells) + " ms", flush=True)
 
 
 if __name__ == "__main__":

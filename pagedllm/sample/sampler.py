@@ -19,9 +19,11 @@ Contract (vLLM V1 semantics):
 - The input logits are never modified. Everything is vectorised device-agnostic torch (the seeded uniforms are
   computed on the host, a few integer operations a row, and copied to the device), and the only host sync besides
   that copy is one small `.tolist()` per step when some row uses top-k (topk needs a Python int).
-- With the native CPU ops (`Sampler(native)`), float32 CPU rows are filtered by top-k and top-p without a
-  vocabulary sort (the very tokens the torch path keeps) and drawn by a native inverse CDF
-  (csrc/cpu/sampling.cpp); no host sync then.
+- With the native CPU ops (`Sampler(native)`), CPU rows go through one native call after the processing
+  (csrc/cpu/sampling.cpp, `sample_rows`): each row read once, the logits not copied or modified, greedy rows'
+  argmax, and for random rows temperature, top-k and top-p without a vocabulary sort, min-p and the inverse-CDF
+  draw at the same U. It makes the torch path's choices but for rounding (its softmax is its own: a top-p cut or a
+  U within rounding of a boundary may fall the other way); no host sync.
 """
 
 from __future__ import annotations
@@ -102,32 +104,47 @@ class Sampler(torch.nn.Module):
         num_logprobs = metadata.max_num_logprobs
         # Raw logprobs first: everything below changes the logits and vLLM reports the raw distribution.
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
-
-        if metadata.all_greedy and not needs_processing(metadata):
-            # Fast path: argmax is exact in the logits' own dtype, no float32 copy needed.
-            sampled = logits.argmax(dim=-1)
-        else:
-            sampled = self._sample(processed_logits(logits, metadata), metadata)
-
+        sampled = sample_tokens(logits, metadata, self.native)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    # ----------------------------------------------------------------------------------------------
-    # Sampling
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
-        if metadata.all_greedy:
-            assert greedy_sampled is not None
-            return greedy_sampled
+def sample_tokens(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | None = None) -> torch.Tensor:
+    """[num_reqs] int64: each row's token from raw logits (not modified), as the module docstring says: bias,
+    min_tokens and penalties on a float32 copy, then the argmax of greedy rows and a draw for random rows. `native`:
+    as Sampler's (used for CPU rows)."""
+    processing = needs_processing(metadata)
+    if native is not None and logits.device.type == "cpu":
+        work = (processed_logits(logits, metadata) if processing else logits.to(torch.float32)).contiguous()
+        n = work.shape[0]
+        u = (
+            torch.zeros(n, dtype=torch.float64)
+            if metadata.all_greedy
+            else draw_uniforms(n, metadata.seeds, work.device)
+        )
+        out = torch.empty(n, dtype=torch.int64)
 
-        probs = sampling_probs(logits, metadata, self.native)
-        random_sampled = random_sample(probs, metadata.seeds, native=self.native)
-        if greedy_sampled is None:
-            return random_sampled
-        return torch.where(greedy_rows(metadata), greedy_sampled, random_sampled)
+        def rows(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if t is None else t.to(dtype=dtype).contiguous()
+
+        native.sample_rows(
+            out, work, rows(metadata.temperature, torch.float32), rows(metadata.top_k, torch.int64),
+            rows(metadata.top_p, torch.float32), rows(metadata.min_p, torch.float32), u,
+        )  # fmt: skip
+        return out
+    if metadata.all_greedy and not processing:
+        return logits.argmax(dim=-1)  # exact in the logits' own dtype: no float32 copy needed
+    work = processed_logits(logits, metadata)
+    greedy_sampled = None if metadata.all_random else work.argmax(dim=-1)
+    if metadata.all_greedy:
+        assert greedy_sampled is not None
+        return greedy_sampled
+    random_sampled = random_sample(sampling_probs(work, metadata), metadata.seeds)
+    if greedy_sampled is None:
+        return random_sampled
+    return torch.where(greedy_rows(metadata), greedy_sampled, random_sampled)
 
 
 def needs_processing(metadata: SamplingMetadata) -> bool:
@@ -151,15 +168,15 @@ def greedy_rows(metadata: SamplingMetadata) -> torch.Tensor:
     return metadata.temperature < _GREEDY_EPS
 
 
-def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | None = None) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution random rows sample from, from processed logits (modified in place): temperature, top-k,
     top-p, softmax, then min-p, which zeroes tokens without renormalising. Greedy rows get temperature 1 (their
-    row is only kept finite: the caller takes their argmax instead). `native`: as Sampler's."""
+    row is only kept finite: the caller takes their argmax instead)."""
     temperature = metadata.temperature.to(logits.device)
     temperature = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits.div_(temperature.unsqueeze(1))
     if metadata.top_k is not None or metadata.top_p is not None:
-        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, native)
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = torch.softmax(logits, dim=-1)
     if metadata.min_p is not None:
         max_probs = probs.amax(dim=-1, keepdim=True)
@@ -247,30 +264,19 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits - freq * counts - pres * output_mask.to(torch.float32)
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, native: Any | None = None
-) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf, in place) everything outside each row's top-k set, then outside its top-p set.
 
     Both filters keep a prefix of the total order "logit descending, then token id ascending", i.e. what a
     stable descending sort gives. Ties are therefore resolved by token id, as argmax does (top_k=1 is
     exactly greedy), and never by batch-dependent kernel choices, so a seeded row behaves the same in any
     batch. Top-p keeps a token while the mass before it (a cumsum of the row's softmax in that order) is < p.
-    With `native` (CpuOps) on float32 CPU logits, both run natively (csrc/cpu/sampling.cpp: the same tokens,
-    ordering only the few that can be kept); in torch, a full vocab sort is only needed for top-p when some row
-    in the batch has no top-k.
+    A full vocab sort is only needed for top-p when some row in the batch has no top-k. (The native filters,
+    csrc/cpu/sampling.cpp, keep the very same tokens given the same softmax: tests/model/test_sampling_kernels.py.)
     """
     if logits.shape[0] == 0:
         return logits
     vocab = logits.shape[-1]
-    native = native if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if native is not None:
-        logits = logits.contiguous()
-        if top_k is not None:
-            native.top_k_mask(logits, top_k.to(dtype=torch.int64).contiguous())
-        if top_p is not None:
-            native.top_p_mask(logits, torch.softmax(logits, dim=-1), top_p.to(dtype=torch.float32).contiguous())
-        return logits
     all_rows_top_k = False
     k_max = 0
     if top_k is not None:
@@ -328,23 +334,24 @@ def _outside_top_p(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return ((mass_before >= p) & (p < 1.0)).cumsum(dim=-1) > 0
 
 
-def random_sample(probs: torch.Tensor, seeds: dict[int, tuple[int, int]], native: Any | None = None) -> torch.Tensor:
-    """Sample one token per row from (unnormalised) probs: the first token whose cumulative probability, summed in
-    float64, exceeds U times the row's total, never one without mass. U is the row's `seeded_uniforms` value for
-    a row in `seeds` (row -> (seed, draw index)), a uniform from the default RNG otherwise. `native` (CpuOps)
-    inverts float32 CPU rows natively (as Sampler's)."""
-    n, vocab = probs.shape
-    u = torch.empty(n, dtype=torch.float64, device=probs.device)
+def draw_uniforms(n: int, seeds: dict[int, tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """[n] float64 U in [0, 1): the row's `seeded_uniforms` value for a row in `seeds` (row -> (seed, draw index)),
+    a uniform from the default RNG otherwise (one drawn for every row when any row lacks a seed)."""
+    u = torch.empty(n, dtype=torch.float64, device=device)
     if len(seeds) < n:
         u.uniform_()
     if seeds:
         rows = sorted(seeds)
-        values = torch.from_numpy(seeded_uniforms([seeds[r] for r in rows])).to(probs.device)
-        u.index_copy_(0, torch.tensor(rows, device=probs.device), values)
-    sampled = torch.empty(n, dtype=torch.int64, device=probs.device)
-    if native is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
-        native.sample_inverse(sampled, probs.contiguous(), u)
-        return sampled
+        values = torch.from_numpy(seeded_uniforms([seeds[r] for r in rows])).to(device)
+        u.index_copy_(0, torch.tensor(rows, device=device), values)
+    return u
+
+
+def random_sample(probs: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
+    """Sample one token per row from (unnormalised) probs: the first token whose cumulative probability, summed in
+    float64, exceeds U times the row's total (U: `draw_uniforms`), never one without mass."""
+    n, vocab = probs.shape
+    u = draw_uniforms(n, seeds, probs.device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
     # u < total, but for rounding: never past the last token with mass (the first reaching the total).

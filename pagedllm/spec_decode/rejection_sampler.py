@@ -6,7 +6,7 @@ single row (logit bias, min_tokens, penalties seeing the drafts before j as outp
 top-p, min-p: the metadata row of position j must say so). The result is the accepted drafts and one more token.
 
 The rule. Each row j draws the token the sampler would draw there: the argmax for a greedy row, else one
-exact draw from p_j (`random_sample`: inverse CDF at one uniform). d_j is accepted
+exact draw from p_j (the sampler's `sample_tokens`: inverse CDF at one uniform). d_j is accepted
 when it equals that token; at the first row where it does not, that token is output and the rest are dropped; when
 every draft is accepted, the last row's token follows them. For a draft that is a point mass, as an n-gram draft
 is, this is the standard speculative-sampling rule (accept d with probability p(d), else sample from p with d
@@ -27,18 +27,12 @@ from typing import Any
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import (
-    greedy_rows,
-    needs_processing,
-    processed_logits,
-    random_sample,
-    sampling_probs,
-)
+from pagedllm.sample.sampler import sample_tokens
 
 
 class RejectionSampler:
     def __init__(self, native: Any | None = None) -> None:
-        self.native = native  # as Sampler's: native CPU ops for the top-k/top-p filters and the draws, or None
+        self.native = native  # as Sampler's: the native CPU ops for CPU rows, or None
 
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], starts: list[int]
@@ -46,18 +40,7 @@ class RejectionSampler:
         """logits [num_rows, vocab] (raw); metadata of the same rows (a seeded row's draw index counting the
         drafts before it); request i's drafts and its first row. Returns each request's tokens: its accepted
         drafts, then one token."""
-        if metadata.all_greedy and not needs_processing(metadata):
-            return _walk(logits.argmax(dim=-1).tolist(), drafts, starts)
-        work = processed_logits(logits, metadata)
-        greedy_target = None if metadata.all_random else work.argmax(dim=-1)
-        if metadata.all_greedy:
-            assert greedy_target is not None
-            return _walk(greedy_target.tolist(), drafts, starts)
-        probs = sampling_probs(work, metadata, self.native)
-        sampled = random_sample(probs, metadata.seeds, self.native)
-        if greedy_target is not None:
-            sampled = torch.where(greedy_rows(metadata).to(sampled.device), greedy_target, sampled)
-        return _walk(sampled.tolist(), drafts, starts)
+        return _walk(sample_tokens(logits, metadata, self.native).tolist(), drafts, starts)
 
 
 def _walk(sampled: list[int], drafts: list[list[int]], starts: list[int]) -> list[list[int]]:

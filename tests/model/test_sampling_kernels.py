@@ -26,9 +26,19 @@ def ops(isa_ops):
     return isa_ops
 
 
+def _native_filters(ops, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """The native filters in place on logits, as sample_rows applies them: top-k, then top-p on the row's softmax
+    (here torch's, so that the result must equal the torch path's bit for bit)."""
+    if top_k is not None:
+        ops.top_k_mask(logits, top_k.to(torch.int64).contiguous())
+    if top_p is not None:
+        ops.top_p_mask(logits, torch.softmax(logits, dim=-1), top_p.to(torch.float32).contiguous())
+    return logits
+
+
 def _both(ops, logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor | None = None):
     torch_out = _apply_top_k_top_p(logits.clone(), top_k, top_p)
-    native_out = _apply_top_k_top_p(logits.clone(), top_k, top_p, ops)
+    native_out = _native_filters(ops, logits.clone(), top_k, top_p)
     return torch_out, native_out
 
 
@@ -99,13 +109,13 @@ def test_native_top_k_equals_torch(ops) -> None:
     logits[5] = 0.0  # every logit tied
     top_k = torch.tensor([1, 50, 5000, 40, 200, 7, VOCAB, VOCAB - 1, 2, 1000, 3, 64])
     ref = _apply_top_k_top_p(logits.clone(), top_k, None)
-    got = _apply_top_k_top_p(logits.clone(), top_k, None, ops)
+    got = _native_filters(ops, logits.clone(), top_k, None)
     assert torch.equal(got, ref)
     kept = torch.isfinite(got).sum(dim=-1).tolist()
     assert kept[0] == 1 and kept[1] == 50 and kept[4] == 100 and kept[6] == VOCAB
     assert torch.isfinite(got[5]).nonzero().flatten().tolist() == list(range(7))
     for r in (0, 2, 9):  # each row alone as in the batch
-        alone = _apply_top_k_top_p(logits[r : r + 1].clone(), top_k[r : r + 1], None, ops)
+        alone = _native_filters(ops, logits[r : r + 1].clone(), top_k[r : r + 1], None)
         assert torch.equal(alone[0], got[r])
 
 
@@ -113,9 +123,9 @@ def test_native_top_p_row_independent_of_batch(ops) -> None:
     g = _gen(3)
     logits = torch.randn(6, VOCAB, generator=g) * torch.tensor([[0.1], [1.0], [3.0], [6.0], [0.5], [2.0]])
     top_p = torch.tensor([0.9, 0.95, 0.5, 0.999, 1.0, 0.75])
-    batched = _apply_top_k_top_p(logits.clone(), None, top_p, ops)
+    batched = _native_filters(ops, logits.clone(), None, top_p)
     for r in range(6):
-        alone = _apply_top_k_top_p(logits[r : r + 1].clone(), None, top_p[r : r + 1], ops)
+        alone = _native_filters(ops, logits[r : r + 1].clone(), None, top_p[r : r + 1])
         assert torch.equal(alone[0], batched[r])
 
 
@@ -236,7 +246,7 @@ def test_native_filters_on_odd_vocabularies(ops, vocab: int) -> None:
     top_p[1::5] = 1.0
     for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
         ref = _apply_top_k_top_p(logits.clone(), k, p)
-        got = _apply_top_k_top_p(logits.clone(), k, p, ops)
+        got = _native_filters(ops, logits.clone(), k, p)
         assert torch.equal(got, ref)
 
 
@@ -308,3 +318,99 @@ def test_native_rejection_sampler_keeps_seeded_requests(ops) -> None:
     a, b = run(ops), run(None)
     assert a == b
     assert a[:2] == [17, 4000]  # both drafts accepted (their probability is ~1 - 1e-5)
+
+
+# sample_rows: the sampler's whole step on CPU rows in one native call (temperature, top-k, top-p on the row's own
+# softmax, min-p, the inverse-CDF draw; the argmax for greedy rows), the logits read only.
+
+# (temperature, top_k, top_p, min_p): the candidate draw (a filter keeps few tokens) and the whole-row draw (none
+# does, or it keeps many), each filter alone and together.
+_SETTINGS = [
+    (0.8, -1, 1.0, 0.0),
+    (1.3, 50, 1.0, 0.0),
+    (0.7, -1, 0.9, 0.0),
+    (1.0, 40, 0.95, 0.0),
+    (0.9, -1, 1.0, 0.1),
+    (0.6, 300, 0.8, 0.05),
+    (1.0, 1, 1.0, 0.0),
+    (1.0, 20000, 1.0, 0.0),
+    (2.0, -1, 0.999, 0.0),
+    (1.0, -1, 0.9999, 0.0),
+]
+
+
+def _sample_rows(ops, logits: torch.Tensor, md: SamplingMetadata, u: torch.Tensor) -> list[int]:
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ops.sample_rows(out, logits, md.temperature, md.top_k, md.top_p, md.min_p, u)
+    return out.tolist()
+
+
+def test_sample_rows_draws_the_torch_paths_token_at_every_u(ops) -> None:
+    from pagedllm.sample.sampler import processed_logits, sampling_probs
+
+    g = _gen(11)
+    logits = torch.randn(len(_SETTINGS), VOCAB, generator=g) * 3
+    logits[:, 1000] = logits.max() + 2  # one dominant token, far from the start of the row
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in _SETTINGS]
+    md = _metadata(params, VOCAB)
+    probs = sampling_probs(processed_logits(logits, md), md).double()  # the torch path's distribution
+    us = torch.cat([torch.tensor([0.0, 1.0 - 2**-53]), torch.rand(254, generator=g, dtype=torch.float64)])
+    exact = 0
+    for r, setting in enumerate(_SETTINGS):
+        cdf = probs[r].cumsum(0)
+        cdf /= cdf[-1].clone()
+        want = torch.searchsorted(cdf, us, right=True).clamp(max=int(torch.nonzero(probs[r]).max()))
+        got = torch.tensor(
+            _sample_rows(ops, logits[r].expand(len(us), -1).contiguous(), _metadata([params[r]] * len(us), VOCAB), us)
+        )
+        # The token at u, but for rounding: the two softmaxes differ in the last bits, and so do their sums (torch's
+        # float32 probs of a row of 49152 may sum to 1 + 1e-5), which moves a top-p cut in a long tail and with it
+        # every boundary by up to that much. So the token's interval of torch's cumulative distribution must hold u
+        # within 3e-5.
+        lo = torch.where(got > 0, cdf[(got - 1).clamp(min=0)], torch.zeros_like(us))
+        assert bool(((lo - 3e-5 <= us) & (us < cdf[got] + 3e-5)).all()), setting
+        exact += int((got == want).sum())
+    assert exact > 0.9 * len(_SETTINGS) * len(us)
+
+
+def test_sample_rows_greedy_rows_take_the_first_largest(ops) -> None:
+    g = _gen(12)
+    logits = torch.randn(5, VOCAB, generator=g)
+    logits[1, [7, 30000]] = 50.0  # a tie: the lower id
+    logits[2, :] = float("-inf")
+    logits[2, 40000] = 0.0
+    logits[3, VOCAB - 1] = 99.0  # in the last vector's tail
+    logits[4, 123] = float("nan")  # torch.argmax counts NaN as the largest
+    md = _metadata([SamplingParams(temperature=0.0)] * 5, VOCAB)
+    assert _sample_rows(ops, logits, md, torch.zeros(5, dtype=torch.float64)) == logits.argmax(dim=-1).tolist()
+    assert _sample_rows(ops, logits, md, torch.zeros(5, dtype=torch.float64))[4] == 123
+
+
+def test_sample_rows_reads_the_logits_only_and_rows_stand_alone(ops) -> None:
+    g = _gen(13)
+    rows = len(_SETTINGS) + 2
+    logits = torch.randn(rows, VOCAB, generator=g) * 2
+    before = logits.clone()
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in _SETTINGS]
+    params += [SamplingParams(temperature=0.0)] * 2
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    together = _sample_rows(ops, logits, _metadata(params, VOCAB), u)
+    assert torch.equal(logits, before)
+    alone = [_sample_rows(ops, logits[r : r + 1], _metadata([params[r]], VOCAB), u[r : r + 1])[0] for r in range(rows)]
+    assert together == alone
+
+
+def test_sample_rows_refuses_bad_input(ops) -> None:
+    logits = torch.randn(2, 10)
+    md = _metadata([SamplingParams(temperature=1.0, top_k=3, top_p=0.5)] * 2, 10)
+    out, u = torch.empty(2, dtype=torch.int64), torch.rand(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="u must be"):
+        ops.sample_rows(out, logits, md.temperature, md.top_k, md.top_p, None, u.float())
+    with pytest.raises(RuntimeError, match="top_k must have one entry per row"):
+        ops.sample_rows(out, logits, md.temperature, md.top_k[:1].contiguous(), md.top_p, None, u)
+    with pytest.raises(RuntimeError, match="temperature must be"):
+        ops.sample_rows(out, logits, md.temperature.double(), None, None, None, u)
+    with pytest.raises(RuntimeError, match="top_p and min_p"):
+        ops.sample_rows(out, logits, md.temperature, None, md.top_p.double(), None, u)
+    with pytest.raises(RuntimeError, match="logits must be"):
+        ops.sample_rows(out, logits.t(), md.temperature, None, None, None, u)

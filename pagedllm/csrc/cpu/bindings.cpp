@@ -148,6 +148,37 @@ class CpuOps {
                    logits.size(1), at::get_num_threads());
   }
 
+  void sample_rows(torch::Tensor out, torch::Tensor logits, torch::Tensor temperature, std::optional<torch::Tensor> top_k,
+                   std::optional<torch::Tensor> top_p, std::optional<torch::Tensor> min_p, torch::Tensor u) const {
+    check_index(out, "out");
+    check_float(logits, "logits");
+    check_float(temperature, "temperature");
+    TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.device().is_cpu(),
+                "u must be a contiguous float64 CPU tensor");
+    TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [R, V]");
+    TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+    const int64_t rows = logits.size(0);
+    auto per_row = [rows](const torch::Tensor& t, const char* name) {
+      TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, name, " must have one entry per row of logits");
+    };
+    per_row(out, "out");
+    per_row(temperature, "temperature");
+    per_row(u, "u");
+    if (top_k) {
+      check_index(*top_k, "top_k");
+      per_row(*top_k, "top_k");
+    }
+    for (const auto* t : {&top_p, &min_p})
+      if (*t) {
+        check_float(**t, "top_p and min_p");
+        per_row(**t, "top_p and min_p");
+      }
+    t_->sample_rows(logits.data_ptr<float>(), temperature.data_ptr<float>(),
+                    top_k ? top_k->data_ptr<int64_t>() : nullptr, top_p ? top_p->data_ptr<float>() : nullptr,
+                    min_p ? min_p->data_ptr<float>() : nullptr, u.data_ptr<double>(), out.data_ptr<int64_t>(), rows,
+                    logits.size(1), at::get_num_threads());
+  }
+
   void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) const {
     check_float(out, "out");
     check_float(x, "x");
@@ -608,6 +639,10 @@ PYBIND11_MODULE(_C, m) {
            "in place: logits [R, V] to -inf outside each row's top_k largest (ties: lower ids; rows with 0 < k < V)")
       .def("top_p_mask", &CpuOps::top_p_mask, py::arg("logits"), py::arg("probs"), py::arg("top_p"),
            "in place: logits [R, V] to -inf outside each row's nucleus (rows with top_p < 1; probs = softmax(logits))")
+      .def("sample_rows", &CpuOps::sample_rows, py::arg("out"), py::arg("logits"), py::arg("temperature"),
+           py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+           "out [R] = each row's token: the argmax where temperature < 1e-5, else the draw at u [R] (float64 in [0, 1)) "
+           "after temperature, top-k, top-p and min-p (each [R] or None); logits [R, V] are not modified")
       .def("fused_add_rms_norm", &CpuOps::fused_add_rms_norm)
       .def("rotary_inplace", &CpuOps::rotary_inplace)
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 8
+#define PAGEDLLM_CPU_ABI 9
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -172,6 +172,11 @@ struct PagedllmCpuOps {
   // vocab), or outside each row's nucleus, for the rows with p[r] < 1 (probs = softmax(logits) row by row).
   void (*top_k_mask)(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads);
   void (*top_p_mask)(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads);
+  // out[r] for each row of logits [rows, vocab] (read only): the first largest logit where temperature[r] < 1e-5,
+  // else the token at u[r] of softmax(logits[r] / temperature[r]) after top-k (k[r]; k null: none), top-p (p[r] < 1;
+  // p null: none) and min-p (min_p[r] > 0; null: none), each computed as the torch path does but for rounding.
+  void (*sample_rows)(const float* logits, const float* temperature, const int64_t* k, const float* p,
+                      const float* min_p, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

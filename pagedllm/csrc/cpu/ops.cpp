@@ -34,6 +34,7 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::sample_inverse,
       pagedllm::top_k_mask,
       pagedllm::top_p_mask,
+      pagedllm::sample_rows,
   };
   return &table;
 }
