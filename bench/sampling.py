@@ -6,7 +6,9 @@
 For each batch size, `--batch` copies of one prompt generate `--max-tokens` tokens each (ignore_eos) under five
 sampling settings: greedy; temperature 0.8; temperature 0.8 with top_p 0.9; with top_k 50; and with a seed per
 request (a seeded row's uniform comes from its seed and output position, not the default RNG). The settings take
-turns within each round; each line shows every round and the best. Before/after comparisons: run it once per tree,
+turns within each round; each line shows every round's tokens per second and the best, and the time spent in the
+model runner's sampling (`_sample`, wrapped with a timer) per step that samples, the median over the rounds: unlike the
+rates, which this VM moves by 20% between runs, it is the sampler's own. Before/after comparisons: run it once per tree,
 the trees alternating, with `PYTHONPATH=<tree>` (this script imports nothing that a tree without it lacks).
 
 `--sampler-only` times the sampler alone, in process: one call of `Sampler` with the native CPU kernels on rows of
@@ -17,6 +19,7 @@ case) under the same settings, the median of `--calls` calls, in milliseconds.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
@@ -44,9 +47,22 @@ def main() -> None:
         return
     kwargs = {"model": args.model} if args.model else {}
     llm = LLM(engine_client="inproc", max_model_len=2048, num_threads=2, **kwargs)
+    runner = llm.engine_core.engine_core.executor.worker.model_runner
+    spent = [0.0, 0]  # seconds in the runner's sampling, calls
+    sample = runner._sample
+
+    def timed_sample(*a: object) -> object:
+        start = time.perf_counter()
+        out = sample(*a)
+        spent[0] += time.perf_counter() - start
+        spent[1] += 1
+        return out
+
+    runner._sample = timed_sample
     prompt = "The history of the city begins"
     for batch in (int(b) for b in args.batch.split(",")):
         seen: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        per_step: dict[str, list[float]] = {name: [] for name in SETTINGS}
         for _ in range(args.rounds):
             for name, setting in SETTINGS.items():
                 params = [
@@ -55,18 +71,22 @@ def main() -> None:
                     )
                     for i in range(batch)
                 ]
+                spent[:] = [0.0, 0]
                 start = time.perf_counter()
                 llm.generate([prompt] * batch, params, use_tqdm=False)
                 seen[name].append(batch * args.max_tokens / (time.perf_counter() - start))
+                per_step[name].append(spent[0] / max(1, spent[1]))
         for name, figures in seen.items():
             rounds = ", ".join(f"{x:.1f}" for x in figures)
-            print(f"batch {batch:3d}  {name:28s} {rounds}  best {max(figures):.1f} tok/s", flush=True)
+            ms = statistics.median(per_step[name]) * 1e3
+            print(
+                f"batch {batch:3d}  {name:28s} {rounds}  best {max(figures):.1f} tok/s  sampler {ms:.2f} ms/step",
+                flush=True,
+            )
     llm.shutdown()
 
 
 def sampler_only(batches: list[int], calls: int) -> None:
-    import statistics
-
     import torch
 
     from pagedllm.model.kernels import load_cpu_ops

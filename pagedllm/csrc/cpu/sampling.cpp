@@ -7,8 +7,8 @@
 // the whole row; min-p zeroes the weights below min_p times the largest. Greedy rows take the first largest logit.
 // It makes the torch path's choices but for rounding: its softmax is its own (a few ulp from torch's), so a top-p
 // cut whose mass lies within rounding of p, or a u within rounding of a token's boundary, may fall the other way.
-// The logits are not modified and nothing is allocated per row (the sampler's torch steps copied and rewrote the
-// [rows, vocab] logits five times: ~0.45 ms a row at batch 1, ~10-20 ms a step at batch 64 on Zen 3).
+// The logits are not modified and nothing is allocated per row. (The torch steps it replaces on the CPU copied and
+// rewrote the [rows, vocab] logits some five times: 3-8x slower at 16 and 64 rows, bench/RESULTS.md.)
 //
 // sample_inverse draws token out[r] of row r at u[r] in [0, 1): the first token with mass whose running sum passes
 // u[r] * (the row's sum), in one pass over the row plus one over the blocks up to the token. The row's probs need
@@ -326,7 +326,8 @@ struct SampleScratch {
 // The token at u of the distribution over `n` candidate tokens ids[0, n) (ascending) of a row of scaled logits w
 // whose largest is top: weights exp(w - top), those below min_p (of the largest weight, 1) zeroed; the first
 // candidate whose running sum (in double) passes u * total, the last with mass should rounding run past it.
-int64_t draw_among(const float* w, const int32_t* ids, size_t n, float top, float min_p, double u, std::vector<double>& mass) {
+int64_t draw_among(const float* w, const int32_t* ids, size_t n, float top, float min_p, double u,
+                   std::vector<double>& mass) {
   mass.resize(n);
   double total = 0;
   for (size_t j = 0; j < n; ++j) {
