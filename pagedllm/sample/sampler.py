@@ -93,8 +93,8 @@ def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_lo
 
 class Sampler(torch.nn.Module):
     """Stateless: all per-request state (including RNG) arrives in the SamplingMetadata. `native`: the native CPU
-    ops (pagedllm._C.CpuOps), whose top-k and top-p filters and inverse-CDF draws then serve float32 CPU rows
-    (None: torch throughout)."""
+    ops (pagedllm._C.CpuOps), whose `sample_rows` then serves CPU rows after the logit processing (None: torch
+    throughout)."""
 
     def __init__(self, native: Any | None = None) -> None:
         super().__init__()
@@ -102,16 +102,16 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = metadata.max_num_logprobs
-        # Raw logprobs first: everything below changes the logits and vLLM reports the raw distribution.
+        # Logprobs of the raw logits: vLLM reports the distribution before bias, penalties, temperature and filters.
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if num_logprobs is not None else None
-        sampled = sample_tokens(logits, metadata, self.native)
+        sampled = draw_tokens(logits, metadata, self.native)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
-def sample_tokens(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | None = None) -> torch.Tensor:
+def draw_tokens(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | None = None) -> torch.Tensor:
     """[num_reqs] int64: each row's token from raw logits (not modified), as the module docstring says: bias,
     min_tokens and penalties on a float32 copy, then the argmax of greedy rows and a draw for random rows. `native`:
     as Sampler's (used for CPU rows)."""

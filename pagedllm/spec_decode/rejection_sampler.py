@@ -6,7 +6,7 @@ single row (logit bias, min_tokens, penalties seeing the drafts before j as outp
 top-p, min-p: the metadata row of position j must say so). The result is the accepted drafts and one more token.
 
 The rule. Each row j draws the token the sampler would draw there: the argmax for a greedy row, else one
-exact draw from p_j (the sampler's `sample_tokens`: inverse CDF at one uniform). d_j is accepted
+exact draw from p_j (the sampler's `draw_tokens`: inverse CDF at one uniform). d_j is accepted
 when it equals that token; at the first row where it does not, that token is output and the rest are dropped; when
 every draft is accepted, the last row's token follows them. For a draft that is a point mass, as an n-gram draft
 is, this is the standard speculative-sampling rule (accept d with probability p(d), else sample from p with d
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import sample_tokens
+from pagedllm.sample.sampler import draw_tokens
 
 
 class RejectionSampler:
@@ -40,7 +40,7 @@ class RejectionSampler:
         """logits [num_rows, vocab] (raw); metadata of the same rows (a seeded row's draw index counting the
         drafts before it); request i's drafts and its first row. Returns each request's tokens: its accepted
         drafts, then one token."""
-        return _walk(sample_tokens(logits, metadata, self.native).tolist(), drafts, starts)
+        return _walk(draw_tokens(logits, metadata, self.native).tolist(), drafts, starts)
 
 
 def _walk(sampled: list[int], drafts: list[list[int]], starts: list[int]) -> list[list[int]]:

@@ -93,8 +93,8 @@ class ModelRunner:
             self._logits_rows = 0 if packed else int(cpu_ops.quant_dot_max_rows())
         else:
             self._logits_rows = 1
-        # With the native ops, the sampler's top-k and top-p filters (the same tokens as torch's) and its draws
-        # run natively.
+        # With the native ops, the sampler's step after logit bias and penalties runs natively for CPU rows (one
+        # call: argmax, temperature, top-k, top-p, min-p, the draw; torch's choices but for rounding).
         self.sampler = Sampler(cpu_ops)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None

@@ -10,10 +10,12 @@
 * Seeded requests: the same tokens on every call, equal to plain one-token-at-a-time sampling with the same seed (row
   j of a request draws at its output position, as the model runner numbers it).
 * Temperature with top-k / top-p: no token outside the kept set is ever output, accepted or sampled.
+Every test runs on the sampler's torch path, then with the native CPU kernels (tests/unit/conftest.py).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
@@ -23,6 +25,19 @@ from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)
+_NATIVE: list = [None]  # the native CPU ops of the running case, or None (torch path)
+
+
+@pytest.fixture(autouse=True)
+def sampler_backend(sampler_native):
+    _NATIVE[0] = sampler_native
+    yield
+    _NATIVE[0] = None
+
+
+def rejection_sampler() -> RejectionSampler:
+    return RejectionSampler(_NATIVE[0])
+
 
 # Upper 0.999 quantiles of the chi-square distribution by degrees of freedom, from standard statistical tables
 # (scipy.stats.chi2.ppf(0.999, df)); a correct sampler exceeds them with probability 0.001 (and the seeds are fixed).
@@ -89,7 +104,7 @@ def assert_not_distributed_as(tokens: torch.Tensor, probs: torch.Tensor) -> None
 def test_greedy_all_drafts_accepted_gets_k_plus_one_tokens() -> None:
     argmax = [3, 1, 4, 1, 5]
     logits = logits_with_argmax(argmax, 8)
-    out = RejectionSampler()(logits, metadata([GREEDY] * 5, 8), [argmax[:4]], [0])
+    out = rejection_sampler()(logits, metadata([GREEDY] * 5, 8), [argmax[:4]], [0])
     assert out == [argmax]
 
 
@@ -100,13 +115,13 @@ def test_greedy_mismatch_at_position_j() -> None:
     for j in range(4):
         drafts = list(argmax[:4])
         drafts[j] = (argmax[j] + 1) % vocab
-        out = RejectionSampler()(logits, metadata([GREEDY] * 5, vocab), [drafts], [0])
+        out = rejection_sampler()(logits, metadata([GREEDY] * 5, vocab), [drafts], [0])
         assert out == [argmax[:j] + [argmax[j]]], j
 
 
 def test_greedy_request_without_drafts_gets_its_argmax() -> None:
     logits = logits_with_argmax([6], 8)
-    assert RejectionSampler()(logits, metadata([GREEDY], 8), [[]], [0]) == [[6]]
+    assert rejection_sampler()(logits, metadata([GREEDY], 8), [[]], [0]) == [[6]]
 
 
 def test_greedy_several_requests_in_one_call() -> None:
@@ -117,7 +132,7 @@ def test_greedy_several_requests_in_one_call() -> None:
     starts = layout(drafts)
     assert starts == [0, 3, 4, 8]
     logits = logits_with_argmax(argmax, vocab, seed=3)
-    out = RejectionSampler()(logits, metadata([GREEDY] * len(argmax), vocab), drafts, starts)
+    out = rejection_sampler()(logits, metadata([GREEDY] * len(argmax), vocab), drafts, starts)
     assert out == [[2, 7, 9], [11], [4, 4], [13]]
 
 
@@ -127,7 +142,7 @@ def test_greedy_rows_follow_the_processed_logits() -> None:
     logits = logits_with_argmax(argmax, vocab)
     # A logit bias on the second row makes 6 its argmax there: draft 2 is then rejected in favour of 6.
     params = [GREEDY, SamplingParams(temperature=0.0, logit_bias={6: 100.0}), GREEDY]
-    out = RejectionSampler()(logits, metadata(params, vocab), [[1, 2]], [0])
+    out = rejection_sampler()(logits, metadata(params, vocab), [[1, 2]], [0])
     assert out == [[1, 6]]
 
 
@@ -140,7 +155,7 @@ def test_greedy_rows_among_random_rows() -> None:
     # Request 0 greedy (3 rows), request 1 random (2 rows): the greedy one is exact whatever the noise.
     params = [GREEDY] * 3 + [hot] * 2
     for _ in range(20):
-        out = RejectionSampler()(logits, metadata(params, vocab), [[1, 2], [5]], [0, 3])
+        out = rejection_sampler()(logits, metadata(params, vocab), [[1, 2], [5]], [0, 3])
         assert out[0] == [1, 2, 3]
         assert 1 <= len(out[1]) <= 2
 
@@ -150,7 +165,7 @@ def test_input_logits_untouched() -> None:
     logits = torch.randn(4, 10)
     before = logits.clone()
     params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.9)] * 4
-    RejectionSampler()(logits, metadata(params, 10), [[1, 2, 3]], [0])
+    rejection_sampler()(logits, metadata(params, 10), [[1, 2, 3]], [0])
     assert torch.equal(logits, before)
 
 
@@ -175,7 +190,7 @@ def run_trials(drafts: list[int], trials: int = TRIALS, seed: int = 0) -> list[l
     rows = len(drafts) + 1
     logits = ROW_LOGITS[:rows].repeat(trials, 1)
     md = metadata([SamplingParams(temperature=1.0)] * (rows * trials), VOCAB)
-    return RejectionSampler()(logits, md, [list(drafts)] * trials, [rows * i for i in range(trials)])
+    return rejection_sampler()(logits, md, [list(drafts)] * trials, [rows * i for i in range(trials)])
 
 
 def test_first_token_distributed_as_p_with_one_draft() -> None:
@@ -234,7 +249,7 @@ def test_a_draft_outside_the_support_is_never_accepted() -> None:
     vocab = 6
     logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf"), 0.5, -1.0], [0.0] * vocab]).repeat(2000, 1)
     md = metadata([SamplingParams(temperature=1.0)] * 4000, vocab)
-    out = RejectionSampler()(logits, md, [[3]] * 2000, [2 * i for i in range(2000)])
+    out = rejection_sampler()(logits, md, [[3]] * 2000, [2 * i for i in range(2000)])
     assert all(len(o) == 1 and o[0] != 3 for o in out)
 
 
@@ -256,7 +271,7 @@ def test_seeded_requests_repeat_their_tokens() -> None:
         positions = [j for d in drafts for j in range(len(d) + 1)]
         # The default RNG differs between the calls: seeded rows must not depend on it.
         torch.manual_seed(len(calls))
-        return RejectionSampler()(logits, metadata(row_params, vocab, positions), drafts, starts)
+        return rejection_sampler()(logits, metadata(row_params, vocab, positions), drafts, starts)
 
     calls: list[list[list[int]]] = []
     for _ in range(3):
@@ -275,13 +290,16 @@ def test_seeded_output_equals_plain_sampling() -> None:
     params = SamplingParams(temperature=0.9, top_k=20, seed=seed)
     rows = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(1))
     # Plain sampling, one row (position) per step.
-    plain = [int(Sampler()(rows[t : t + 1], metadata([params], vocab, [t])).sampled_token_ids[0]) for t in range(steps)]
+    plain = [
+        int(Sampler(_NATIVE[0])(rows[t : t + 1], metadata([params], vocab, [t])).sampled_token_ids[0])
+        for t in range(steps)
+    ]
     assert len(set(plain)) > 1
     wrong = [(t + 1) % vocab for t in plain]  # a draft differing from plain sampling at each position
 
     for drafts in ([], plain[:3], [wrong[0], 0, 0], plain[:1] + [wrong[1]], plain[:2] + [wrong[2]]):
         n = len(drafts) + 1
-        out = RejectionSampler()(rows[:n], metadata([params] * n, vocab, list(range(n))), [drafts], [0])[0]
+        out = rejection_sampler()(rows[:n], metadata([params] * n, vocab, list(range(n))), [drafts], [0])[0]
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == plain[accepted]:
             accepted += 1
@@ -303,7 +321,7 @@ def test_tokens_outside_top_k_never_appear() -> None:
     for drafts in ([outside[0], inside[1]], [inside[0], outside[1]], [inside[0], inside[1]]):
         logits = rows.repeat(trials, 1)
         md = metadata([params] * (3 * trials), vocab)
-        out = RejectionSampler()(logits, md, [drafts] * trials, [3 * i for i in range(trials)])
+        out = rejection_sampler()(logits, md, [drafts] * trials, [3 * i for i in range(trials)])
         seen: list[set[int]] = [set(), set(), set()]
         for o in out:
             for j, t in enumerate(o):
@@ -345,6 +363,6 @@ def test_tokens_outside_top_p_and_top_k_never_appear() -> None:
         draft = int(row.argmin())  # the least likely token, outside both sets
         logits = row.repeat(2 * trials, 1)
         md = metadata([params] * (2 * trials), vocab)
-        out = RejectionSampler()(logits, md, [[draft]] * trials, [2 * i for i in range(trials)])
+        out = rejection_sampler()(logits, md, [[draft]] * trials, [2 * i for i in range(trials)])
         assert all(len(o) == 1 for o in out)
         assert {o[0] for o in out} == allowed

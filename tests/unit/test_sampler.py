@@ -1,6 +1,8 @@
 """Unit tests for pagedllm.sample: SamplingMetadata.from_requests, the Sampler and compute_token_logprobs.
 
-All on CPU with small hand-made logits. Statistical tests use fixed seeds, so they are deterministic.
+All on CPU with small hand-made logits. Statistical tests use fixed seeds, so they are deterministic. Every test
+runs twice: on the sampler's torch path, and with the native CPU kernels (`sample_rows`, the path CPU rows take in the
+engine) where they are built.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from pagedllm.sample.sampler import (
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
+_NATIVE: list = [None]  # the native CPU ops of the running case, or None (torch path)
+
+
+@pytest.fixture(autouse=True)
+def sampler_backend(sampler_native):
+    """Every test runs on the torch path, then with the native CPU kernels (tests/unit/conftest.py)."""
+    _NATIVE[0] = sampler_native
+    yield
+    _NATIVE[0] = None
+
+
+def make_sampler() -> Sampler:
+    return Sampler(_NATIVE[0])
 
 
 def make_md(
@@ -47,7 +62,7 @@ def make_md(
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], **kw) -> torch.Tensor:
-    return Sampler()(logits, make_md(params, logits.shape[-1], **kw)).sampled_token_ids
+    return make_sampler()(logits, make_md(params, logits.shape[-1], **kw)).sampled_token_ids
 
 
 def gen(seed: int) -> torch.Generator:
@@ -121,7 +136,7 @@ def test_greedy_is_argmax_and_input_untouched() -> None:
     logits = torch.randn(6, 50, dtype=torch.bfloat16)
     before = logits.clone()
     rng_state = torch.get_rng_state()
-    out = Sampler()(logits, make_md([GREEDY] * 6, 50))
+    out = make_sampler()(logits, make_md([GREEDY] * 6, 50))
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.sampled_token_ids.dtype == torch.int64
     assert out.logprobs is None
@@ -131,7 +146,7 @@ def test_greedy_is_argmax_and_input_untouched() -> None:
 
 
 def test_empty_batch() -> None:
-    out = Sampler()(torch.empty(0, 16), make_md([], 16))
+    out = make_sampler()(torch.empty(0, 16), make_md([], 16))
     assert out.sampled_token_ids.shape == (0,)
 
 
@@ -327,7 +342,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
     assert md.seeds == {i: (7, 0) for i in range(n)}
     md = make_md(params * n, 8, draft_pos=list(range(n)))  # as if row i were the request's output position i
     assert md.seeds == {i: (7, i) for i in range(n)}
-    tokens = Sampler()(base.expand(n, -1).contiguous(), md).sampled_token_ids
+    tokens = make_sampler()(base.expand(n, -1).contiguous(), md).sampled_token_ids
     counts = torch.bincount(tokens, minlength=8).double()
     chi2 = float(((counts - n * expected) ** 2 / (n * expected)).sum())
     assert chi2 < 24.3, chi2  # the 0.999 quantile with 7 degrees of freedom
@@ -434,7 +449,7 @@ def test_logprobs_are_raw_and_ranked() -> None:
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.0, logprobs=0, logit_bias={9: 50.0}),
     ]
-    out = Sampler()(logits, make_md(params, vocab, outputs=[[1], [], [], []]))
+    out = make_sampler()(logits, make_md(params, vocab, outputs=[[1], [], [], []]))
     lt = out.logprobs
     assert lt is not None
     n = 5  # max over rows

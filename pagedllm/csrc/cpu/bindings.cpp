@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -168,10 +169,10 @@ class CpuOps {
       check_index(*top_k, "top_k");
       per_row(*top_k, "top_k");
     }
-    for (const auto* t : {&top_p, &min_p})
+    for (const auto& [t, name] : {std::pair{&top_p, "top_p"}, std::pair{&min_p, "min_p"}})
       if (*t) {
-        check_float(**t, "top_p and min_p");
-        per_row(**t, "top_p and min_p");
+        check_float(**t, name);
+        per_row(**t, name);
       }
     t_->sample_rows(logits.data_ptr<float>(), temperature.data_ptr<float>(),
                     top_k ? top_k->data_ptr<int64_t>() : nullptr, top_p ? top_p->data_ptr<float>() : nullptr,

@@ -165,6 +165,7 @@ struct PagedllmCpuOps {
                             int64_t in, int64_t out, int threads);
   // 1 where this build multiplies bf16 in hardware (AVX512-BF16), 0 where it widens to float32.
   int32_t (*bf16_native)(void);
+  // The sampler's pieces alone (sample_rows below runs them; the tests hold them to the torch path's tokens):
   // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised;
   // sampling.cpp).
   void (*sample_inverse)(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);

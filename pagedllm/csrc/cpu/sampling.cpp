@@ -5,8 +5,9 @@
 // there (top_k_row and top_p_row below, the latter on the row's own softmax) and draws: among the kept candidates
 // when a filter left few (their weights exp(logit - max) summed in double, in id order), else by inverse_cdf_row over
 // the whole row; min-p zeroes the weights below min_p times the largest. Greedy rows take the first largest logit.
-// It makes the torch path's choices but for rounding: its softmax is its own (a few ulp from torch's), so a top-p
-// cut whose mass lies within rounding of p, or a u within rounding of a token's boundary, may fall the other way.
+// It makes the torch path's choices but for rounding: its softmax is its own (its sum in float32 lanes, as torch's,
+// but in another order: ~1e-6 relative apart), so a top-p cut whose mass lies within that of p, or a u within
+// rounding of a token's boundary, may fall the other way. With top-k, top-p runs on top-k's candidates alone.
 // The logits are not modified and nothing is allocated per row. (The torch steps it replaces on the CPU copied and
 // rewrote the [rows, vocab] logits some five times: 3-8x slower at 16 and 64 rows, bench/RESULTS.md.)
 //
@@ -157,7 +158,8 @@ void keep_first(float* logits, int64_t vocab, const std::vector<int32_t>& cand, 
 }
 
 // Masks a row outside its nucleus (the torch path's tokens; see the top of this file). Returns how many it keeps:
-// the first that many of cand (in the filter's order), or vocab when it keeps every token (cand then unspecified).
+// the first that many of cand, in the filter's order. That is vocab when it keeps every token: cand then holds every
+// token in that order (sample_row relies on it).
 size_t top_p_row(float* logits, const float* probs, float p, int64_t vocab, std::vector<int32_t>& cand,
                  std::vector<float>& kept) {
   // The candidates: every token whose logit is at least the smallest logit of the tokens with prob >= t, for the
@@ -208,13 +210,36 @@ size_t top_k_row(float* logits, int64_t k, int64_t vocab, std::vector<int32_t>& 
   logit_range(logits, vocab, top, low);
   float floor_logit = -std::numeric_limits<float>::infinity();  // fewer than k finite logits: all are candidates
   if (std::isfinite(top)) {
+    float above = top;  // a floor that holds fewer than k tokens (or the largest logit)
+    int64_t n = 0;      // the tokens at or above floor_logit, once found
     bool found = false;
-    for (float d = 1.f; !found && top - d > low; d *= 2.f)
-      if (count_at_least(logits, vocab, top - d) >= k) {
+    for (float d = 1.f; !found && top - d > low; d *= 2.f) {
+      n = count_at_least(logits, vocab, top - d);
+      if (n >= k) {
         floor_logit = top - d;
         found = true;
+      } else {
+        above = top - d;
       }
-    if (!found && count_at_least(logits, vocab, low) >= k) floor_logit = low;
+    }
+    if (!found) {  // the finite logits, however many: past them, -inf stays -inf whichever -inf tokens "are kept"
+      n = count_at_least(logits, vocab, low);
+      floor_logit = low;
+      found = n >= k;
+    }
+    // A peaked row's doubling can jump from a handful of tokens to most of the vocabulary, and sorting those costs
+    // more than counting: bisect the floor between the two, a counting pass a step, while it holds far more than k.
+    for (int step = 0; found && step < 16 && n > 4 * k + 64; ++step) {
+      const float mid = 0.5f * (floor_logit + above);
+      if (!(mid > floor_logit && mid < above)) break;
+      const int64_t m = count_at_least(logits, vocab, mid);
+      if (m >= k) {
+        floor_logit = mid;
+        n = m;
+      } else {
+        above = mid;
+      }
+    }
   }
   cand.clear();
   collect(logits, vocab, floor_logit, cand);
@@ -302,17 +327,29 @@ double exp_row(const float* x, float* out, int64_t n, float m) {
   return sum;
 }
 
-// The first largest element of a row (torch.argmax's answer: the first NaN if there is one, the largest then).
+// The first largest element of a row (torch.argmax's answer: the first NaN if there is one, the largest then), in
+// one pass over blocks that stay in L1: each block's max (vector code, which would not carry a NaN through: NaNs are
+// looked for apart), the first block holding the largest remembered, then searched.
 int64_t argmax_row(const float* x, int64_t n) {
-  int nan = 0;
+  constexpr int64_t kSpan = 256;
+  float best = 0.f;
+  int64_t first = -1;  // the first block holding `best`
+  for (int64_t b = 0; b < n; b += kSpan) {
+    const int64_t e = std::min(n, b + kSpan);
+    int nan = 0;
 #pragma omp simd reduction(| : nan)
-  for (int64_t i = 0; i < n; ++i) nan |= x[i] != x[i];  // (the vector max below would not carry a NaN through)
-  if (nan)
-    for (int64_t i = 0; i < n; ++i)
-      if (std::isnan(x[i])) return i;
-  const float top = max_of(x, n);
-  for (int64_t i = 0; i < n; ++i)
-    if (x[i] == top) return i;
+    for (int64_t i = b; i < e; ++i) nan |= x[i] != x[i];
+    if (nan)
+      for (int64_t i = b; i < e; ++i)
+        if (std::isnan(x[i])) return i;
+    const float m = max_of(x + b, e - b);
+    if (first < 0 || m > best) {
+      best = m;
+      first = b;
+    }
+  }
+  for (int64_t i = std::max<int64_t>(first, 0); i < n; ++i)
+    if (x[i] == best) return i;
   return 0;
 }
 
@@ -347,20 +384,39 @@ int64_t draw_among(const float* w, const int32_t* ids, size_t n, float top, floa
   return last;
 }
 
+// The nucleus of a row's first n candidates ids[0, n) in the filter's order (all its tokens with mass: top-k's): how
+// many of them top-p keeps, with probs exp(w - top) / their sum and top_p_row's rule.
+size_t nucleus_of(const float* w, const int32_t* ids, size_t n, float top, float p, std::vector<double>& mass) {
+  mass.resize(n);
+  double total = 0;
+  for (size_t j = 0; j < n; ++j) total += mass[j] = std::exp(w[ids[j]] - top);
+  double run = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const float q = static_cast<float>(mass[j] / total);
+    run += q;
+    if (j > 0 && static_cast<float>(run) - q >= p) return j;
+  }
+  return n;
+}
+
 // sample_rows for one random row: scale by 1 / t (a division, as the torch path's), top-k, top-p (on the row's own
-// softmax), min-p, then the draw at u. The draw runs over the kept candidates when a filter left few, else over the
-// whole row (exp_row, then inverse_cdf_row).
+// softmax, or on top-k's candidates alone), min-p, then the draw at u. The draw runs over the kept candidates when a
+// filter left few, else over the whole row (exp_row, then inverse_cdf_row).
 int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float p, float min_p, double u,
                    SampleScratch& s) {
   s.w.resize(vocab);
   float* w = s.w.data();
 #pragma omp simd
   for (int64_t i = 0; i < vocab; ++i) w[i] = logits[i] / t;
-  size_t keep = static_cast<size_t>(vocab);  // the candidates, when fewer: s.cand[0, keep)
+  const float top = max_of(w, vocab);  // the filters keep it
+  if (!(top > -std::numeric_limits<float>::infinity())) return 0;  // no token has mass (every logit -inf)
+  const size_t few = static_cast<size_t>(vocab / 64);
+  size_t keep = static_cast<size_t>(vocab);  // the candidates, when fewer: s.cand[0, keep), in the filter's order
   if (k > 0 && k < vocab) keep = top_k_row(w, k, vocab, s.cand, s.kept);
-  if (p < 1.f) {
+  if (p < 1.f && keep <= few) {
+    keep = nucleus_of(w, s.cand.data(), keep, top, p, s.mass);
+  } else if (p < 1.f) {
     s.q.resize(vocab);
-    const float top = max_of(w, vocab);
     const double sum = exp_row(w, s.q.data(), vocab, top);
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t i = 0; i < vocab; ++i) s.q[i] *= inv;
@@ -368,9 +424,7 @@ int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float
     // Keeping every token, top_p_row has still ordered them all into cand: top-k's candidates (if any) come first.
     if (kp < static_cast<size_t>(vocab)) keep = kp;
   }
-  const float top = max_of(w, vocab);
-  if (!(top > -std::numeric_limits<float>::infinity())) return 0;  // no token has mass (every logit -inf)
-  if (keep <= static_cast<size_t>(vocab / 64)) {  // few candidates: draw among them, in id order
+  if (keep <= few) {  // few candidates: draw among them, in id order
     std::sort(s.cand.begin(), s.cand.begin() + keep);
     return draw_among(w, s.cand.data(), keep, top, min_p, u, s.mass);
   }
