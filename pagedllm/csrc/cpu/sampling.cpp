@@ -9,7 +9,7 @@
 // but in another order: ~1e-6 relative apart), so a top-p cut whose mass lies within that of p, or a u within
 // rounding of a token's boundary, may fall the other way. With top-k, top-p runs on top-k's candidates alone.
 // The logits are not modified and nothing is allocated per row. (The torch steps it replaces on the CPU copied and
-// rewrote the [rows, vocab] logits some five times: 3-8x slower at 16 and 64 rows, bench/RESULTS.md.)
+// rewrote the [rows, vocab] logits some five times: 2-10x slower at 16 and 64 rows, bench/RESULTS.md.)
 //
 // sample_inverse draws token out[r] of row r at u[r] in [0, 1): the first token with mass whose running sum passes
 // u[r] * (the row's sum), in one pass over the row plus one over the blocks up to the token. The row's probs need
