@@ -19,3 +19,12 @@ def sampler_native(request: pytest.FixtureRequest) -> Any:
         return load_cpu_ops()
     except Exception as exc:
         pytest.skip(f"native CPU kernels unavailable: {exc}")
+
+
+@pytest.fixture
+def sampler_backend(request: pytest.FixtureRequest, sampler_native: Any) -> Any:
+    """Sets the requesting module's NATIVE to `sampler_native` for the test (modules whose helpers build their
+    samplers with it take it with `pytestmark = pytest.mark.usefixtures("sampler_backend")`)."""
+    request.module.NATIVE = sampler_native
+    yield
+    request.module.NATIVE = None

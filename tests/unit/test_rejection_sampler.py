@@ -25,18 +25,12 @@ from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)
-_NATIVE: list = [None]  # the native CPU ops of the running case, or None (torch path)
-
-
-@pytest.fixture(autouse=True)
-def sampler_backend(sampler_native):
-    _NATIVE[0] = sampler_native
-    yield
-    _NATIVE[0] = None
+NATIVE = None  # the native CPU ops of the running case, or None (the torch path): tests/unit/conftest.py
+pytestmark = pytest.mark.usefixtures("sampler_backend")
 
 
 def rejection_sampler() -> RejectionSampler:
-    return RejectionSampler(_NATIVE[0])
+    return RejectionSampler(NATIVE)
 
 
 # Upper 0.999 quantiles of the chi-square distribution by degrees of freedom, from standard statistical tables
@@ -291,8 +285,7 @@ def test_seeded_output_equals_plain_sampling() -> None:
     rows = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(1))
     # Plain sampling, one row (position) per step.
     plain = [
-        int(Sampler(_NATIVE[0])(rows[t : t + 1], metadata([params], vocab, [t])).sampled_token_ids[0])
-        for t in range(steps)
+        int(Sampler(NATIVE)(rows[t : t + 1], metadata([params], vocab, [t])).sampled_token_ids[0]) for t in range(steps)
     ]
     assert len(set(plain)) > 1
     wrong = [(t + 1) % vocab for t in plain]  # a draft differing from plain sampling at each position

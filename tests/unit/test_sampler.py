@@ -26,19 +26,12 @@ from pagedllm.sample.sampler import (
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
-_NATIVE: list = [None]  # the native CPU ops of the running case, or None (torch path)
-
-
-@pytest.fixture(autouse=True)
-def sampler_backend(sampler_native):
-    """Every test runs on the torch path, then with the native CPU kernels (tests/unit/conftest.py)."""
-    _NATIVE[0] = sampler_native
-    yield
-    _NATIVE[0] = None
+NATIVE = None  # the native CPU ops of the running case, or None (the torch path): tests/unit/conftest.py
+pytestmark = pytest.mark.usefixtures("sampler_backend")
 
 
 def make_sampler() -> Sampler:
-    return Sampler(_NATIVE[0])
+    return Sampler(NATIVE)
 
 
 def make_md(
