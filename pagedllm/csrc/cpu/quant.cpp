@@ -480,8 +480,23 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
   }
 }
 
+#if defined(PAGEDLLM_QUANT_AVX2)
+// Asks for `bytes` of weights `ahead` bytes past p: a packed segment's groups lie back to back, so past a group's
+// end come the next group's. Past a segment's end it is a hint, never a fault (uintptr_t arithmetic).
+inline void prefetch_weights(const uint8_t* p, int64_t ahead, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + ahead + l), _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define PAGEDLLM_QUANT_PACKED 1
+
+// At one or a few rows the weights stream from memory, and the hardware prefetcher alone brings them too late (the
+// AVX2 kernel below says the same of Zen 3). On Zen 5, asking for them 5 KiB ahead made the model's 30 layers of
+// linears 1.1-1.2x faster at 1 row and 1.3x at 5-8 rows (bench/quant_kernels_ab.py; 8 KiB was level with 5, 2.5
+// KiB between 5 and none; bench/RESULTS.md).
+constexpr int64_t kPrefetchAhead = 5120;
 
 // The 16 outputs of one packed group for RB input rows (row r's int8 copy at xq + r * ldq, its block scales and
 // scaled sums at xd, xs + r * ldb), the lanes in `keep` stored to y + r * ldy. Each row's sums run in the same order
@@ -495,6 +510,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
+    prefetch_weights(ch, kPrefetchAhead, cb);
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
     const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
                                   : _mm512_mul_ps(a, _mm512_set1_ps(T == PQ_Q4_0 ? -8.f : -128.f));
@@ -556,10 +572,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
       const uint8_t* ch = grp + c * cb;
       // The first half asks for the weights kPrefetchAhead bytes on (this group's later blocks, then the next
       // group's: a segment's groups lie back to back); the second half finds this group in L1.
-      if (h == 0)
-        for (int64_t l = 0; l < cb; l += 64)  // (past a segment's end: a hint, never a fault; uintptr_t arithmetic)
-          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(ch) + kPrefetchAhead + l),
-                       _MM_HINT_T0);
+      if (h == 0) prefetch_weights(ch, kPrefetchAhead, cb);
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
       const __m256 b = T == PQ_Q4_1
                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
