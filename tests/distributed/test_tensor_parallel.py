@@ -20,6 +20,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 12
+NEAR_TIE = 0.05  # nat: TP=1 candidates this close may swap under TP=3 with quantized activations
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=2, kv_cache_memory_bytes=32 << 20)
 
 
@@ -113,13 +114,16 @@ def test_tensor_parallel_matches_tp1_and_hf(case: str, tiny_model_dir: Path) -> 
 @pytest.mark.timeout(600)
 def test_smollm2_tp3_gives_tp1_tokens() -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = SamplingParams(temperature=0, max_tokens=16)
-    # A float32 KV cache: the row-parallel layers sum their partial products in another order than TP=1 (last-bit
-    # differences), and the GGUF's default bfloat16 cache would round some of those keys and values to the
-    # neighbouring bf16 value, a 2^-8 step that greedy decoding of the real model can turn into another token.
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    # The row-parallel layers sum their partial products in another order than TP=1: last-bit differences. The
+    # GGUF run as stored quantizes each layer's input again (int8 blocks for generated tokens, bf16 for prompt
+    # tokens), and a last-bit difference that moves a value across a rounding boundary moves it a whole step (1/127
+    # of its block's largest, or 2^-8): the logprobs of TP=3 and TP=1 differ by up to ~0.03 nat on this model, where
+    # float32 weights agree to 1e-5 (measured on Zen 5, AVX2 and AVX-512 kernels alike). So the greedy tokens may
+    # part where TP=1's two best candidates are that close, and only there (a float32 KV cache keeps the cache out).
     engine = ENGINE | {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "kv_cache_dtype": "float32"}
     single = LLM(**engine)
-    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0] for o in single.generate(prompts, params, use_tqdm=False)]
     single.engine_core.shutdown()
     llm = LLM(tensor_parallel_size=3, **engine)
     try:
@@ -127,7 +131,17 @@ def test_smollm2_tp3_gives_tp1_tokens() -> None:
         ranks = llm.engine_core.call_utility("collective_rpc", "describe")
     finally:
         llm.engine_core.shutdown()
-    assert got == want
+    parted = 0
+    for ref, toks in zip(want, got):
+        same = next((i for i, (a, b) in enumerate(zip(ref.token_ids, toks)) if a != b), None)
+        if same is None:
+            assert list(toks) == list(ref.token_ids)
+            continue
+        parted += 1
+        top = sorted(ref.logprobs[same].items(), key=lambda kv: -kv[1].logprob)[:2]
+        # TP=3 took TP=1's runner-up, which TP=1 ranked within NEAR_TIE of its choice.
+        assert toks[same] == top[1][0] and top[0][1].logprob - top[1][1].logprob < NEAR_TIE, (same, top, toks)
+    assert parted <= 1, (got, [r.token_ids for r in want])
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     if shutil.which("c++") is not None:  # where the native kernels could be built, every rank runs them
         assert all(r["fused_decoder"] and r["all_reduce"] == "shm" for r in ranks), ranks
