@@ -707,6 +707,7 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
+    prefetch_weights(ch, kPrefetchAhead, cb);  // the AVX2 build on Zen 5: 30 layers at 1 row 9.0 -> 6.1 ms
     for (int h = 0; h < 2; ++h) {
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
       const __m256 b = T == PQ_Q4_1
@@ -750,6 +751,8 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
+    // Without asking ahead, a third of this loop's time went to waiting for the weights (Zen 5, one row).
+    prefetch_weights(ch, kPrefetchAhead, cb);
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
     const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
                                   : _mm512_mul_ps(a, _mm512_set1_ps(-8.f));
@@ -765,10 +768,15 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
         return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(u), b);
       }
     };
+    // Both weights of pair p rounded in one instruction (row n's even weight in bf16 lane n, its odd one in lane 16
+    // + n), then interleaved into row n's pair by one permutation of the 32 bf16 lanes; unrolled, so that each
+    // weight's shift is a constant.
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight(2 * p)));
-      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight(2 * p + 1)));
-      _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight(2 * p + 1), weight(2 * p));
+      _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_permutexvar_epi16(inter, both));
     }
   }
 }
