@@ -292,40 +292,6 @@ int64_t inverse_cdf_row(const float* probs, int64_t vocab, double u) {
   return 0;
 }
 
-// out[i] = exp(x[i] - m) for i < n, exactly 0 where x[i] = -inf (the vector exp flushes to ~1e-38 instead, and a
-// masked token must have no mass); returns their sum.
-double exp_row(const float* x, float* out, int64_t n, float m) {
-  int64_t i = 0;
-  double sum = 0;
-#if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(v, mv)));
-    _mm512_storeu_ps(out + i, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(v, mv)));
-    _mm256_storeu_ps(out + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float a[8];
-  _mm256_store_ps(a, acc);
-  for (float v : a) sum += v;
-#endif
-  for (; i < n; ++i) {
-    out[i] = std::exp(x[i] - m);  // exp(-inf) = 0
-    sum += out[i];
-  }
-  return sum;
-}
 
 // The first largest element of a row (torch.argmax's answer: the first NaN if there is one, the largest then), in
 // one pass over blocks that stay in L1: each block's max (vector code, which would not carry a NaN through: NaNs are
@@ -401,7 +367,7 @@ size_t nucleus_of(const float* w, const int32_t* ids, size_t n, float top, float
 
 // sample_rows for one random row: scale by 1 / t (a division, as the torch path's), top-k, top-p (on the row's own
 // softmax, or on top-k's candidates alone), min-p, then the draw at u. The draw runs over the kept candidates when a
-// filter left few, else over the whole row (exp_row, then inverse_cdf_row).
+// filter left few, else over the whole row (exp_into, then inverse_cdf_row).
 int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float p, float min_p, double u,
                    SampleScratch& s) {
   s.w.resize(vocab);
@@ -417,7 +383,7 @@ int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float
     keep = nucleus_of(w, s.cand.data(), keep, top, p, s.mass);
   } else if (p < 1.f) {
     s.q.resize(vocab);
-    const double sum = exp_row(w, s.q.data(), vocab, top);
+    const double sum = exp_into<true>(w, s.q.data(), vocab, top);
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t i = 0; i < vocab; ++i) s.q[i] *= inv;
     const size_t kp = top_p_row(w, s.q.data(), p, vocab, s.cand, s.kept);
@@ -428,7 +394,7 @@ int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float
     std::sort(s.cand.begin(), s.cand.begin() + keep);
     return draw_among(w, s.cand.data(), keep, top, min_p, u, s.mass);
   }
-  exp_row(w, w, vocab, top);  // in place: w holds the weights exp(w - top) from here on
+  exp_into<true>(w, w, vocab, top);  // in place: w holds the weights exp(w - top) from here on
   if (min_p > 0.f)
     for (int64_t i = 0; i < vocab; ++i)
       if (w[i] < min_p) w[i] = 0.f;

@@ -179,37 +179,50 @@ static inline float max_of(const float* s, int64_t n) {
 #endif
 }
 
-// s[l] = exp(s[l] - mx) for l < n; returns their sum (softmax numerators and denominator).
-static inline float exp_in_place(float* s, int64_t n, float mx) {
+// out[l] = exp(x[l] - mx) for l < n (out may be x); returns their sum (softmax numerators and denominator). With
+// kZeroNinf, out[l] is exactly 0 where x[l] is -inf: the vector exp gives ~1e-38 there, and a masked token must have
+// no mass (the sampler's rows). The sum is float, over vector lanes, then across them.
+template <bool kZeroNinf = false>
+static inline float exp_into(const float* x, float* out, int64_t n, float mx) {
 #if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx);
+  const __m512 m = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto exp_of = [&](__m512 v) {
+    const __m512 e = exp16(_mm512_sub_ps(v, m));
+    if constexpr (kZeroNinf) return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ), e);
+    return e;
+  };
   __m512 acc = _mm512_setzero_ps();
   int64_t l = 0;
   for (; l + 16 <= n; l += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m));
-    _mm512_storeu_ps(s + l, e);
+    const __m512 e = exp_of(_mm512_loadu_ps(x + l));
+    _mm512_storeu_ps(out + l, e);
     acc = _mm512_add_ps(acc, e);
   }
   if (l < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - l)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + l), m));
-    _mm512_mask_storeu_ps(s + l, k, e);
+    const __m512 e = exp_of(_mm512_maskz_loadu_ps(k, x + l));
+    _mm512_mask_storeu_ps(out + l, k, e);
     acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
   return _mm512_reduce_add_ps(acc);
 #elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 m = _mm256_set1_ps(mx);
+  const __m256 m = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  auto exp_of = [&](__m256 v) {
+    const __m256 e = exp8(_mm256_sub_ps(v, m));
+    if constexpr (kZeroNinf) return _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ), e);
+    return e;
+  };
   __m256 acc = _mm256_setzero_ps();
   int64_t l = 0;
   for (; l + 8 <= n; l += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
-    _mm256_storeu_ps(s + l, e);
+    const __m256 e = exp_of(_mm256_loadu_ps(x + l));
+    _mm256_storeu_ps(out + l, e);
     acc = _mm256_add_ps(acc, e);
   }
   if (l < n) {
     const __m256i k = lanes8(n - l);
-    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + l, k), m)), _mm256_castsi256_ps(k));
-    _mm256_maskstore_ps(s + l, k, e);
+    const __m256 e = _mm256_and_ps(exp_of(_mm256_maskload_ps(x + l, k)), _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(out + l, k, e);
     acc = _mm256_add_ps(acc, e);
   }
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -219,13 +232,16 @@ static inline float exp_in_place(float* s, int64_t n, float mx) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t l = 0; l < n; ++l) {
-    const float e = expf(s[l] - mx);
-    s[l] = e;
+    const float e = expf(x[l] - mx);  // exp(-inf) = 0
+    out[l] = e;
     sum += e;
   }
   return sum;
 #endif
 }
+
+// s[l] = exp(s[l] - mx) for l < n; returns their sum.
+static inline float exp_in_place(float* s, int64_t n, float mx) { return exp_into(s, s, n, mx); }
 
 static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
