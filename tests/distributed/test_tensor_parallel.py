@@ -20,7 +20,8 @@ from pagedllm.engine.exceptions import EngineDeadError
 from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 12
-NEAR_TIE = 0.05  # nat: TP=1 candidates this close may swap under TP=3 with quantized activations
+LOGPROB_NOISE = 0.25  # nat: TP=3 against TP=1 on the GGUF as stored (quantized activations; ~0.11 measured)
+NEAR_TIE = 0.25  # nat: candidates this close may swap between TP=3 and TP=1 there
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=2, kv_cache_memory_bytes=32 << 20)
 
 
@@ -118,30 +119,37 @@ def test_smollm2_tp3_gives_tp1_tokens() -> None:
     # The row-parallel layers sum their partial products in another order than TP=1: last-bit differences. The
     # GGUF run as stored quantizes each layer's input again (int8 blocks for generated tokens, bf16 for prompt
     # tokens), and a last-bit difference that moves a value across a rounding boundary moves it a whole step (1/127
-    # of its block's largest, or 2^-8): the logprobs of TP=3 and TP=1 differ by up to ~0.03 nat on this model, where
-    # float32 weights agree to 1e-5 (measured on Zen 5, AVX2 and AVX-512 kernels alike). So the greedy tokens may
-    # part where TP=1's two best candidates are that close, and only there (a float32 KV cache keeps the cache out).
+    # of its block's largest, or 2^-8). TP=3 and TP=1 are then two draws of the quantization's noise: the chosen
+    # tokens' logprobs differ by up to ~0.11 nat over 16 tokens, as much as the GGUF's own differ from its float32
+    # de-quantization (~0.13), where float32 weights at TP=3 and TP=1 agree to 1e-5 (Zen 5, AVX2 and AVX-512
+    # kernels alike). So the two must agree within that noise, and their greedy tokens may part only where both
+    # runs rank the same two candidates within NEAR_TIE of each other (a float32 KV cache keeps the cache out).
     engine = ENGINE | {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "kv_cache_dtype": "float32"}
     single = LLM(**engine)
     want = [o.outputs[0] for o in single.generate(prompts, params, use_tqdm=False)]
     single.engine_core.shutdown()
     llm = LLM(tensor_parallel_size=3, **engine)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         ranks = llm.engine_core.call_utility("collective_rpc", "describe")
     finally:
         llm.engine_core.shutdown()
     parted = 0
-    for ref, toks in zip(want, got):
-        same = next((i for i, (a, b) in enumerate(zip(ref.token_ids, toks)) if a != b), None)
-        if same is None:
-            assert list(toks) == list(ref.token_ids)
+    for ref, out in zip(want, got):
+        part = next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), None)
+        shared = len(ref.token_ids) if part is None else part
+        assert shared > 0 and len(out.token_ids) == len(ref.token_ids)
+        for i in range(shared):  # the same tokens, with logprobs within the quantization's noise
+            token = ref.token_ids[i]
+            assert abs(out.logprobs[i][token].logprob - ref.logprobs[i][token].logprob) < LOGPROB_NOISE, (i, token)
+        if part is None:
             continue
         parted += 1
-        top = sorted(ref.logprobs[same].items(), key=lambda kv: -kv[1].logprob)[:2]
-        # TP=3 took TP=1's runner-up, which TP=1 ranked within NEAR_TIE of its choice.
-        assert toks[same] == top[1][0] and top[0][1].logprob - top[1][1].logprob < NEAR_TIE, (same, top, toks)
-    assert parted <= 1, (got, [r.token_ids for r in want])
+        # Each run's choice is the other's runner-up, within NEAR_TIE of it in both runs.
+        mine, theirs = ref.token_ids[part], out.token_ids[part]
+        for lp, best, second in ((ref.logprobs[part], mine, theirs), (out.logprobs[part], theirs, mine)):
+            assert second in lp and lp[best].logprob - lp[second].logprob < NEAR_TIE, (part, lp)
+    assert parted <= 1, ([o.token_ids for o in got], [r.token_ids for r in want])
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     if shutil.which("c++") is not None:  # where the native kernels could be built, every rank runs them
         assert all(r["fused_decoder"] and r["all_reduce"] == "shm" for r in ranks), ranks

@@ -492,10 +492,9 @@ inline void prefetch_weights(const uint8_t* p, int64_t ahead, int64_t bytes) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define PAGEDLLM_QUANT_PACKED 1
 
-// At one or a few rows the weights stream from memory, and the hardware prefetcher alone brings them too late (the
-// AVX2 kernel below says the same of Zen 3). On Zen 5, asking for them 5 KiB ahead made the model's 30 layers of
-// linears 1.1-1.2x faster at 1 row and 1.3x at 5-8 rows (bench/quant_kernels_ab.py; 8 KiB was level with 5, 2.5
-// KiB between 5 and none; bench/RESULTS.md).
+// How far ahead packed_group asks for its weights (kPrefetchAhead: see the AVX2 kernel below for why). On Zen 5, 5
+// KiB ahead made the model's 30 layers of linears 1.1-1.2x faster at 1 row and 1.3x at 5-8 rows
+// (bench/quant_kernels_ab.py; 8 KiB was level with 5, 2.5 KiB between 5 and none; bench/RESULTS.md).
 constexpr int64_t kPrefetchAhead = 5120;
 
 // The 16 outputs of one packed group for RB input rows (row r's int8 copy at xq + r * ldq, its block scales and
@@ -570,8 +569,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nb; ++c) {
       const uint8_t* ch = grp + c * cb;
-      // The first half asks for the weights kPrefetchAhead bytes on (this group's later blocks, then the next
-      // group's: a segment's groups lie back to back); the second half finds this group in L1.
+      // The first half asks for the weights kPrefetchAhead bytes on; the second half finds this group in L1.
       if (h == 0) prefetch_weights(ch, kPrefetchAhead, cb);
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
       const __m256 b = T == PQ_Q4_1

@@ -292,7 +292,6 @@ int64_t inverse_cdf_row(const float* probs, int64_t vocab, double u) {
   return 0;
 }
 
-
 // The first largest element of a row (torch.argmax's answer: the first NaN if there is one, the largest then), in
 // one pass over blocks that stay in L1: each block's max (vector code, which would not carry a NaN through: NaNs are
 // looked for apart), the first block holding the largest remembered, then searched.
@@ -383,7 +382,7 @@ int64_t sample_row(const float* logits, int64_t vocab, float t, int64_t k, float
     keep = nucleus_of(w, s.cand.data(), keep, top, p, s.mass);
   } else if (p < 1.f) {
     s.q.resize(vocab);
-    const double sum = exp_into<true>(w, s.q.data(), vocab, top);
+    const float sum = exp_into<true>(w, s.q.data(), vocab, top);
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t i = 0; i < vocab; ++i) s.q[i] *= inv;
     const size_t kp = top_p_row(w, s.q.data(), p, vocab, s.cand, s.kept);
