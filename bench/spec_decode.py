@@ -11,7 +11,8 @@ Workloads (greedy; each engine in its own in-process engine core, the two taking
   at temperature 1 with a seed per request: text that does not repeat, where speculation can only cost. Seeded
   output does not change with speculation: those tokens must be identical too.
 * repeat, batch 16: 16 repeat prompts submitted together.
-It prints each workload's output tokens per second (median over the rounds) for both engines and their ratio, the
+It prints each workload's output tokens per second (median over the rounds) for both engines and their ratio (and
+the range of the rounds' own ratios: this VM's memory bandwidth moves between runs, and the plain engine with it), the
 draft acceptance of the speculative engine, and the CPU; `--out` writes it all as JSON.
 """
 
@@ -122,7 +123,12 @@ def main() -> int:
                 if name == "spec":
                     now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
                     accept[w] = [a + n - b for a, n, b in zip(accept[w], now, before)]
-            print(f"round {r + 1} {w}: " + ", ".join(f"{e} {rates[w][e][-1]:.1f} tok/s" for e in engines), flush=True)
+            ratio = rates[w]["spec"][-1] / rates[w]["plain"][-1]
+            print(
+                f"round {r + 1} {w}: " + ", ".join(f"{e} {rates[w][e][-1]:.1f} tok/s" for e in engines),
+                f"(ratio {ratio:.2f}x)",
+                flush=True,
+            )
     same = all(
         tokens[w]["plain"] == tokens[w]["spec"] for w in ("repeat, batch 1", "random T=1, batch 1") if w in tokens
     )
@@ -136,7 +142,7 @@ def main() -> int:
         "workloads": {},
     }
     print(f"\nCPU: {result['cpu']}\nmodel: {result['model']} ({args.dtype})\n")
-    print(f"{'workload':<20} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'accepted':>16}")
+    print(f"{'workload':<20} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'rounds':>12} {'accepted':>16}")
     for w in workloads:
         plain, spec = statistics.median(rates[w]["plain"]), statistics.median(rates[w]["spec"])
         drafts, drafted, accepted = accept[w]
@@ -144,12 +150,15 @@ def main() -> int:
             "plain_tok_s": plain,
             "spec_tok_s": spec,
             "ratio": spec / plain,
+            "round_ratios": [s / p for s, p in zip(rates[w]["spec"], rates[w]["plain"])],
             "drafts": drafts,
             "draft_tokens": drafted,
             "accepted_tokens": accepted,
         }
         share = f"{accepted}/{drafted}" if drafted else "no drafts"
-        print(f"{w:<20} {plain:>12.1f} {spec:>11.1f} {spec / plain:>6.2f}x {share:>16}")
+        each = result["workloads"][w]["round_ratios"]
+        span = f"{min(each):.2f}-{max(each):.2f}x"
+        print(f"{w:<20} {plain:>12.1f} {spec:>11.1f} {spec / plain:>6.2f}x {span:>12} {share:>16}")
     print(f"\ntokens identical (repeat greedy and random seeded, batch 1): {same}")
     for llm in engines.values():
         llm.shutdown()
