@@ -9,6 +9,8 @@
   never exceeded, stop strings, and several requests sharing steps with drafts.
 * Structured output: drafts are verified under the grammar (only those it accepts, a mask row per position, the
   grammar advanced by the tokens output): the same JSON, token for token, as without speculation, drafts accepted.
+* Prefix caching after rejected drafts: a prompt extending an earlier request's prompt and output hits the cache
+  on that output's blocks (drafts verified there, some rejected) and gets the plain engine's tokens and logprobs.
 * After all of it the KV cache holds no blocks and its invariants hold.
 """
 
@@ -154,6 +156,32 @@ def test_structured_output_with_drafts(plain: LLM, spec: LLM) -> None:
     parsed = json.loads(got.text)
     assert set(parsed) == {"name", "city", "items"}
     assert stats.num_accepted_tokens - before > 10  # the copy was mostly accepted drafts
+
+
+def test_prefix_cache_after_rejected_drafts(plain: LLM, spec: LLM) -> None:
+    """A rejected draft's KV slot is written again before its block can be cached: a later prompt that extends an
+    earlier request's prompt and output hits the prefix cache on that output's blocks (some drafts rejected there),
+    and gets the plain engine's tokens and logprobs bit for bit (the plain engine's cache built the same way, by
+    decoding). A block cached under its tokens' hash while it still held a rejected draft's keys would change them."""
+    first = SamplingParams(temperature=0.0, max_tokens=60)
+    stats = _core(spec).scheduler.total_spec_stats
+    for llm in (plain, spec):
+        assert llm.reset_prefix_cache()
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    earlier = {
+        name: llm.generate([REPEATING[0]], first, use_tqdm=False)[0] for name, llm in {"p": plain, "s": spec}.items()
+    }
+    assert stats.num_draft_tokens - drafted > stats.num_accepted_tokens - accepted > 0  # drafts kept and rejected
+    assert list(earlier["p"].outputs[0].token_ids) == list(earlier["s"].outputs[0].token_ids)
+    tail = list(earlier["s"].prompt_token_ids) + list(earlier["s"].outputs[0].token_ids)
+    extended = {"prompt_token_ids": tail + list(range(1000, 1007))}
+    later = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
+    want = plain.generate([extended], later, use_tqdm=False)[0]
+    got = spec.generate([extended], later, use_tqdm=False)[0]
+    block = _core(spec).scheduler.kv_cache_manager.block_size
+    assert got.num_cached_tokens == want.num_cached_tokens >= (len(tail) - 1) // block * block
+    assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
 def test_preemption_and_chunked_prefill_with_drafts() -> None:
