@@ -10,6 +10,8 @@ Contract (the scheduler is the only caller; this module only calls `BlockPool`):
 - Blocks are cached as soon as they are allocated for tokens scheduled in this step, before the model has
   run. That is what lets a later request scheduled in the same step (e.g. the n>1 siblings of a prompt)
   hit them: the worker writes all of a step's KV for a layer before any attention in that layer reads it.
+  Drafts are not tokens of the request yet: `cache_blocks` registers the blocks accepted drafts filled once
+  the scheduler has their verification (rejected drafts' slots never are: they are written again first).
 - `free(request)` releases the request's blocks tail first, so its last blocks are evicted before its
   first ones, which are the likeliest to be shared prefixes.
 - Block hashes are computed lazily into `request.block_hashes` (chained; `(request.cache_salt,)` is mixed
@@ -130,15 +132,26 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
-            # Only tokens whose ids are known can be hashed (all_token_ids caps it).
-            num_full_blocks = min(total_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full_blocks > num_cached:
-                self._ensure_block_hashes(request, num_full_blocks)
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
-                self.num_cached_blocks[request.request_id] = num_full_blocks
+        self.cache_blocks(request, total_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register in the prefix cache the request's blocks full of its first `num_tokens` tokens (those whose KV
+        is, or is being, computed) that are not registered yet. Only tokens whose ids are known can be hashed:
+        speculative drafts are not, so the blocks accepted drafts fill are registered after their verification,
+        through this call, and so are those a request's last verification filled before it finished."""
+        if not self.enable_caching:
+            return
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks > num_cached:
+            req_blocks = self.req_to_blocks.get(request.request_id, [])
+            num_full_blocks = min(num_full_blocks, len(req_blocks))
+            if num_full_blocks <= num_cached:
+                return
+            self._ensure_block_hashes(request, num_full_blocks)
+            self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+            self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(request, num_new_tokens)` (no prefix hits) would take from the pool."""

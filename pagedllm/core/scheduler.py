@@ -373,6 +373,8 @@ class Scheduler:
                 if finished:
                     new_ids = new_ids[: k + 1]
                     break
+            if drafts:  # the blocks the accepted drafts filled, now that their tokens are known
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             logprobs = result.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # tokens dropped after a finishing one
                 n = len(new_ids)

@@ -159,10 +159,11 @@ def test_structured_output_with_drafts(plain: LLM, spec: LLM) -> None:
 
 
 def test_prefix_cache_after_rejected_drafts(plain: LLM, spec: LLM) -> None:
-    """A rejected draft's KV slot is written again before its block can be cached: a later prompt that extends an
-    earlier request's prompt and output hits the prefix cache on that output's blocks (some drafts rejected there),
-    and gets the plain engine's tokens and logprobs bit for bit (the plain engine's cache built the same way, by
-    decoding). A block cached under its tokens' hash while it still held a rejected draft's keys would change them."""
+    """Blocks are cached only with the keys of their own tokens: a later prompt that extends an earlier request's
+    prompt and output (drafts kept and rejected in it) hits the prefix cache on as many blocks as with the plain
+    engine (those its accepted drafts filled too), and gets the plain engine's tokens and logprobs bit for bit (the
+    plain engine's cache built the same way, by decoding). A block cached while it still held a rejected draft's
+    keys would change them."""
     first = SamplingParams(temperature=0.0, max_tokens=60)
     stats = _core(spec).scheduler.total_spec_stats
     for llm in (plain, spec):

@@ -150,6 +150,22 @@ def test_rejected_drafts_are_taken_back(accepted: int) -> None:
     s.kv_cache_manager.check_invariants()
 
 
+@pytest.mark.parametrize("accepted, max_tokens", [(3, 5), (1, 16), (0, 16)])
+def test_blocks_filled_by_accepted_drafts_are_cached(accepted: int, max_tokens: int) -> None:
+    """The blocks accepted drafts fill go to the prefix cache as soon as they are verified (3 accepted: also when
+    that verification finishes the request). A block full of known tokens whose last slot still holds a rejected
+    draft's keys (none accepted: the token after the rejection sits there, not computed yet) is not cached."""
+    s = make_scheduler(block_size=4)
+    r = prefill_with_drafts(s, "a", [21, 22, 23], max_tokens=max_tokens)  # 6 prompt tokens and one output
+    out, _ = step(s, accept={"a": accepted})  # positions 6 .. 9: the output and three drafts
+    assert out.scheduled_spec_decode_tokens == {"a": [21, 22, 23]} and r.num_tokens == 8 + accepted
+    assert (r.status == RequestStatus.FINISHED_LENGTH_CAPPED) == (accepted + 2 == max_tokens)
+    probe = Request("b", r.all_token_ids[: 8 + accepted] + [99, 98], SamplingParams(temperature=0), EOS)
+    _, hit = s.kv_cache_manager.get_computed_blocks(probe)
+    # computed: the prompt, the first output and the accepted drafts (the last token's KV is not yet)
+    assert hit == (7 + accepted) // 4 * 4
+
+
 def test_a_request_still_in_its_prompt_gets_no_drafts() -> None:
     # The fake runner hands drafts to a request whose prompt is chunked: they are not scheduled with its chunk.
     s = make_scheduler(budget=4)
