@@ -1,5 +1,5 @@
 """Before and after for the fused decoder: two or more builds of the native CPU kernels, each driving the fused
-decoder over the same model and KV cache in one process, call by call.
+decoder over the same model and KV cache in one process, taking turns.
 
     python bench/fused_decoder_ab.py BUILD.so [BUILD.so ...] [--rows 1,5,16] [--context 150,300] [--rounds 15]
 
@@ -12,7 +12,7 @@ runs them). Per round, each decoder in turn makes `--calls` calls and keeps thei
 build's median over the rounds (ms per call) and whether all builds gave the same hidden states, bit for bit.
 
 Why in one process: on a shared VM the same build measured in two processes a minute apart differs by 20% and more
-(memory bandwidth moves), while builds taking turns call by call see the same machine. Stop other work first: two
+(memory bandwidth moves), while builds taking turns a few milliseconds apart see the same machine. Stop other work first: two
 cores are all there is. Nothing here is part of CI.
 """
 
