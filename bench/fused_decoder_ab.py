@@ -12,8 +12,8 @@ runs them). Per round, each decoder in turn makes `--calls` calls and keeps thei
 build's median over the rounds (ms per call) and whether all builds gave the same hidden states, bit for bit.
 
 Why in one process: on a shared VM the same build measured in two processes a minute apart differs by 20% and more
-(memory bandwidth moves), while builds taking turns a few milliseconds apart see the same machine. Stop other work first: two
-cores are all there is. Nothing here is part of CI.
+(memory bandwidth moves), while builds taking turns a few milliseconds apart see the same machine. Stop other work
+first: two cores are all there is. Nothing here is part of CI.
 """
 
 from __future__ import annotations
