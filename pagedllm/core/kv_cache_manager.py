@@ -142,13 +142,10 @@ class KVCacheManager:
         through this call, and so are those a request's last verification filled before it finished."""
         if not self.enable_caching:
             return
-        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full_blocks = min(min(num_tokens, request.num_tokens) // self.block_size, len(req_blocks))
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full_blocks > num_cached:
-            req_blocks = self.req_to_blocks.get(request.request_id, [])
-            num_full_blocks = min(num_full_blocks, len(req_blocks))
-            if num_full_blocks <= num_cached:
-                return
             self._ensure_block_hashes(request, num_full_blocks)
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
             self.num_cached_blocks[request.request_id] = num_full_blocks
