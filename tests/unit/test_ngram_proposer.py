@@ -4,7 +4,8 @@ Checks, on hand-made sequences, that the longest n-gram (min_n..max_n) ending th
 one, that the latest of equally long earlier occurrences wins, that a match shorter than min_n gives [], that k caps
 the draft and fewer tokens come back near the end of the sequence, and that no match (or k <= 0, or too short a
 sequence) gives []. Then compares it with a plain-Python brute force written here, over many random sequences from a
-small vocabulary (fixed seed, so matches are frequent) and over int64 arrays of a few thousand tokens.
+small vocabulary (fixed seed, so matches are frequent) and over int64 arrays of a few thousand tokens. Every test runs
+on both implementations: numpy's and the native lookup (pagedllm._C.ngram_propose, which the engine uses where built).
 """
 
 from __future__ import annotations
@@ -13,15 +14,40 @@ import numpy as np
 import pytest
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.ngram_proposer import NgramProposer, native_available
+
+NATIVE = None  # set by the `impl` fixture: True for the native lookup, False for numpy's
+
+
+@pytest.fixture(autouse=True, params=["numpy", "native"])
+def impl(request):
+    global NATIVE
+    if request.param == "native" and not native_available():
+        pytest.skip("pagedllm._C is not built (make setup)")
+    NATIVE = request.param == "native"
+    yield request.param
+    NATIVE = None
 
 
 def proposer(min_n: int, max_n: int) -> NgramProposer:
-    return NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=min_n, prompt_lookup_max=max_n))
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+    prop = NgramProposer(config, native=NATIVE)
+    assert prop.native is NATIVE
+    return prop
 
 
 def propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return proposer(min_n, max_n).propose(np.array(tokens, dtype=np.int64), k)
+
+
+def test_the_engine_uses_the_native_lookup_where_built(impl: str) -> None:
+    """A built pagedllm._C has the lookup (a build older than it would fail here), and the default proposer uses it."""
+    try:
+        import pagedllm._C as C
+    except ImportError:
+        pytest.skip("pagedllm._C is not built (make setup)")
+    assert hasattr(C, "ngram_propose")
+    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=4)).native
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

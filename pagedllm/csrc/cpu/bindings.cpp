@@ -6,12 +6,15 @@
 // shapes, dtypes, contiguity and index ranges here (a RuntimeError naming what is wrong), then passes raw pointers
 // and torch's thread count. `DecodeModel` is the fused decoder (one token or a few of one request) over a model's weights and KV caches, checked
 // once when it is built. `ShmAllReduce` is the tensor-parallel sum between the processes of one machine through
-// shared memory (shm_allreduce.h): `all_reduce(t)` on tensors, `hook()` for the fused decoder.
+// shared memory (shm_allreduce.h): `all_reduce(t)` on tensors, `hook()` for the fused decoder. `ngram_propose` is the
+// speculative n-gram proposer's lookup (no ISA-specific code: it lives here, not in the kernel libraries).
 #include <ATen/MemoryOverlap.h>
+#include <pybind11/numpy.h>
 #include <torch/extension.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -621,12 +624,43 @@ torch::Tensor shm_all_reduce(pagedllm::ShmAllReduce& self, torch::Tensor t) {
   return t;
 }
 
+// The n-gram proposer's lookup, the contract of pagedllm/spec_decode/ngram_proposer.py: the longest n-gram,
+// min_n <= n <= max_n, that ends `tokens` and also occurs earlier in it (the latest such occurrence among equally long
+// ones); up to k tokens that followed it, fewer where the sequence ends first, none without a match. One backward
+// scan: the first occurrence found at a length is the latest, and one of max_n (or as long as the sequence allows)
+// ends the search.
+std::vector<int64_t> ngram_propose(const py::array_t<int64_t, py::array::c_style>& tokens, int64_t min_n,
+                                   int64_t max_n, int64_t k) {
+  TORCH_CHECK(tokens.ndim() == 1, "ngram_propose needs a 1-D array of token ids, got ", tokens.ndim(), " dimensions");
+  TORCH_CHECK(min_n >= 1 && max_n >= min_n, "ngram_propose needs 1 <= min_n <= max_n, got ", min_n, " and ", max_n);
+  const int64_t len = tokens.shape(0);
+  std::vector<int64_t> out;
+  if (k <= 0 || len <= min_n) return out;
+  const int64_t* t = tokens.data();
+  const int64_t last = t[len - 1], cap = std::min(max_n, len - 1);
+  int64_t best = 0, best_end = -1;
+  for (int64_t e = len - 2; e >= min_n - 1; --e) {
+    if (t[e] != last) continue;
+    int64_t m = 1;  // tokens matched, backwards from e and from the last token
+    while (m < cap && m <= e && t[e - m] == t[len - 1 - m]) ++m;
+    if (m > best) {
+      best = m, best_end = e;
+      if (m == cap) break;
+    }
+  }
+  if (best < min_n) return out;
+  out.assign(t + best_end + 1, t + std::min(len, best_end + 1 + k));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedllm's native CPU kernels: the torch-facing bindings of one ISA build at a time";
   m.def("detect_isa", &detect_isa, "the best kernel build this CPU runs: avx512, avx2 or generic");
   m.attr("abi") = PAGEDLLM_CPU_ABI;
+  m.def("ngram_propose", &ngram_propose, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("k"),
+        "up to k draft tokens: what followed the latest longest earlier occurrence of the n-gram ending tokens");
   py::class_<CpuOps, std::shared_ptr<CpuOps>>(m, "CpuOps")
       .def(py::init<const std::string&>(), py::arg("path"))
       .def_property_readonly("isa", &CpuOps::isa)
