@@ -219,6 +219,8 @@ class ModelRunner:
         if sample_rows:
             if len(sample_rows) == total:  # one token per request, every one sampled: all of hidden, in order
                 index = None
+            elif drafts is not None and len(sample_rows) == len(order) and total == len(order) + sum(map(len, drafts)):
+                index = None  # every request verifies all its rows (its decode token and drafts): all of hidden
             elif drafts is None:
                 index = cu[1:][sample_rows] - 1
             else:
