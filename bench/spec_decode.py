@@ -1,11 +1,11 @@
 """Speculative decoding side by side: one model without and with --speculative-config, in the same run.
 
-    python bench/spec_decode.py [--model M] [--dtype D] [--rounds 3] [--num-prompts 8] [--speculative-config JSON]
+    python bench/spec_decode.py [--model M] [--dtype D] [--rounds 3] [--num-prompts 10] [--speculative-config JSON]
 
 Workloads (greedy; each engine in its own in-process engine core, the two taking turns, round after round):
 * repeat, batch 1: `--num-prompts` prompts of the `repeat` dataset (pagedllm/benchmarks/datasets.py: a passage and a
-  request to write it again), one request at a time, each up to its passage's length. The tokens of the two engines
-  must be identical (checked: the run fails otherwise).
+  request to write it again; the default 10 holds each of its 5 passages twice), one request at a time, each up to
+  its passage's length. The tokens of the two engines must be identical (checked: the run fails otherwise).
 * random, batch 1: as many random-token prompts (128 tokens in, 128 out, ignore_eos), one at a time, greedy (a
   small model's greedy continuation of noise soon loops, which the n-gram proposer catches), and the same sampled
   at temperature 1 with a seed per request: text that does not repeat, where speculation can only cost. Seeded
@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model (default: the default GGUF)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--speculative-config", default=DEFAULT_SPEC)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")

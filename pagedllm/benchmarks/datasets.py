@@ -21,7 +21,9 @@ their seed and raise `ValueError` naming a bad value.
 * ``repeat``: prompts whose answer repeats their input, the workload of speculative decoding's n-gram proposer:
   one of a few built-in passages (prose and code) in a completion that asks for it again ("Here is a quote: ...
   The same quote again:"), the output length the passage's token count (or ``--repeat-output-len``). Passages
-  are drawn with the seed.
+  come in turn, in a seeded order that changes every round of them: any N prompts hold each passage N // P or
+  N // P + 1 times (P passages), so that a small sample weighs them alike (drawn independently, the 8 prompts of
+  seed 0 held one passage three times).
 
 `load_tokenizer` loads a tokenizer from a ``.gguf`` file, a folder holding one, or an HF folder with tokenizer
 files, never from a hub; `add_dataset_args` adds the shared flags and `sample_requests` dispatches on them.
@@ -214,9 +216,12 @@ def sample_repeat(
     if output_len is not None:
         _check_positive(output_len=output_len)
     rng = np.random.default_rng(seed)
+    order: list[int] = []
+    while len(order) < num_requests:  # each passage once per round, the rounds in their own seeded orders
+        order.extend(int(i) for i in rng.permutation(len(REPEAT_PASSAGES)))
     requests = []
-    for _ in range(num_requests):
-        kind, passage = REPEAT_PASSAGES[int(rng.integers(len(REPEAT_PASSAGES)))]
+    for index in order[:num_requests]:
+        kind, passage = REPEAT_PASSAGES[index]
         text = f'Here is a {kind}:\n\n"{passage}"\n\nThe same {kind} again:\n\n"'
 
         ids = encode(tokenizer, text)

@@ -118,6 +118,36 @@ def test_prefix_repetition_errors(tiny_tokenizer):
         ds.sample_prefix_repetition(tiny_tokenizer, 4, 8, -1, 2, 4)
 
 
+# ---- repeat ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 8, 10, 13])
+def test_repeat_holds_each_passage_alike_in_a_seeded_order(tiny_tokenizer, n):
+    reqs = ds.sample_repeat(tiny_tokenizer, n, seed=3)
+    passages = len(ds.REPEAT_PASSAGES)
+    counts = Counter(r.prompt for r in reqs)
+    assert sum(counts.values()) == n
+    assert all(c in (n // passages, n // passages + 1) for c in counts.values()), counts
+    assert len(counts) == min(n, passages)
+    for r in reqs:  # the completion asks for the passage again, and as many tokens as it has
+        kind, passage = next((k, p) for k, p in ds.REPEAT_PASSAGES if f'"{p}"' in r.prompt)
+        assert r.prompt.endswith(f"The same {kind} again:\n\n\"")
+        assert r.prompt_token_ids == ds.encode(tiny_tokenizer, r.prompt) and r.prompt_len == len(r.prompt_token_ids)
+        assert r.expected_output_len == len(ds.encode(tiny_tokenizer, passage))
+    again = [r.prompt for r in ds.sample_repeat(tiny_tokenizer, n, seed=3)]
+    assert again == [r.prompt for r in reqs]
+
+
+def test_repeat_orders_differ_between_rounds_and_seeds(tiny_tokenizer):
+    passages = len(ds.REPEAT_PASSAGES)
+    rounds = [r.prompt for r in ds.sample_repeat(tiny_tokenizer, 4 * passages, seed=0)]
+    orders = {tuple(rounds[i : i + passages]) for i in range(0, len(rounds), passages)}
+    assert len(orders) > 1  # not one order repeated
+    other = [r.prompt for r in ds.sample_repeat(tiny_tokenizer, 4 * passages, seed=1)]
+    assert other != rounds
+    assert [r.expected_output_len for r in ds.sample_repeat(tiny_tokenizer, 3, output_len=7)] == [7, 7, 7]
+
+
 # ---- sharegpt ----------------------------------------------------------------------------------------------------
 
 
