@@ -131,7 +131,7 @@ def test_repeat_holds_each_passage_alike_in_a_seeded_order(tiny_tokenizer, n):
     assert len(counts) == min(n, passages)
     for r in reqs:  # the completion asks for the passage again, and as many tokens as it has
         kind, passage = next((k, p) for k, p in ds.REPEAT_PASSAGES if f'"{p}"' in r.prompt)
-        assert r.prompt.endswith(f"The same {kind} again:\n\n\"")
+        assert r.prompt.endswith(f'The same {kind} again:\n\n"')
         assert r.prompt_token_ids == ds.encode(tiny_tokenizer, r.prompt) and r.prompt_len == len(r.prompt_token_ids)
         assert r.expected_output_len == len(ds.encode(tiny_tokenizer, passage))
     again = [r.prompt for r in ds.sample_repeat(tiny_tokenizer, n, seed=3)]
