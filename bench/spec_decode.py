@@ -2,7 +2,8 @@
 
     python bench/spec_decode.py [--model M] [--dtype D] [--rounds 3] [--num-prompts 10] [--speculative-config JSON]
 
-Workloads (greedy; each engine in its own in-process engine core, the two taking turns, round after round):
+Workloads (greedy; each engine in its own in-process engine core; in each round the two take turns prompt by prompt,
+a batch at a time at batch 16, the first alternating, and each one's rate is its tokens over its time):
 * repeat, batch 1: `--num-prompts` prompts of the `repeat` dataset (pagedllm/benchmarks/datasets.py: a passage and a
   request to write it again; the default 10 holds each of its 5 passages twice), one request at a time, each up to
   its passage's length. The tokens of the two engines must be identical (checked: the run fails otherwise).
@@ -46,22 +47,19 @@ def cpu_name() -> str:
 
 
 def run(
-    llm: LLM, prompts: list[list[int]], lens: list[int], batch: int, ignore_eos: bool, temperature: float = 0.0
-) -> tuple[float, list]:
-    """Output tokens per second of the prompts, `batch` at a time, and their token ids (sampled: seed = index)."""
-    outs: list[list[int]] = []
-    tokens = 0
+    llm: LLM, prompts: list[list[int]], lens: list[int], first: int, ignore_eos: bool, temperature: float = 0.0
+) -> tuple[int, float, list[list[int]]]:
+    """One chunk of a workload's prompts (numbered from `first`, the seed of a sampled one being its number) together:
+    its output tokens, the seconds it took, and their token ids."""
+    params = [
+        SamplingParams(temperature=temperature, seed=first + j, max_tokens=n, ignore_eos=ignore_eos)
+        for j, n in enumerate(lens)
+    ]
     start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        params = [
-            SamplingParams(temperature=temperature, seed=i + j, max_tokens=n, ignore_eos=ignore_eos)
-            for j, n in enumerate(lens[i : i + batch])
-        ]
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
-        for o in got:
-            outs.append(list(o.outputs[0].token_ids))
-            tokens += len(o.outputs[0].token_ids)
-    return tokens / (time.perf_counter() - start), outs
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    outs = [list(o.outputs[0].token_ids) for o in got]
+    return sum(map(len, outs)), seconds, outs
 
 
 def main() -> int:
@@ -106,7 +104,7 @@ def main() -> int:
     if args.only:
         workloads = {w: v for w, v in workloads.items() if args.only in w}
     for llm in engines.values():  # warm-up: the kernels, the first steps' allocations
-        run(llm, [random_prompts[0]], [8], 1, True)
+        run(llm, [random_prompts[0]], [8], 0, True)
     rates: dict[str, dict[str, list[float]]] = {w: {e: [] for e in engines} for w in workloads}
     tokens: dict[str, dict[str, list]] = {w: {} for w in workloads}
     spec_core = engines["spec"].engine_core.engine_core
@@ -114,15 +112,26 @@ def main() -> int:
     accept: dict[str, list[int]] = {w: [0, 0, 0] for w in workloads}
     for r in range(args.rounds):
         for w, (prompts, lens, batch, ignore_eos, temperature) in workloads.items():
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-            for name in order:
-                before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-                rate, outs = run(engines[name], prompts, lens, batch, ignore_eos, temperature)
-                rates[w][name].append(rate)
-                tokens[w].setdefault(name, outs)
-                if name == "spec":
-                    now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-                    accept[w] = [a + n - b for a, n, b in zip(accept[w], now, before)]
+            done = {e: [0, 0.0] for e in engines}  # output tokens, seconds
+            outs: dict[str, list[list[int]]] = {e: [] for e in engines}
+            for c, i in enumerate(range(0, len(prompts), batch)):
+                # Chunk by chunk (a prompt at batch 1), the engines taking turns, the first one alternating: both
+                # see the VM in the same state, where a whole workload on one engine then on the other may not.
+                order = list(engines) if (r + c) % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                    n, seconds, got = run(
+                        engines[name], prompts[i : i + batch], lens[i : i + batch], i, ignore_eos, temperature
+                    )
+                    done[name][0] += n
+                    done[name][1] += seconds
+                    outs[name].extend(got)
+                    if name == "spec":
+                        now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                        accept[w] = [a + x - b for a, x, b in zip(accept[w], now, before)]
+            for name in engines:
+                rates[w][name].append(done[name][0] / done[name][1])
+                tokens[w].setdefault(name, outs[name])
             ratio = rates[w]["spec"][-1] / rates[w]["plain"][-1]
             print(
                 f"round {r + 1} {w}: " + ", ".join(f"{e} {rates[w][e][-1]:.1f} tok/s" for e in engines),
