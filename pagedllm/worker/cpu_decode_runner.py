@@ -87,6 +87,19 @@ class CpuDecodeRunner:
                 return False
         return True
 
+    def runs_prompts(self) -> bool:
+        """Whether a request's short prompt chunk may run here (`prompt=True`): one rank, every linear quantized and
+        wholly packed, and a CPU with AVX512-BF16 (the de-quantized bf16 panels prompt rows take in the layer path,
+        here without its dozen dispatches a layer)."""
+        if self.tp.world_size != 1 or not self.ops.bf16_native():
+            return False
+        for layer in self.model.model.layers:
+            for path in _LINEARS:
+                q = getattr(_get(layer, path), "qweight", None)
+                if q is None or q.packed_rows != q.out_features:
+                    return False
+        return True
+
     def _layer_weights(self) -> list[torch.Tensor]:
         """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
         panels (empty where the layer is quantized), an empty tensor for an absent bias or q/k norm."""
@@ -144,12 +157,15 @@ class CpuDecodeRunner:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         table_rows: torch.Tensor,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """input_ids, positions, slot_mapping, table_rows [R] (int64); block_table [B, blocks] -> hidden [R, hidden].
-        A request's rows are consecutive (its context is then read once for all of them)."""
+        A request's rows are consecutive (its context is then read once for all of them). prompt: the rows are
+        consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
+        the layer-by-layer path computes prompt tokens."""
         decoder = self._decoder()
         x = self.model.model.embed_tokens(input_ids).contiguous()
-        decoder(x, positions, slot_mapping, block_table, table_rows)
+        decoder(x, positions, slot_mapping, block_table, table_rows, prompt)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there
         return x

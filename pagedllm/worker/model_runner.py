@@ -41,6 +41,8 @@ from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
+FUSED_PROMPT_ROWS = 32  # the longest prompt chunk the fused decoder runs (ModelRunner._prompt_rows)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup | None = None) -> None:
@@ -96,6 +98,10 @@ class ModelRunner:
         # With the native ops, the sampler's step after logit bias and penalties runs natively for CPU rows (one
         # call: argmax, temperature, top-k, top-p, min-p, the draw; torch's choices but for rounding).
         self.sampler = Sampler(cpu_ops)
+        # A request's prompt chunk of up to this many tokens runs in the fused decoder where it computes them as the
+        # layer-by-layer path does (0: never): the uncached tail of a prefix-cache hit, a chat's next turn.
+        runs = self.decode_runner is not None and self.decode_runner.runs_prompts()
+        self._prompt_rows = FUSED_PROMPT_ROWS if runs else 0
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.rejection_sampler = RejectionSampler(cpu_ops)
@@ -155,10 +161,13 @@ class ModelRunner:
         # token computed bit for bit as it would be alone: drafts are verified exactly as plain decoding computes
         # its tokens, and a request's output does not depend on what shares its steps. They go first; the other
         # requests (prompt tokens, recomputed output) run the model layer by layer after them, in the same order.
+        # Then each request whose short prompt chunk runs there too (its tokens as the layer-by-layer path computes
+        # them, without a dozen dispatches a layer), one call each.
         fused_reqs = self._fused_requests(order, counts, spec)
-        if fused_reqs:
-            chosen = set(fused_reqs)
-            order = fused_reqs + [r for r in order if r not in chosen]
+        prompt_reqs = self._fused_prompt_requests(order, counts, set(fused_reqs))
+        if fused_reqs or prompt_reqs:
+            chosen = set(fused_reqs) | set(prompt_reqs)
+            order = fused_reqs + prompt_reqs + [r for r in order if r not in chosen]
         states = [batch.requests[r] for r in order]
         n_tok = np.array([counts[r] for r in order], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -200,6 +209,20 @@ class ModelRunner:
                 )
             )
             a = b
+        for j in range(k, k + len(prompt_reqs)):  # a prompt chunk a call
+            t0, t1 = int(cu[j]), int(cu[j + 1])
+            tables = table_rows(batch.block_table, rows[j : j + 1], int(starts[j] + n_tok[j]), self.block_size)
+            parts.append(
+                self.decode_runner(
+                    self._t(input_ids[t0:t1]),
+                    self._t(positions[t0:t1]),
+                    self._t(slots[t0:t1]),
+                    self._t(tables),
+                    torch.zeros(t1 - t0, dtype=torch.int64, device=self.device),
+                    prompt=True,
+                )
+            )
+        k += len(prompt_reqs)
         if k < len(order):
             t = int(cu[k])
             num_decodes = int(np.count_nonzero(n_tok[k:] == 1))  # the rest keeps its decodes first
@@ -246,6 +269,23 @@ class ModelRunner:
         if sched.structured_output_request_ids:
             return None  # sample_tokens(grammar_output) samples, once the grammar bitmask is known
         return self.sample_tokens(None)
+
+    def _fused_prompt_requests(self, order: list[str], counts: dict[str, int], taken: set[str]) -> list[str]:
+        """The requests of `order` (not in `taken`) whose step is a prompt chunk of at most `_prompt_rows` tokens,
+        prompt tokens only, that the fused decoder runs (`CpuDecodeRunner.runs_prompts`)."""
+        if not self._prompt_rows:
+            return []
+        batch, chosen = self.input_batch, []
+        for r in order:
+            state = batch.requests[r]
+            n = counts[r]
+            if (
+                r not in taken
+                and 1 < n <= self._prompt_rows
+                and state.num_computed_tokens + n <= batch.num_prompt_tokens[state.row]
+            ):
+                chosen.append(r)
+        return chosen
 
     def _fused_requests(self, order: list[str], counts: dict[str, int], spec: dict[str, list[int]]) -> list[str]:
         """The requests of `order` (in its order) that run in the fused decoder, if there is one: those decoding (a

@@ -155,10 +155,15 @@ def test_decoding_agrees_with_float32(quantized_f32_kv, float32, batch: int) -> 
     assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5, (sum(diffs) / len(diffs), max(diffs))
 
 
+def _runner(llm: LLM):
+    return llm.engine_core.engine_core.executor.worker.model_runner
+
+
 def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None:
     """The model runner marks a row for int8 inputs when its token is a generated one, never a prompt token's: the
     prompts' forward and their first tokens' logits run on the precise panels, every later row on int8 (decode
-    steps' forward in the fused decoder, whose quantized linears take int8 inputs: no mark needed)."""
+    steps' forward in the fused decoder, whose quantized linears take int8 inputs: no mark needed). Short prompts
+    run in the fused decoder too where it takes prompt rows (test below), on the same panels: no mark either."""
     import pagedllm.worker.model_runner as runner_module
 
     seen: list[list[bool]] = []
@@ -169,10 +174,73 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
         return inner(rows)
 
     monkeypatch.setattr(runner_module, "int8_inputs", recording)
-    quantized.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
-    assert seen[1] == [False, False]  # the logits of their last tokens
-    assert seen[2:] == [[True, True]] * 3  # tokens 2, 3 and 4 of both: their logits (the forward runs fused)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prompt_rows in (0, _runner(quantized)._prompt_rows):
+        monkeypatch.setattr(_runner(quantized), "_prompt_rows", prompt_rows)
+        quantized.reset_prefix_cache()
+        seen.clear()
+        quantized.generate(PROMPTS[:2], params, use_tqdm=False)
+        if prompt_rows == 0:  # layer by layer
+            assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
+            seen.pop(0)
+        assert seen[0] == [False, False]  # the logits of their last tokens
+        assert seen[1:] == [[True, True]] * 3  # tokens 2, 3 and 4 of both: their logits (the forward runs fused)
+
+
+def test_fused_prompt_chunks_match_the_layer_path(quantized, monkeypatch) -> None:
+    """A request's short prompt chunk (a short prompt, the uncached tail of a prefix-cache hit) runs in the fused
+    decoder where it computes prompt rows as the layer-by-layer path does: tokens, logprobs and prompt logprobs are
+    those of the layer path bit for bit, and the chunks did run there."""
+    runner = _runner(quantized)
+    if not runner._prompt_rows:
+        pytest.skip("prompt rows run in the fused decoder only where the CPU has AVX512-BF16 (bf16 panels)")
+    tok = quantized.get_tokenizer()
+    base = [tok.encode(p) for p in PROMPTS] + [tok.encode(TEXT)[:100]]
+    calls = []
+    decode_runner = runner.decode_runner
+
+    class Counting:
+        max_rows = decode_runner.max_rows
+
+        def __call__(self, *args, prompt: bool = False):
+            calls.append(prompt)
+            return decode_runner(*args, prompt=prompt)
+
+    monkeypatch.setattr(runner, "decode_runner", Counting())
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    with_prompt_lp = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=3)
+
+    def run() -> list:
+        quantized.reset_prefix_cache()
+        outs = quantized.generate([{"prompt_token_ids": ids} for ids in base], params, use_tqdm=False)
+        # Prefix-cache hits: each prompt extended by a few tokens (the tail and the blocks after the cached ones).
+        outs += quantized.generate([{"prompt_token_ids": ids + [13, 42, 7]} for ids in base], params, use_tqdm=False)
+        outs += quantized.generate([{"prompt_token_ids": base[0]}], with_prompt_lp, use_tqdm=False)
+        return [
+            (
+                o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+                [None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs or []],
+                o.num_cached_tokens,
+            )
+            for o in outs
+        ]
+
+    fused = run()
+    assert sum(calls) >= len(base) + 2, calls  # the short prompts, the hits' tails, the prompt-logprobs request
+    assert any(cached for *_, cached in fused)  # the hits did hit
+    monkeypatch.setattr(runner, "_prompt_rows", 0)
+    calls.clear()
+    layered = run()
+    assert not any(calls)
+    assert fused == layered
+    # The rows of a prompt chunk must be consecutive tokens of one request.
+    positions = torch.tensor([5, 7], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="consecutive"):
+        decode_runner(
+            torch.tensor([1, 2]), positions, positions.clone(), torch.zeros(1, 4, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64), prompt=True,
+        )  # fmt: skip
 
 
 def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir) -> None:

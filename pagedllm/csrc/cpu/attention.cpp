@@ -624,6 +624,32 @@ static void prefill_typed(const PagedPrefillArgs* a) {
 }
 }  // namespace
 
+int64_t prefill_tile_rows() { return kPrefillRows; }
+
+void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0, int64_t h,
+                      const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
+                      int64_t g, int64_t d, float sc, std::vector<float>& scratch) {
+  constexpr int R = kPrefillRows;
+  scratch.resize(2 * d * R);
+  float* qt = scratch.data();
+  float* ot = qt + d * R;
+  const float* qrow = q + h * d;  // as prefill_typed lays out a tile's queries
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < n ? qrow[i * qstride + x] * sc : 0.f;
+  float* orow = out + h * d;
+  const int64_t kv = (h / g) * d;
+  auto run = [&](auto* kp, auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    switch (d) {
+      case 64: prefill_tile<64, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d); break;
+      case 128: prefill_tile<128, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d); break;
+      default: prefill_tile<0, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d);
+    }
+  };
+  if (kv_dtype == PKV_BF16) run(static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc));
+  else run(static_cast<const float*>(kc), static_cast<const float*>(vc));
+}
+
 void attend_span_any(float* m, float* lsum, float* acc, const float* q, const void* kc, const void* vc,
                      int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
                      int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores) {

@@ -569,8 +569,10 @@ class DecodeModel {
   // request whose block table is row table_rows[r] of block_table [B, W]; it attends to that request's positions
   // 0 .. positions[r], whose keys and values are cached or written by the step's rows (a decode token and its
   // drafts). Consecutive rows of one request read their context together.
+  // prompt: the rows are consecutive prompt tokens of one request, computed as the layer-by-layer path computes
+  // prompt tokens (builds with AVX512-BF16).
   void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
-                  torch::Tensor table_rows) const {
+                  torch::Tensor table_rows, bool prompt) const {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == spec_.hidden, "x must be [R, H]");
     for (auto* t : {&positions, &slot_mapping, &block_table, &table_rows}) {
@@ -593,7 +595,13 @@ class DecodeModel {
       TORCH_CHECK(pp[r] < width * bs, "position ", pp[r], " past the block table's ", width * bs, " tokens");
       check_block_ids(table + of[r] * width, pp[r] / bs + 1, spec_.num_blocks);
     }
-    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, width, of, at::get_num_threads());
+    if (prompt) {
+      TORCH_CHECK(t_->bf16_native() != 0, "prompt rows run in the fused decoder only where the CPU has AVX512-BF16");
+      for (int64_t r = 1; r < rows; ++r)
+        TORCH_CHECK(pp[r] == pp[0] + r && of[r] == of[0], "prompt rows must be consecutive tokens of one request");
+    }
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, width, of, prompt ? 1 : 0,
+                    at::get_num_threads());
   }
 
  private:
@@ -731,7 +739,7 @@ PYBIND11_MODULE(_C, m) {
                              "rows the kernels hold in their interleaved layout (quant_pack), the rest as stored");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
-           py::arg("block_table"), py::arg("table_rows"));
+           py::arg("block_table"), py::arg("table_rows"), py::arg("prompt") = false);
 #ifdef PAGEDLLM_SOURCE_HASH
   m.attr("source_hash") = PAGEDLLM_SOURCE_HASH;  // of the sources this module was built from (setup.py)
 #endif

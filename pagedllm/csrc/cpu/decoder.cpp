@@ -30,6 +30,12 @@
 // (`--dtype bfloat16`) on bf16 copies, which each thread makes itself (a few hundred values, cheaper than sharing
 // one through a barrier).
 //
+// Prompt tokens (`prompt`: rows that are consecutive prompt tokens of one request, a short prompt chunk such as the
+// uncached tail of a prefix-cache hit): what the layer-by-layer path computes for them, bit for bit, without its
+// dozen dispatches a layer. Their quantized weights run on bf16 copies of the input against the de-quantized bf16
+// panels (quant_panel_rows_range: builds with AVX512-BF16; the bindings refuse it elsewhere), and their attention
+// is paged_prefill's (prefill_rows_any), tiles of rows x query heads shared between the threads.
+//
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
 #include <utility>
@@ -76,8 +82,10 @@ struct Bf16Rows {
 // are what they would be for that row alone.
 inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t rows,
                         const Q8Rows8& xq, Bf16Rows& xb, std::vector<float>& xt, const float* bias, float* y,
-                        int64_t ys, int64_t o0, int64_t o1, int64_t in) {
-  if (qw.nseg > 0) {
+                        int64_t ys, int64_t o0, int64_t o1, int64_t in, bool prompt) {
+  if (qw.nseg > 0 && prompt) {
+    quant_panel_rows_range(qw, xb.pairs.data(), rows, bias, y, ys, o0, o1, xb.out.data());
+  } else if (qw.nseg > 0) {
     quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), rows, bias, y, ys, o0, o1);
   } else if (w16 != nullptr) {
     bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2, xb.out.data());
@@ -107,7 +115,7 @@ void* decoder_create(const DecoderSpec* spec) {
 void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
 void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* pos, const int64_t* slots,
-                 const int64_t* tables, int64_t width, const int64_t* table_of, int threads) {
+                 const int64_t* tables, int64_t width, const int64_t* table_of, int32_t prompt, int threads) {
   const Decoder& dec = *static_cast<const Decoder*>(decoder);
   const DecoderSpec& s = dec.spec;
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
@@ -133,6 +141,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     float* h = res + R * hidden;
     std::vector<float> scores;
     std::vector<SpanJob> jobs(R);
+    const int64_t tile_rows = prefill_tile_rows(), tasks = prompt ? (R + tile_rows - 1) / tile_rows * hq : 0;
     // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
     const int64_t widest = std::max({hidden, hq * d, inter});
     bool any_q = false, any_16 = false, any_32 = false;  // the copies only the layers' weight kinds need
@@ -143,16 +152,16 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         any_16 = any_16 || (qw->nseg == 0 && w16 != nullptr);
         any_32 = any_32 || (qw->nseg == 0 && w16 == nullptr);
       }
-    Q8Rows8 xq(any_q ? R : 0, widest);
-    Bf16Rows xb(any_16 ? R : 0, widest);
+    Q8Rows8 xq(any_q && !prompt ? R : 0, widest);
+    Bf16Rows xb(any_16 || (any_q && prompt) ? R : 0, widest);
     std::vector<float> xt(any_32 && R > 1 ? R * widest : 0);  // this thread's transposed copy, for float32 panels
     auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
-      if (qw.nseg > 0) xq.set(x, R, len);
-      else if (w16 != nullptr) xb.set(x, R, len);
+      if (qw.nseg > 0 && !prompt) xq.set(x, R, len);
+      else if (qw.nseg > 0 || w16 != nullptr) xb.set(x, R, len);
     };
     auto linear = [&](const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t in,
                       const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
-      linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in);
+      linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in, prompt != 0);
     };
     int64_t ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
@@ -186,36 +195,45 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
           }
         }
 #pragma omp barrier
-      for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself: this thread's span of it
-        int64_t a, b;
-        share(pos[r] + 1, t, n, 1, a, b);
-        float* pr = pm + r * pd;
-        jobs[r] = SpanJob{qkv + r * qkv_out, a, b, pr, pr + hq, pr + 2 * hq};
-      }
-      for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {  // each run of one request's rows over its block table
-        for (r1 = r0 + 1; r1 < R && table_of[r1] == table_of[r0];) ++r1;
-        attend_spans_any(jobs.data() + r0, r1 - r0, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[r0] * width,
-                         bs, row, hq, g, d, sc, scores);
-      }
-#pragma omp barrier
-      for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head
-        const int64_t r = rr / hq, q = rr % hq;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int u = 0; u < n; ++u) mx = std::max(mx, part[(u * R + r) * pd + q]);
-        float total = 0.f;
-        float* o = att + r * hq * d + q * d;
-        std::fill(o, o + d, 0.f);
-        for (int u = 0; u < n; ++u) {
-          const float* pu = part + (u * R + r) * pd;
-          const float f = pu[hq + q] > 0.f ? expf(pu[q] - mx) : 0.f;
-          total += f * pu[hq + q];
-          const float* au = pu + 2 * hq + q * d;
-#pragma omp simd
-          for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
+      if (prompt) {  // prompt rows: tiles of rows x query heads, dealt out in turn
+        for (int64_t k = t; k < tasks; k += n) {
+          const int64_t i0 = k / hq * tile_rows, hh = k % hq;
+          prefill_rows_any(att + i0 * hq * d, hq * d, qkv + i0 * qkv_out, qkv_out, std::min(tile_rows, R - i0),
+                           pos[0] + i0, hh, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[0] * width, bs, row,
+                           g, d, sc, scores);
         }
-        const float inv = 1.f / total;
+      } else {
+        for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself: this thread's span of it
+          int64_t a, b;
+          share(pos[r] + 1, t, n, 1, a, b);
+          float* pr = pm + r * pd;
+          jobs[r] = SpanJob{qkv + r * qkv_out, a, b, pr, pr + hq, pr + 2 * hq};
+        }
+        for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {  // each run of one request's rows over its block table
+          for (r1 = r0 + 1; r1 < R && table_of[r1] == table_of[r0];) ++r1;
+          attend_spans_any(jobs.data() + r0, r1 - r0, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[r0] * width,
+                           bs, row, hq, g, d, sc, scores);
+        }
+#pragma omp barrier
+        for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head
+          const int64_t r = rr / hq, q = rr % hq;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int u = 0; u < n; ++u) mx = std::max(mx, part[(u * R + r) * pd + q]);
+          float total = 0.f;
+          float* o = att + r * hq * d + q * d;
+          std::fill(o, o + d, 0.f);
+          for (int u = 0; u < n; ++u) {
+            const float* pu = part + (u * R + r) * pd;
+            const float f = pu[hq + q] > 0.f ? expf(pu[q] - mx) : 0.f;
+            total += f * pu[hq + q];
+            const float* au = pu + 2 * hq + q * d;
 #pragma omp simd
-        for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+            for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
+          }
+          const float inv = 1.f / total;
+#pragma omp simd
+          for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+        }
       }
 #pragma omp barrier
       quantize(w.o_q, w.o16, att, hq * d);

@@ -41,6 +41,15 @@ void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void
                       const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
                       std::vector<float>& scores);
 
+// Query head h of up to prefill_tile_rows() consecutive prompt tokens of one request (the first at position p0, token
+// i attending [0, p0 + i], its keys and values already cached): paged_prefill's arithmetic, row for row (a row's
+// result depends on its query and its context alone). Token i's q|k|v row at q + i * qstride, its attention output
+// at out + i * ostride + h * d. scratch: the caller's, any size.
+void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0, int64_t h,
+                      const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
+                      int64_t g, int64_t d, float sc, std::vector<float>& scratch);
+int64_t prefill_tile_rows();
+
 // y[o] for outputs [o0, o1) of one input row x [in] from W's panels (any alignment: a panel shared with a
 // neighbouring range is read whole and written in part); bias may be null.
 void gemv_panels(const float* wp, const float* x, const float* bias, float* y, int64_t o0, int64_t o1, int64_t in);
@@ -72,6 +81,12 @@ int64_t quant_dot_max_rows();
 void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
 void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
                      float* y, int64_t ldy, int64_t o0, int64_t o1);
+// Outputs [o0, o1) of `rows` input rows on W's de-quantized bf16 panels (xt: the rows' bf16 pairs as
+// bf16_pairs_blocked lays them out), into y (row m at y + m * ldy): the sums quant_linear's panels give each row (the
+// path of prompt rows) whatever the number of rows; t: scratch of rows * kPanel floats. Builds with AVX512-BF16
+// only (elsewhere prompt rows run on float32 panels).
+void quant_panel_rows_range(const QMatrix& w, const uint32_t* xt, int64_t rows, const float* bias, float* y,
+                            int64_t ldy, int64_t o0, int64_t o1, float* t);
 
 // Rows of x [mb, in] in blocks of kPanelBlock (the last one shorter), each block of n rows transposed: row m0 + m's
 // input i at xb[m0 * in + i * n + m].
@@ -117,7 +132,7 @@ void panel_linear(float* y, const float* x, const float* panels, const float* bi
                   int64_t out, int threads);
 void* decoder_create(const DecoderSpec* spec);
 void decoder_run(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
-                 const int64_t* tables, int64_t width, const int64_t* table_of, int threads);
+                 const int64_t* tables, int64_t width, const int64_t* table_of, int32_t prompt, int threads);
 void decoder_destroy(void* decoder);
 int64_t quant_row_bytes(int32_t type, int64_t in);
 int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in);

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 9
+#define PAGEDLLM_CPU_ABI 10
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -139,8 +139,10 @@ struct PagedllmCpuOps {
   // its earlier rows in the step: a decode token and its draft tokens). A run of consecutive rows of one request
   // reads its context once.
   void* (*decoder_create)(const DecoderSpec* spec);
+  // prompt != 0: the rows are consecutive prompt tokens of one request (positions pos[0], pos[0] + 1, ...), computed
+  // as the layer-by-layer path computes prompt tokens (bf16 panels for quantized weights: AVX512-BF16 builds only).
   void (*decoder_run)(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
-                      const int64_t* tables, int64_t width, const int64_t* table_of, int threads);
+                      const int64_t* tables, int64_t width, const int64_t* table_of, int32_t prompt, int threads);
   void (*decoder_destroy)(void* decoder);
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.

@@ -982,6 +982,28 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
 
 }  // namespace
 
+void quant_panel_rows_range(const QMatrix& w, const uint32_t* xt, int64_t rows, const float* bias, float* y,
+                            int64_t ldy, int64_t o0, int64_t o1, float* t) {
+  // quant_linear_panels' bf16 branch, panel by panel over [o0, o1): the same panel, the same bf16_panel_block call.
+  const int64_t in = w.in, in2 = (in + 1) / 2;
+  uint32_t* bpanel = scratch<uint32_t, 2>(in2 * kPanel);
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, w.out - base);
+    const int64_t lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, nout);
+    bool made = false;
+#if defined(PAGEDLLM_QUANT_PACKED_BF16)
+    made = packed_panel(w, base, bpanel);
+#endif
+    if (!made) {
+      float* row = scratch<float, 2>(in * kPanel);
+      for (int64_t k = 0; k < nout; ++k) dequant_matrix_row(w, base + k, row + k * in);
+      bf16_panel_from_rows(bpanel, row, in, nout, in);
+    }
+    bf16_panel_block(bpanel, xt, rows, in2, t, kPanel, bias ? bias + base : nullptr, nout);
+    for (int64_t m = 0; m < rows; ++m) std::copy(t + m * kPanel + lo, t + m * kPanel + hi, y + m * ldy + base + lo);
+  }
+}
+
 void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int32_t int8,
                   int threads) {
   const QMatrix& w = *wp;
