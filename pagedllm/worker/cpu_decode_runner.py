@@ -9,8 +9,11 @@ tokens (speculative decoding: consecutive positions), at most `max_rows` rows a 
 many calls as a step's decoding rows need, whole requests in each); row r belongs to the request
 whose block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes
 their keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
-the step's other requests, prompt tokens, and for every other model). Each of the R tokens is computed exactly as
-it would be alone, so a request's decode tokens do not depend on what shares its steps.
+the step's other requests, long prompt chunks, and for every other model). Each of the R tokens is computed exactly
+as it would be alone, so a request's decode tokens do not depend on what shares its steps. With `prompt=True` the
+rows are a short prompt chunk of one request (where `runs_prompts()`: the model runner sends chunks of up to 64
+tokens), computed bit for bit as the layer-by-layer path computes prompt tokens: a prefix-cache hit's uncached tail
+costs 8.5 ms there instead of 11.1 on the default GGUF (Zen 5).
 
 Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
 both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share

@@ -41,7 +41,7 @@ from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
-FUSED_PROMPT_ROWS = 32  # the longest prompt chunk the fused decoder runs (ModelRunner._prompt_rows)
+FUSED_PROMPT_ROWS = 64  # the longest prompt chunk the fused decoder runs (ModelRunner._prompt_rows)
 
 
 class ModelRunner:
