@@ -11,9 +11,10 @@ whose block table is row table_rows[r] of block_table [B, W] and attends to its 
 their keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
 the step's other requests, long prompt chunks, and for every other model). Each of the R tokens is computed exactly
 as it would be alone, so a request's decode tokens do not depend on what shares its steps. With `prompt=True` the
-rows are a short prompt chunk of one request (where `runs_prompts()`: the model runner sends chunks of up to 64
-tokens), computed bit for bit as the layer-by-layer path computes prompt tokens: a prefix-cache hit's uncached tail
-costs 8.5 ms there instead of 11.1 on the default GGUF (Zen 5).
+rows are a short prompt chunk of one request (where `runs_prompts()`: the model runner sends a chunk of up to 64
+tokens when no other request of its step has prompt tokens), computed bit for bit as the layer-by-layer path
+computes prompt tokens: a prefix-cache hit's uncached tail costs 8.5 ms there instead of 11.1 on the default GGUF
+(Zen 5).
 
 Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
 both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share
@@ -91,12 +92,19 @@ class CpuDecodeRunner:
         return True
 
     def runs_prompts(self) -> bool:
-        """Whether a request's short prompt chunk may run here (`prompt=True`): one rank, every linear quantized and
-        wholly packed, and a CPU with AVX512-BF16 (the de-quantized bf16 panels prompt rows take in the layer path,
-        here without its dozen dispatches a layer)."""
+        """Whether a request's short prompt chunk may run here (`prompt=True`) as the layer path would compute it:
+        one rank, every linear quantized and wholly packed, and a CPU with AVX512-BF16 (the de-quantized bf16 panels
+        prompt rows take in the layer path, here without its dozen dispatches a layer). Not where the layer path's
+        arithmetic differs from the decoder's: a bias on the output or down projection (added after the products
+        there, inside them here) or q/k norms (torch's rms_norm there)."""
         if self.tp.world_size != 1 or not self.ops.bf16_native():
             return False
         for layer in self.model.model.layers:
+            attn = layer.self_attn
+            if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+                return False
+            if attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
+                return False
             for path in _LINEARS:
                 q = getattr(_get(layer, path), "qweight", None)
                 if q is None or q.packed_rows != q.out_features:

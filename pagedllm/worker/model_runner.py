@@ -161,8 +161,8 @@ class ModelRunner:
         # token computed bit for bit as it would be alone: drafts are verified exactly as plain decoding computes
         # its tokens, and a request's output does not depend on what shares its steps. They go first; the other
         # requests (prompt tokens, recomputed output) run the model layer by layer after them, in the same order.
-        # Then each request whose short prompt chunk runs there too (its tokens as the layer-by-layer path computes
-        # them, without a dozen dispatches a layer), one call each.
+        # Then a request's short prompt chunk, where nothing else would run layer by layer: its tokens as the layer
+        # path computes them, without a dozen dispatches a layer.
         fused_reqs = self._fused_requests(order, counts, spec)
         prompt_reqs = self._fused_prompt_requests(order, counts, set(fused_reqs))
         if fused_reqs or prompt_reqs:
@@ -271,21 +271,18 @@ class ModelRunner:
         return self.sample_tokens(None)
 
     def _fused_prompt_requests(self, order: list[str], counts: dict[str, int], taken: set[str]) -> list[str]:
-        """The requests of `order` (not in `taken`) whose step is a prompt chunk of at most `_prompt_rows` tokens,
-        prompt tokens only, that the fused decoder runs (`CpuDecodeRunner.runs_prompts`)."""
-        if not self._prompt_rows:
+        """The request whose prompt chunk the fused decoder runs ([] or one), where it is the step's only request
+        besides those decoding (`taken`): at most `_prompt_rows` tokens, all of them prompt tokens. Several requests
+        with prompt tokens run layer by layer together: a call de-quantizes every weight once for all its rows."""
+        rest = [r for r in order if r not in taken]
+        if not self._prompt_rows or len(rest) != 1:
             return []
-        batch, chosen = self.input_batch, []
-        for r in order:
-            state = batch.requests[r]
-            n = counts[r]
-            if (
-                r not in taken
-                and 1 < n <= self._prompt_rows
-                and state.num_computed_tokens + n <= batch.num_prompt_tokens[state.row]
-            ):
-                chosen.append(r)
-        return chosen
+        state = self.input_batch.requests[rest[0]]
+        n = counts[rest[0]]
+        limit = min(self._prompt_rows, self.decode_runner.max_rows)
+        if 1 < n <= limit and state.num_computed_tokens + n <= self.input_batch.num_prompt_tokens[state.row]:
+            return rest
+        return []
 
     def _fused_requests(self, order: list[str], counts: dict[str, int], spec: dict[str, list[int]]) -> list[str]:
         """The requests of `order` (in its order) that run in the fused decoder, if there is one: those decoding (a

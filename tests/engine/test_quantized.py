@@ -175,22 +175,21 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
 
     monkeypatch.setattr(runner_module, "int8_inputs", recording)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for prompt_rows in (0, _runner(quantized)._prompt_rows):
-        monkeypatch.setattr(_runner(quantized), "_prompt_rows", prompt_rows)
-        quantized.reset_prefix_cache()
+    quantized.generate(PROMPTS[:2], params, use_tqdm=False)  # two prompts in a step: layer by layer
+    assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
+    assert seen[1] == [False, False]  # the logits of their last tokens
+    assert seen[2:] == [[True, True]] * 3  # tokens 2, 3 and 4 of both: their logits (the forward runs fused)
+    if _runner(quantized)._prompt_rows:  # a lone short prompt: its forward in the fused decoder, on the panels
         seen.clear()
-        quantized.generate(PROMPTS[:2], params, use_tqdm=False)
-        if prompt_rows == 0:  # layer by layer
-            assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
-            seen.pop(0)
-        assert seen[0] == [False, False]  # the logits of their last tokens
-        assert seen[1:] == [[True, True]] * 3  # tokens 2, 3 and 4 of both: their logits (the forward runs fused)
+        quantized.generate(PROMPTS[2:3], params, use_tqdm=False)
+        assert seen == [[False]] + [[True]] * 3
 
 
 def test_fused_prompt_chunks_match_the_layer_path(quantized, monkeypatch) -> None:
-    """A request's short prompt chunk (a short prompt, the uncached tail of a prefix-cache hit) runs in the fused
-    decoder where it computes prompt rows as the layer-by-layer path does: tokens, logprobs and prompt logprobs are
-    those of the layer path bit for bit, and the chunks did run there."""
+    """A request's short prompt chunk (a short prompt, the uncached tail of a prefix-cache hit), when no other
+    request in its step has prompt tokens, runs in the fused decoder, which computes prompt rows as the
+    layer-by-layer path does: tokens, logprobs and prompt logprobs are those of the layer path bit for bit, and the
+    chunks did run there."""
     runner = _runner(quantized)
     if not runner._prompt_rows:
         pytest.skip("prompt rows run in the fused decoder only where the CPU has AVX512-BF16 (bf16 panels)")
@@ -212,10 +211,14 @@ def test_fused_prompt_chunks_match_the_layer_path(quantized, monkeypatch) -> Non
 
     def run() -> list:
         quantized.reset_prefix_cache()
-        outs = quantized.generate([{"prompt_token_ids": ids} for ids in base], params, use_tqdm=False)
-        # Prefix-cache hits: each prompt extended by a few tokens (the tail and the blocks after the cached ones).
-        outs += quantized.generate([{"prompt_token_ids": ids + [13, 42, 7]} for ids in base], params, use_tqdm=False)
-        outs += quantized.generate([{"prompt_token_ids": base[0]}], with_prompt_lp, use_tqdm=False)
+        # One request at a time: a step's lone prompt chunk runs fused (several run layer by layer together). Each
+        # prompt, then a prefix-cache hit extending it by a few tokens, then one asking for prompt logprobs.
+        prompts = [(ids, params) for ids in base] + [(ids + [13, 42, 7], params) for ids in base]
+        outs = []
+        for ids, sp in prompts + [(base[0], with_prompt_lp)]:
+            outs += quantized.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        # A batch of them: their prompt chunks share steps, layer by layer.
+        outs += quantized.generate([{"prompt_token_ids": ids[:-1]} for ids in base], params, use_tqdm=False)
         return [
             (
                 o.outputs[0].token_ids,
@@ -227,7 +230,7 @@ def test_fused_prompt_chunks_match_the_layer_path(quantized, monkeypatch) -> Non
         ]
 
     fused = run()
-    assert sum(calls) >= len(base) + 2, calls  # the short prompts, the hits' tails, the prompt-logprobs request
+    assert sum(calls) >= 2 * len(base), calls  # the short prompts, the hits' tails, the prompt-logprobs request
     assert any(cached for *_, cached in fused)  # the hits did hit
     monkeypatch.setattr(runner, "_prompt_rows", 0)
     calls.clear()
