@@ -190,6 +190,16 @@ class ModelRunner:
         k = len(fused_reqs)
         lone_verify = k == 1 and len(order) == 1 and order[0] in spec
         parts = []
+
+        def fused(a: int, b: int, prompt: bool = False) -> torch.Tensor:
+            """The hidden states of requests a .. b - 1 of `order`, one call of the fused decoder."""
+            t0, t1 = int(cu[a]), int(cu[b])
+            tables = table_rows(batch.block_table, rows[a:b], int((starts[a:b] + n_tok[a:b]).max()), self.block_size)
+            ids, pos, slot, which = input_ids[t0:t1], positions[t0:t1], slots[t0:t1], req_idx[t0:t1] - a
+            return self.decode_runner(
+                self._t(ids), self._t(pos), self._t(slot), self._t(tables), self._t(which), prompt=prompt
+            )
+
         # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
         # requests go in consecutive chunks of whole requests (each row is what it is alone, whatever its chunk).
         a = 0
@@ -197,31 +207,10 @@ class ModelRunner:
             b = a + 1
             while b < k and cu[b + 1] - cu[a] <= self.decode_runner.max_rows:
                 b += 1
-            t0, t1 = int(cu[a]), int(cu[b])
-            tables = table_rows(batch.block_table, rows[a:b], int((starts[a:b] + n_tok[a:b]).max()), self.block_size)
-            parts.append(
-                self.decode_runner(
-                    self._t(input_ids[t0:t1]),
-                    self._t(positions[t0:t1]),
-                    self._t(slots[t0:t1]),
-                    self._t(tables),
-                    self._t(req_idx[t0:t1] - a),
-                )
-            )
+            parts.append(fused(a, b))
             a = b
         for j in range(k, k + len(prompt_reqs)):  # a prompt chunk a call
-            t0, t1 = int(cu[j]), int(cu[j + 1])
-            tables = table_rows(batch.block_table, rows[j : j + 1], int(starts[j] + n_tok[j]), self.block_size)
-            parts.append(
-                self.decode_runner(
-                    self._t(input_ids[t0:t1]),
-                    self._t(positions[t0:t1]),
-                    self._t(slots[t0:t1]),
-                    self._t(tables),
-                    torch.zeros(t1 - t0, dtype=torch.int64, device=self.device),
-                    prompt=True,
-                )
-            )
+            parts.append(fused(j, j + 1, prompt=True))
         k += len(prompt_reqs)
         if k < len(order):
             t = int(cu[k])
