@@ -195,10 +195,8 @@ class ModelRunner:
             """The hidden states of requests a .. b - 1 of `order`, one call of the fused decoder."""
             t0, t1 = int(cu[a]), int(cu[b])
             tables = table_rows(batch.block_table, rows[a:b], int((starts[a:b] + n_tok[a:b]).max()), self.block_size)
-            ids, pos, slot, which = input_ids[t0:t1], positions[t0:t1], slots[t0:t1], req_idx[t0:t1] - a
-            return self.decode_runner(
-                self._t(ids), self._t(pos), self._t(slot), self._t(tables), self._t(which), prompt=prompt
-            )
+            args = [self._t(v) for v in (input_ids[t0:t1], positions[t0:t1], slots[t0:t1], tables, req_idx[t0:t1] - a)]
+            return self.decode_runner(*args, prompt=True) if prompt else self.decode_runner(*args)
 
         # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
         # requests go in consecutive chunks of whole requests (each row is what it is alone, whatever its chunk).
