@@ -569,10 +569,9 @@ static void decode_typed(const PagedDecodeArgs* a) {
   }
 }
 
-template <typename KV>
-static void prefill_typed(const PagedPrefillArgs* a) {
+static void prefill_all(const PagedPrefillArgs* a) {
   const PagedCache& c = a->cache;
-  const int64_t hq = a->q_heads, d = c.head_dim, bs = c.block_size, g = hq / c.kv_heads, row = c.kv_heads * d;
+  const int64_t hq = a->q_heads, d = c.head_dim, g = hq / c.kv_heads, row = c.kv_heads * d;
   const int64_t width = a->table_width, qstride = a->q_stride, nseg = a->num_segments;
   const int64_t* sp = a->segments;
   const int64_t* tp = a->tables;
@@ -586,39 +585,17 @@ static void prefill_typed(const PagedPrefillArgs* a) {
   // Longest first, handed out one at a time: causal tiles differ in cost, and the threads finish together.
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const PrefillTask& x, const PrefillTask& y) { return x.cost > y.cost; });
-  const float* qp = a->q;
-  const KV* kp = static_cast<const KV*>(c.k);
-  const KV* vp = static_cast<const KV*>(c.v);
-  float* op = a->out;
-  const float sc = a->scale;
   const int64_t n = static_cast<int64_t>(tasks.size());
 #pragma omp parallel num_threads(team_size(a->threads, n))
   {
-    std::vector<float> qt(d * R), ot(d * R);
+    std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n; ++t) {
       const PrefillTask& task = tasks[t];
-      const int64_t start = sp[3 * task.seg], len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
-      const int64_t nrows = std::min<int64_t>(R, len - task.i0), h = task.h;
-      const float* qrow = qp + (start + task.i0) * qstride + h * d;
-      for (int64_t i = 0; i < R; ++i)
-        for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < nrows ? qrow[i * qstride + x] * sc : 0.f;
-      float* orow = op + ((start + task.i0) * hq + h) * d;
-      const int64_t kv = (h / g) * d;
-      const int64_t* table = tp + task.seg * width;
-      switch (d) {
-        case 64:
-          prefill_tile<64, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                               ot.data(), d);
-          break;
-        case 128:
-          prefill_tile<128, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                                ot.data(), d);
-          break;
-        default:
-          prefill_tile<0, KV>(orow, hq * d, qt.data(), nrows, ctx + task.i0, kp + kv, vp + kv, table, bs, row,
-                              ot.data(), d);
-      }
+      const int64_t start = sp[3 * task.seg] + task.i0, len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
+      prefill_rows_any(a->out + start * hq * d, hq * d, a->q + start * qstride, qstride,
+                       std::min<int64_t>(R, len - task.i0), ctx + task.i0, task.h, c.k, c.v, c.kv_dtype,
+                       tp + task.seg * width, c.block_size, row, g, d, a->scale, scratch);
     }
   }
 }
@@ -633,7 +610,7 @@ void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstri
   scratch.resize(2 * d * R);
   float* qt = scratch.data();
   float* ot = qt + d * R;
-  const float* qrow = q + h * d;  // as prefill_typed lays out a tile's queries
+  const float* qrow = q + h * d;
   for (int64_t i = 0; i < R; ++i)
     for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < n ? qrow[i * qstride + x] * sc : 0.f;
   float* orow = out + h * d;
@@ -701,9 +678,6 @@ void paged_decode(const PagedDecodeArgs* a) {
   else decode_typed<float>(a);
 }
 
-void paged_prefill(const PagedPrefillArgs* a) {
-  if (a->cache.kv_dtype == PKV_BF16) prefill_typed<uint16_t>(a);
-  else prefill_typed<float>(a);
-}
+void paged_prefill(const PagedPrefillArgs* a) { prefill_all(a); }
 
 }  // namespace pagedllm

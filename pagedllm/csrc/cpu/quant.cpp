@@ -908,6 +908,16 @@ int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in) {
 
 namespace {
 
+// The bf16 pair panel of W's outputs [base, base + nout) (nout <= kPanel): straight from whole packed groups where
+// it can be, else from its rows de-quantized into `rows` (scratch of kPanel * in floats).
+void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpanel, float* rows) {
+#if defined(PAGEDLLM_QUANT_PACKED_BF16)
+  if (packed_panel(w, base, bpanel)) return;  // whole packed groups: no float rows in between
+#endif
+  for (int64_t k = 0; k < nout; ++k) dequant_matrix_row(w, base + k, rows + k * w.in);
+  bf16_panel_from_rows(bpanel, rows, w.in, nout, w.in);
+}
+
 // Many rows: each thread de-quantizes a panel of kPanel output rows at a time and runs a panel kernel over all the
 // input rows, in tiles whose transposed copy stays in L2. The weight is de-quantized once per call, which many rows
 // amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the panel is rounded to bf16 and the inputs too
@@ -950,12 +960,11 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
-#if defined(PAGEDLLM_QUANT_PACKED_BF16)
-      if (bf16 && packed_panel(w, base, bpanel)) {  // whole packed groups: no float rows in between
+      if (bf16) {
+        bf16_panel_of(w, base, nout, bpanel, row);
         run_panel(base, nout);
         continue;
       }
-#endif
 #if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
       if (!bf16 && packed_f32_panel(w, base, panel)) {
         run_panel(base, nout);
@@ -963,10 +972,6 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
       }
 #endif
       for (int64_t k = 0; k < kPanel; ++k) {
-        if (bf16) {
-          if (k < nout) dequant_matrix_row(w, base + k, row + k * in);
-          continue;
-        }
         if (k < nout) {
           dequant_matrix_row(w, base + k, row);
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
@@ -974,7 +979,6 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
           for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
         }
       }
-      if (bf16) bf16_panel_from_rows(bpanel, row, in, nout, in);
       run_panel(base, nout);
     }
   }
@@ -984,21 +988,13 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
 
 void quant_panel_rows_range(const QMatrix& w, const uint32_t* xt, int64_t rows, const float* bias, float* y,
                             int64_t ldy, int64_t o0, int64_t o1, float* t) {
-  // quant_linear_panels' bf16 branch, panel by panel over [o0, o1): the same panel, the same bf16_panel_block call.
+  // quant_linear_panels' bf16 branch over [o0, o1): the same panels (bf16_panel_of), the same bf16_panel_block calls.
   const int64_t in = w.in, in2 = (in + 1) / 2;
   uint32_t* bpanel = scratch<uint32_t, 2>(in2 * kPanel);
   for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, w.out - base);
     const int64_t lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, nout);
-    bool made = false;
-#if defined(PAGEDLLM_QUANT_PACKED_BF16)
-    made = packed_panel(w, base, bpanel);
-#endif
-    if (!made) {
-      float* row = scratch<float, 2>(in * kPanel);
-      for (int64_t k = 0; k < nout; ++k) dequant_matrix_row(w, base + k, row + k * in);
-      bf16_panel_from_rows(bpanel, row, in, nout, in);
-    }
+    bf16_panel_of(w, base, nout, bpanel, scratch<float, 2>(in * kPanel));
     bf16_panel_block(bpanel, xt, rows, in2, t, kPanel, bias ? bias + base : nullptr, nout);
     for (int64_t m = 0; m < rows; ++m) std::copy(t + m * kPanel + lo, t + m * kPanel + hi, y + m * ldy + base + lo);
   }
