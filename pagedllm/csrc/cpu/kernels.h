@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 10
+#define PAGEDLLM_CPU_ABI 11
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -61,7 +61,20 @@ struct PagedPrefillArgs {
 
 // GGML block-quantized weights as the GGUF file stores them (the values are GGML's type ids). A row of `in` weights
 // is in / B blocks of the type's bytes (B = 32, or 256 for the K types), rows back to back.
-enum PagedllmQuantType { PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q8_0 = 8, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14 };
+enum PagedllmQuantType {
+  PQ_Q4_0 = 2,
+  PQ_Q4_1 = 3,
+  PQ_Q5_0 = 6,
+  PQ_Q5_1 = 7,
+  PQ_Q8_0 = 8,
+  PQ_Q2_K = 10,
+  PQ_Q3_K = 11,
+  PQ_Q4_K = 12,
+  PQ_Q5_K = 13,
+  PQ_Q6_K = 14,
+  PQ_IQ4_NL = 20,
+  PQ_IQ4_XS = 23,
+};
 
 // `rows` consecutive output rows of one type; the first `packed` of them (a multiple of 16, see quant_pack) in the
 // kernels' interleaved layout, the rest as the GGUF file stores them.

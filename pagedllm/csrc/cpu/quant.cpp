@@ -65,21 +65,34 @@ inline float f16_at(const uint8_t* p) {
 }
 
 // Weights and bytes per block of each type.
-constexpr int64_t block_weights(int32_t type) {
-  return (type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K) ? 256 : 32;
+constexpr bool super_block(int32_t type) {
+  return type == PQ_Q2_K || type == PQ_Q3_K || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K ||
+         type == PQ_IQ4_XS;
 }
+
+constexpr int64_t block_weights(int32_t type) { return super_block(type) ? 256 : 32; }
 
 constexpr int64_t block_bytes(int32_t type) {
   switch (type) {
     case PQ_Q4_0: return 18;
     case PQ_Q4_1: return 20;
+    case PQ_Q5_0: return 22;
+    case PQ_Q5_1: return 24;
     case PQ_Q8_0: return 34;
+    case PQ_Q2_K: return 84;
+    case PQ_Q3_K: return 110;
     case PQ_Q4_K: return 144;
     case PQ_Q5_K: return 176;
     case PQ_Q6_K: return 210;
+    case PQ_IQ4_NL: return 18;
+    case PQ_IQ4_XS: return 136;
     default: return 0;
   }
 }
+
+// The 16 values of IQ4_NL and IQ4_XS nibbles (llama.cpp's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
@@ -92,27 +105,63 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
   }
 }
 
-// Chunk c (weights 32 c .. 32 c + 31) of a row: w[i] = a * sc[i / 16] * q[i] + b.
+// Q3_K: its 16 signed 6-bit scales (stored as s + 32 in 12 bytes) unpacked.
+inline void scales_q3_k(const uint8_t* packed, int8_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? (packed[j] & 0xF) : (packed[j - 8] >> 4);
+    const int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = static_cast<int8_t>((low | (high << 4)) - 32);
+  }
+}
+
+// IQ4_XS: the signed 6-bit scale of sub-block j (0..7).
+inline int scale_iq4_xs(const uint8_t* blk, int j) {
+  const int low = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+  const int high = (static_cast<int>(blk[2] | (blk[3] << 8)) >> (2 * j)) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Chunk c (weights 32 c .. 32 c + 31) of a row: w[i] = a * sc[i / 16] * q[i] + b + bm * mn[i / 16] (mn and bm: the
+// per-16 mins of Q2_K; 0 for the other types).
 struct Chunk {
   int8_t q[32] = {};
   int16_t sc[2] = {1, 1};
-  float a = 0.f, b = 0.f;
+  int16_t mn[2] = {0, 0};
+  float a = 0.f, b = 0.f, bm = 0.f;
 };
 
 void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
   k.sc[0] = k.sc[1] = 1;
-  k.a = k.b = 0.f;
+  k.mn[0] = k.mn[1] = 0;
+  k.a = k.b = k.bm = 0.f;
   switch (type) {
     case PQ_Q4_0:
-    case PQ_Q4_1: {
+    case PQ_Q4_1:
+    case PQ_IQ4_NL: {
       const uint8_t* blk = row + c * block_bytes(type);
       const float d = f16_at(blk);
       k.a = d;
-      k.b = type == PQ_Q4_0 ? -8.f * d : f16_at(blk + 2);
-      const uint8_t* qs = blk + (type == PQ_Q4_0 ? 2 : 4);
+      k.b = type == PQ_Q4_0 ? -8.f * d : type == PQ_Q4_1 ? f16_at(blk + 2) : 0.f;
+      const uint8_t* qs = blk + (type == PQ_Q4_1 ? 4 : 2);
       for (int l = 0; l < 16; ++l) {
-        k.q[l] = static_cast<int8_t>(qs[l] & 0xF);
-        k.q[l + 16] = static_cast<int8_t>(qs[l] >> 4);
+        const int lo = qs[l] & 0xF, hi = qs[l] >> 4;
+        k.q[l] = static_cast<int8_t>(type == PQ_IQ4_NL ? kIq4Values[lo] : lo);
+        k.q[l + 16] = static_cast<int8_t>(type == PQ_IQ4_NL ? kIq4Values[hi] : hi);
+      }
+      return;
+    }
+    case PQ_Q5_0:
+    case PQ_Q5_1: {
+      const uint8_t* blk = row + c * block_bytes(type);
+      const float d = f16_at(blk);
+      k.a = d;
+      k.b = type == PQ_Q5_0 ? -16.f * d : f16_at(blk + 2);
+      const uint8_t* qhp = blk + (type == PQ_Q5_0 ? 2 : 4);
+      const uint32_t qh = qhp[0] | (qhp[1] << 8) | (qhp[2] << 16) | (static_cast<uint32_t>(qhp[3]) << 24);
+      const uint8_t* qs = qhp + 4;
+      for (int l = 0; l < 16; ++l) {
+        k.q[l] = static_cast<int8_t>((qs[l] & 0xF) | (((qh >> l) & 1) << 4));
+        k.q[l + 16] = static_cast<int8_t>((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
       }
       return;
     }
@@ -120,6 +169,32 @@ void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
       const uint8_t* blk = row + c * 34;
       k.a = f16_at(blk);
       std::memcpy(k.q, blk + 2, 32);
+      return;
+    }
+    case PQ_Q2_K: {  // scales [16] (scale | min << 4), qs [64], d, dmin
+      const int j = static_cast<int>(c % 8), h = j / 4, shift = 2 * (j % 4);
+      const uint8_t* blk = row + (c / 8) * 84;
+      const uint8_t* qs = blk + 16 + 32 * h;
+      k.a = f16_at(blk + 80);
+      k.bm = -f16_at(blk + 82);
+      for (int u = 0; u < 2; ++u) {
+        k.sc[u] = blk[2 * j + u] & 0xF;
+        k.mn[u] = blk[2 * j + u] >> 4;
+      }
+      for (int l = 0; l < 32; ++l) k.q[l] = static_cast<int8_t>((qs[l] >> shift) & 3);
+      return;
+    }
+    case PQ_Q3_K: {  // hmask [32], qs [64], scales [12], d
+      const int j = static_cast<int>(c % 8), h = j / 4, shift = 2 * (j % 4);
+      const uint8_t* blk = row + (c / 8) * 110;
+      const uint8_t* qs = blk + 32 + 32 * h;
+      int8_t scales[16];
+      scales_q3_k(blk + 96, scales);
+      k.a = f16_at(blk + 108);
+      k.sc[0] = scales[2 * j];
+      k.sc[1] = scales[2 * j + 1];
+      for (int l = 0; l < 32; ++l)
+        k.q[l] = static_cast<int8_t>(((qs[l] >> shift) & 3) - (((blk[l] >> j) & 1) ? 0 : 4));
       return;
     }
     case PQ_Q4_K:
@@ -154,6 +229,17 @@ void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
       }
       return;
     }
+    case PQ_IQ4_XS: {  // d, scales_h (16 bits), scales_l [4], qs [128]
+      const int j = static_cast<int>(c % 8);
+      const uint8_t* blk = row + (c / 8) * 136;
+      const uint8_t* qs = blk + 8 + 16 * j;
+      k.a = f16_at(blk) * static_cast<float>(scale_iq4_xs(blk, j));
+      for (int l = 0; l < 16; ++l) {
+        k.q[l] = kIq4Values[qs[l] & 0xF];
+        k.q[l + 16] = kIq4Values[qs[l] >> 4];
+      }
+      return;
+    }
     default:
       return;
   }
@@ -166,8 +252,9 @@ void dequant_row_scalar(int32_t type, const uint8_t* row, int64_t in, float* out
     decode_chunk(type, row, c, k);
     float* o = out + 32 * c;
     const float a0 = k.a * k.sc[0], a1 = k.a * k.sc[1];
-    for (int l = 0; l < 16; ++l) o[l] = a0 * k.q[l] + k.b;
-    for (int l = 16; l < 32; ++l) o[l] = a1 * k.q[l] + k.b;
+    const float b0 = k.b + k.bm * k.mn[0], b1 = k.b + k.bm * k.mn[1];
+    for (int l = 0; l < 16; ++l) o[l] = a0 * k.q[l] + b0;
+    for (int l = 16; l < 32; ++l) o[l] = a1 * k.q[l] + b1;
   }
 }
 
@@ -242,26 +329,101 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Calls f(c, q, sc16, a, b) for every chunk of a row: q the chunk's 32 integers as bytes (unsigned for the types
-// with kSigned false), sc16 the 16-bit multipliers of the 16 pair sums (vpmaddubsw's output lanes 0-7 cover weights
-// 0-15), a and b its float scale and offset.
+// 32 bytes, byte i 0xFF where bit i of `bits` is set (the fifth bits of Q5_0 and Q5_1).
+inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // every bit but bit i % 8 of byte i
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+inline __m256i iq4_table() {
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+}
+
+// Calls f(c, q, sc16, a, b, m16, bm) for every chunk of a row: q the chunk's 32 integers as bytes (unsigned for the
+// types with kSigned false), sc16 the 16-bit multipliers of the 16 pair sums (vpmaddubsw's output lanes 0-7 cover
+// weights 0-15), a and b its float scale and offset; Q2_K's per-16 mins in m16 (like sc16) with their float scale bm
+// (w = a sc q + bm mn), zero for the other types.
 template <int32_t T, class F>
 inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
-  if constexpr (T == PQ_Q4_0 || T == PQ_Q4_1 || T == PQ_Q8_0) {
-    constexpr int64_t bytes = T == PQ_Q4_0 ? 18 : T == PQ_Q4_1 ? 20 : 34;
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), none = _mm256_setzero_si256();
+  if constexpr (T == PQ_Q4_0 || T == PQ_Q4_1 || T == PQ_Q8_0 || T == PQ_IQ4_NL) {
+    constexpr int64_t bytes = block_bytes(T);
+    [[maybe_unused]] const __m256i table = T == PQ_IQ4_NL ? iq4_table() : none;
     for (int64_t c = 0; c < in / 32; ++c) {
       const uint8_t* blk = row + c * bytes;
       const float d = T == PQ_Q4_1 ? 0.f : f16_at(blk);
-      if constexpr (T == PQ_Q4_0) f(c, nibbles16(blk + 2), ones, d, -8.f * d);
+      if constexpr (T == PQ_Q4_0) f(c, nibbles16(blk + 2), ones, d, -8.f * d, none, 0.f);
       if constexpr (T == PQ_Q4_1) {  // d and m side by side: both converted in one instruction
         int32_t dm;
         std::memcpy(&dm, blk, 4);
         const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-        f(c, nibbles16(blk + 4), ones, _mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both)));
+        f(c, nibbles16(blk + 4), ones, _mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both)), none, 0.f);
       }
       if constexpr (T == PQ_Q8_0)
-        f(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), ones, d, 0.f);
+        f(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), ones, d, 0.f, none, 0.f);
+      if constexpr (T == PQ_IQ4_NL) f(c, _mm256_shuffle_epi8(table, nibbles16(blk + 2)), ones, d, 0.f, none, 0.f);
+    }
+  } else if constexpr (T == PQ_Q5_0 || T == PQ_Q5_1) {
+    constexpr int64_t bytes = block_bytes(T), qh_at = T == PQ_Q5_0 ? 2 : 4;
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t c = 0; c < in / 32; ++c) {
+      const uint8_t* blk = row + c * bytes;
+      const float d = f16_at(blk), b = T == PQ_Q5_0 ? -16.f * d : f16_at(blk + 2);
+      uint32_t qh;
+      std::memcpy(&qh, blk + qh_at, 4);
+      const __m256i q = _mm256_or_si256(nibbles16(blk + qh_at + 4), _mm256_and_si256(bytes_from_bits(qh), sixteen));
+      f(c, q, ones, d, b, none, 0.f);
+    }
+  } else if constexpr (T == PQ_IQ4_XS) {
+    const __m256i table = iq4_table();
+    for (int64_t sb = 0; sb < in / 256; ++sb) {
+      const uint8_t* blk = row + sb * 136;
+      const float d = f16_at(blk);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * j));
+        f(sb * 8 + j, q, ones, d * static_cast<float>(scale_iq4_xs(blk, j)), 0.f, none, 0.f);
+      }
+    }
+  } else if constexpr (T == PQ_Q2_K) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int64_t sb = 0; sb < in / 256; ++sb) {
+      const uint8_t* blk = row + sb * 84;
+      const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * h));
+        for (int part = 0; part < 4; ++part) {
+          const int j = 4 * h + part;
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi16(q32, 2 * part), three);
+          const uint8_t s0 = blk[2 * j], s1 = blk[2 * j + 1];
+          const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(s1 & 0xF), _mm_set1_epi16(s0 & 0xF));
+          const __m256i m16 = _mm256_set_m128i(_mm_set1_epi16(s1 >> 4), _mm_set1_epi16(s0 >> 4));
+          f(sb * 8 + j, q, sc16, d, 0.f, m16, -dmin);
+        }
+      }
+    }
+  } else if constexpr (T == PQ_Q3_K) {
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    for (int64_t sb = 0; sb < in / 256; ++sb) {
+      const uint8_t* blk = row + sb * 110;
+      const float d = f16_at(blk + 108);
+      int8_t scales[16];
+      scales_q3_k(blk + 96, scales);
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * h));
+        for (int part = 0; part < 4; ++part) {
+          const int j = 4 * h + part;
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+          const __m256i unset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), none);  // high bit clear: q - 4
+          const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(q32, 2 * part), three),
+                                            _mm256_and_si256(unset, four));
+          const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(scales[2 * j + 1]), _mm_set1_epi16(scales[2 * j]));
+          f(sb * 8 + j, q, sc16, d, 0.f, none, 0.f);
+        }
+      }
     }
   } else if constexpr (T == PQ_Q4_K || T == PQ_Q5_K) {
     constexpr bool q5 = T == PQ_Q5_K;
@@ -283,12 +445,13 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
         }
         int sc, m;
         scale_min_k4(2 * g, blk + 4, sc, m);
-        f(sb * 8 + 2 * g, lo, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m));
+        f(sb * 8 + 2 * g, lo, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m), none, 0.f);
         scale_min_k4(2 * g + 1, blk + 4, sc, m);
-        f(sb * 8 + 2 * g + 1, hi, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m));
+        f(sb * 8 + 2 * g + 1, hi, ones, d * static_cast<float>(sc), -dmin * static_cast<float>(m), none, 0.f);
       }
     }
   } else {  // Q6_K
+    static_assert(T == PQ_Q6_K);
     const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < in / 256; ++sb) {
       const uint8_t* blk = row + sb * 210;
@@ -307,37 +470,44 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
           const int s0 = scales[8 * h + 2 * part], s1 = scales[8 * h + 2 * part + 1];
           const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(s1)),
                                                 _mm_set1_epi16(static_cast<int16_t>(s0)));
-          f(sb * 8 + 4 * h + part, q, sc16, d, 0.f);
+          f(sb * 8 + 4 * h + part, q, sc16, d, 0.f, none, 0.f);
         }
       }
     }
   }
 }
 
+template <int32_t T>
+constexpr bool kSigned = T == PQ_Q8_0 || T == PQ_Q6_K || T == PQ_Q3_K || T == PQ_IQ4_NL || T == PQ_IQ4_XS;
+template <int32_t T>  // b != 0
+constexpr bool kOffset = T == PQ_Q4_0 || T == PQ_Q4_1 || T == PQ_Q5_0 || T == PQ_Q5_1 || T == PQ_Q4_K || T == PQ_Q5_K;
+template <int32_t T>
+constexpr bool kUnitScales = !(T == PQ_Q6_K || T == PQ_Q3_K || T == PQ_Q2_K);
+template <int32_t T>
+constexpr bool kMins = T == PQ_Q2_K;  // per-16 mins (m16, bm)
+
 // A row de-quantized to float32, vectorized: each chunk's 32 integers widened to float and scaled (a * sc, b).
 template <int32_t T>
 void dequant_row_avx2(const uint8_t* row, int64_t in, float* out) {
-  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
+  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b, __m256i m16, float bm) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const float a0 = a * static_cast<float>(_mm256_extract_epi16(sc16, 0));
-    const float a1 = a * static_cast<float>(_mm256_extract_epi16(sc16, 8));
-    const __m256 bv = _mm256_set1_ps(b), av0 = _mm256_set1_ps(a0), av1 = _mm256_set1_ps(a1);
-    constexpr bool sgn = T == PQ_Q8_0 || T == PQ_Q6_K;
-    auto widen = [&](__m128i v) { return sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
+    // The 16-bit lanes are signed (Q3_K's and Q6_K's scales): _mm256_extract_epi16 zero-extends them.
+    const float a0 = a * static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(sc16, 0)));
+    const float a1 = a * static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(sc16, 8)));
+    float b0 = b, b1 = b;
+    if constexpr (kMins<T>) {
+      b0 = bm * static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(m16, 0)));
+      b1 = bm * static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(m16, 8)));
+    }
+    const __m256 bv0 = _mm256_set1_ps(b0), bv1 = _mm256_set1_ps(b1), av0 = _mm256_set1_ps(a0), av1 = _mm256_set1_ps(a1);
+    auto widen = [&](__m128i v) { return kSigned<T> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
     float* o = out + 32 * c;
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(lo)), av0, bv));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(lo, 8))), av0, bv));
-    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(hi)), av1, bv));
-    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(hi, 8))), av1, bv));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(lo)), av0, bv0));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(lo, 8))), av0, bv0));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(hi)), av1, bv1));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm_srli_si128(hi, 8))), av1, bv1));
   });
 }
-
-template <int32_t T>
-constexpr bool kSigned = T == PQ_Q8_0 || T == PQ_Q6_K;
-template <int32_t T>
-constexpr bool kOffset = !(T == PQ_Q8_0 || T == PQ_Q6_K);  // b != 0
-template <int32_t T>
-constexpr bool kUnitScales = T != PQ_Q6_K;
 
 template <int32_t T, int MB>
 void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
@@ -351,7 +521,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
     for (int u = 0; u < NA; ++u) acc[m][u] = _mm256_setzero_ps();
   for (int u = 0; u < NA; ++u) off[u] = _mm256_setzero_ps();
   float off1 = 0.f, off2 = 0.f;  // one row: its two offset sums as scalars (same arithmetic, fewer instructions)
-  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b) {
+  visit_row<T>(row, in, [&](int64_t c, __m256i q, __m256i sc16, float a, float b, __m256i m16, float bm) {
     const __m256i aq = kSigned<T> ? _mm256_sign_epi8(q, q) : q;  // |q| (vpsignb: q * sign(q))
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
@@ -367,6 +537,10 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
       p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), sc16);
 #endif
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[m * ldb + c]), acc[m][0]);
+      if constexpr (kMins<T>) {  // the mins times the input's sums over 16
+        const __m256i pm = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), m16);
+        acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(bm * xd[m * ldb + c]), acc[m][0]);
+      }
     }
     if constexpr (kOffset<T> && MB == 1) {
       off1 = std::fma(b, xs[c], off1);  // the same rounding as a vector lane's fma below
@@ -411,6 +585,12 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
       for (int l = 16; l < 32; ++l) s1 += k.q[l] * x[l];
       acc[m] += k.a * xd[m * ldb + c] * static_cast<float>(s0 * k.sc[0] + s1 * k.sc[1]);
       off[m] += k.b * xs[m * ldb + c];
+      if (k.bm != 0.f) {  // Q2_K's per-16 mins times the input's sums over 16
+        int32_t t0 = 0, t1 = 0;
+        for (int l = 0; l < 16; ++l) t0 += x[l];
+        for (int l = 16; l < 32; ++l) t1 += x[l];
+        off[m] += k.bm * xd[m * ldb + c] * static_cast<float>(t0 * k.mn[0] + t1 * k.mn[1]);
+      }
     }
   }
   for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + off[m];
@@ -793,10 +973,16 @@ void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
   switch (type) {
     case PQ_Q4_0: return dequant_row_avx2<PQ_Q4_0>(row, in, out);
     case PQ_Q4_1: return dequant_row_avx2<PQ_Q4_1>(row, in, out);
+    case PQ_Q5_0: return dequant_row_avx2<PQ_Q5_0>(row, in, out);
+    case PQ_Q5_1: return dequant_row_avx2<PQ_Q5_1>(row, in, out);
     case PQ_Q8_0: return dequant_row_avx2<PQ_Q8_0>(row, in, out);
+    case PQ_Q2_K: return dequant_row_avx2<PQ_Q2_K>(row, in, out);
+    case PQ_Q3_K: return dequant_row_avx2<PQ_Q3_K>(row, in, out);
     case PQ_Q4_K: return dequant_row_avx2<PQ_Q4_K>(row, in, out);
     case PQ_Q5_K: return dequant_row_avx2<PQ_Q5_K>(row, in, out);
     case PQ_Q6_K: return dequant_row_avx2<PQ_Q6_K>(row, in, out);
+    case PQ_IQ4_NL: return dequant_row_avx2<PQ_IQ4_NL>(row, in, out);
+    case PQ_IQ4_XS: return dequant_row_avx2<PQ_IQ4_XS>(row, in, out);
     default: return;
   }
 #else
@@ -838,10 +1024,16 @@ DotFn dot_fn(int32_t type, int mb) {
   switch (type) {
     case PQ_Q4_0: return dot_for<PQ_Q4_0>(mb);
     case PQ_Q4_1: return dot_for<PQ_Q4_1>(mb);
+    case PQ_Q5_0: return dot_for<PQ_Q5_0>(mb);
+    case PQ_Q5_1: return dot_for<PQ_Q5_1>(mb);
     case PQ_Q8_0: return dot_for<PQ_Q8_0>(mb);
+    case PQ_Q2_K: return dot_for<PQ_Q2_K>(mb);
+    case PQ_Q3_K: return dot_for<PQ_Q3_K>(mb);
     case PQ_Q4_K: return dot_for<PQ_Q4_K>(mb);
     case PQ_Q5_K: return dot_for<PQ_Q5_K>(mb);
     case PQ_Q6_K: return dot_for<PQ_Q6_K>(mb);
+    case PQ_IQ4_NL: return dot_for<PQ_IQ4_NL>(mb);
+    case PQ_IQ4_XS: return dot_for<PQ_IQ4_XS>(mb);
     default: return nullptr;
   }
 }
