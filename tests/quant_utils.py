@@ -4,21 +4,22 @@ Contract:
 
 * `quantize(w, qtype)` takes float32 [rows, cols] and returns uint8 [rows, row_bytes] in GGML type `qtype`, one of
   `TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (ids as in
-  `gguf.GGMLQuantizationType`). cols must be a whole number of the type's blocks (`block_size(qtype)[0]`: 32 or
-  256 weights), else ValueError. Each row is `cols / weights` blocks of `bytes` bytes, in ggml-common.h's layouts.
+  `gguf.GGMLQuantizationType`). cols must be a whole number of the type's blocks (`block_size(qtype)` gives
+  (weights, bytes) of one block: 32 or 256 weights), else ValueError. A row is cols / weights blocks in
+  ggml-common.h's layouts. Deterministic, and each block depends on its own weights only.
 * `dequantize(q, qtype, shape)` is the `gguf` package's reference de-quantization, as float32 `shape`.
-* The bytes are those of llama.cpp's reference quantizers (ggml/src/ggml-quants.c, `quantize_row_*_ref`, the ones
-  llama-quantize uses without an importance matrix), so test data looks like real data: Q4_0, Q5_0 and IQ4_NL have
-  a signed block scale (the weight of largest magnitude maps to the most negative level, so about half the scales are
-  negative); Q3_K, Q6_K and IQ4_XS have signed sub-block scales (the sub-block scale of largest magnitude is stored
-  as the most negative one, -32 or -128, so again about half are negative); Q6_K's quants span [-32, 31], Q3_K's
-  [-4, 3] with its 6-bit scales stored as sc + 32; the asymmetric types (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) store an
-  unsigned scale and a min.
-* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the `gguf` package's quantizers (bit-exact ports of llama.cpp's). The others
-  are vectorised numpy ports of llama.cpp's, with one simplification where llama.cpp searches for the best scale:
-  the search tries fewer candidate scales (`_QKX2_TRIES`, `_QX_TRIES`, `_IQ4_TRIES` below list which). Every rule
-  that fixes signs, value ranges, clamps, rounding (round half to even, as ggml's nearest_int) and packing is
-  llama.cpp's, computed in float32 as in C.
+* The bytes are what llama-quantize writes without an importance matrix (ggml/src/ggml-quants.c: the
+  `quantize_row_*_ref` functions, and for IQ4_NL and IQ4_XS `quantize_iq4_nl` / `quantize_iq4_xs`), so test data
+  looks like real data: Q4_0, Q5_0 and IQ4_NL have a signed block scale (the weight of largest magnitude maps to the
+  most negative level, so about half the scales are negative); Q3_K, Q6_K and IQ4_XS have signed sub-block scales
+  (the one of largest magnitude is stored as the most negative, -32 or -128, so about half are negative); Q6_K's
+  quants span [-32, 31], Q3_K's [-4, 3], with its 6-bit scales stored as sc + 32; Q4_1, Q5_1, Q2_K, Q4_K and Q5_K
+  store an unsigned scale and a min.
+* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the `gguf` package's quantizers (ports of llama.cpp's, bit for bit). The
+  others are vectorised numpy ports of llama.cpp's code, in float32 with its order of operations and of summation:
+  Q3_K, Q6_K, IQ4_NL and IQ4_XS come out as llama.cpp's bytes. Q2_K, Q4_K and Q5_K simplify one thing:
+  make_qkx2_quants' search for the best scale and min tries a subset of llama.cpp's candidates (`_QKX2_TRIES`), so
+  a scale or a quant differs now and then; the rest (signs, value ranges, clamps, rounding, packing) is llama.cpp's.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ _GGUF_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 _EPS = np.float32(1e-15)  # GROUP_MAX_EPS
 _KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
-# The candidate scales the searches try, a subset of llama.cpp's (each candidate costs a pass over the weights):
-# make_qkx2_quants' steps `is` (llama.cpp: 0..nstep), make_qx_quants' `is` (llama.cpp: -9..9 but 0) and
-# quantize_row_iq4_nl_impl's `itry` (llama.cpp: -7..7).
-_QKX2_TRIES = {Q2_K: (0, 5, 10, 15), Q4_K: (0, 5, 10, 15, 20), Q5_K: (0, 5, 10, 15)}
-_QX_TRIES = (-9, -5, -2, 2, 5, 9)
-_IQ4_TRIES = (-7, -3, 0, 3, 7)
+# The candidate scales the searches try (each costs a pass over the weights): make_qx_quants' `is` (Q6_K) and
+# quantize_row_iq4_nl_impl's `itry` (IQ4_NL, IQ4_XS) are llama.cpp's; make_qkx2_quants' `is` (Q2_K, Q4_K, Q5_K) a
+# subset of llama.cpp's 0..nstep (15, 20, 15), to keep 50M weights under about 4 s.
+_QKX2_TRIES = {Q2_K: (0, 3, 6, 9, 12, 15), Q4_K: tuple(range(0, 21, 3)), Q5_K: tuple(range(0, 16, 2))}
+_QX_TRIES = tuple(i for i in range(-9, 10) if i)
+_IQ4_TRIES = tuple(range(-7, 8))
 
-_CHUNK = 1 << 20  # weights quantized at a time, to stay in cache
+_CHUNK = 1 << 17  # weights quantized at a time, to stay in cache
 
 
 def block_size(qtype: int) -> tuple[int, int]:
@@ -68,16 +69,31 @@ def block_size(qtype: int) -> tuple[int, int]:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
+#
+# The searches work on groups laid out as columns, xt [n, m]: element i of every group is row i, so a sum over a
+# group, xt.sum(0) or _dot(a, b) = (a * b).sum(0), adds the elements one by one in C's order, and the float32
+# results are C's.
+
+
+def _cols(x: np.ndarray, n: int) -> np.ndarray:
+    """Groups of n consecutive weights as the columns of [n, m]."""
+    return np.ascontiguousarray(x.reshape(-1, n).T)
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Sum over the last axis of a * b."""
-    return np.einsum("...i,...i->...", a, b)
+    """Per column, the sum of a * b, in row order (as (a * b).sum(0), without the temporary)."""
+    return np.einsum("ij,ij->j", a, b)
 
 
-def _signed_absmax(x: np.ndarray) -> np.ndarray:
-    """The value of largest magnitude along the last axis, with its sign (the first one on ties, as ggml)."""
-    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+def _signed_absmax(xt: np.ndarray) -> np.ndarray:
+    """Per column, the value of largest magnitude with its sign (the first one on ties, as ggml)."""
+    return np.take_along_axis(xt, np.abs(xt).argmax(0)[None], 0)[0]
+
+
+def _positive_max(a: np.ndarray) -> np.ndarray:
+    """Per row, the largest value if positive, else +0 (C: float m = 0; if (a[j] > m) m = a[j])."""
+    m = a.max(-1)
+    return np.where(m > 0, m, np.float32(0))
 
 
 def _safe(d: np.ndarray) -> np.ndarray:
@@ -120,46 +136,50 @@ def _pack_scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 def _pack_scales_q3(ls: np.ndarray) -> np.ndarray:
     """16 six-bit scales per super-block [n, 16] -> the 12 bytes of Q3_K."""
     low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
-    hi = ls.reshape(len(ls), 4, 4) >> 4  # [n, group j/4, j%4]
+    hi = ls.reshape(len(ls), 4, 4) >> 4  # [n, j / 4, j % 4]
     high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
     return np.concatenate([low, high], axis=1)
 
 
 def _iq4_lut() -> tuple[np.ndarray, np.ndarray]:
-    """best_index_int8 over kvalues_iq4nl as a table of floor(2 x) (the midpoints val[i-1] + val[i] are integers)."""
+    """best_index_int8 over kvalues_iq4nl as tables indexed by floor(2 x), negative indices from the end (the
+    midpoints val[i-1] + val[i] are integers, so x2 >= mid is floor(x2) >= mid)."""
     mids = _KVALUES_IQ4NL[:-1] + _KVALUES_IQ4NL[1:]
-    lo, hi = int(mids[0]) - 1, int(mids[-1])
-    idx = np.searchsorted(mids, np.arange(lo, hi + 1, dtype=np.float32), side="right").astype(np.uint8)
+    floors = np.arange(-256, 256, dtype=np.float32)
+    idx = np.searchsorted(mids, floors, side="right").astype(np.uint8)
+    idx = np.roll(idx, -256)  # entry k is floor k, for k in [-256, 256)
     return idx, _KVALUES_IQ4NL[idx]
 
 
 _IQ4_IDX, _IQ4_VAL = _iq4_lut()
-_IQ4_LO = np.float32(_KVALUES_IQ4NL[0] + _KVALUES_IQ4NL[1] - 1)
 
 
 def _iq4_pos(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Positions in _IQ4_IDX / _IQ4_VAL of best_index_int8(kvalues_iq4nl, scale * x)."""
-    t = scale * x
-    t += t
-    t -= _IQ4_LO
-    np.clip(t, 0, len(_IQ4_IDX) - 1, out=t)
-    return t.astype(np.intp)  # truncation = floor on t >= 0
+    """Indices into _IQ4_IDX / _IQ4_VAL of best_index_int8(kvalues_iq4nl, scale * x)."""
+    t = x * (scale + scale)  # = 2 (scale x) exactly
+    np.floor(t, out=t)
+    np.clip(t, -256, 255, out=t)  # beyond the first and last midpoints (-231, 202) nothing changes
+    return t.astype(np.intp)
 
 
-# ---- the searches of ggml-quants.c ------------------------------------------------------------------------------
+# ---- the searches of ggml-quants.c, over columns ------------------------------------------------------------------
 
 
-def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) over the rows of x [m, n]: (scale [m], L [m, n])."""
-    mx = _signed_absmax(x)
+def _make_qx_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) per column of xt [n, m]: (scale [m], L [n, m])."""
+    mx = _signed_absmax(xt)
     zero = np.abs(mx) < _EPS
     mx = np.where(zero, np.float32(1), mx)
-    w = x * x
-    wx = w * x
+    w = xt * xt
+    wx = w * xt
+
+    def levels(iscale: np.ndarray) -> np.ndarray:
+        lv = xt * iscale
+        np.rint(lv, out=lv)
+        return np.clip(lv, -nmax, nmax - 1, out=lv)
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lv = np.rint(iscale[:, None] * x)
-        np.clip(lv, -nmax, nmax - 1, out=lv)
+        lv = levels(iscale)
         return _dot(wx, lv), _dot(w * lv, lv)
 
     best_iscale = np.float32(-nmax) / mx
@@ -173,104 +193,110 @@ def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         scale = np.where(better, sumlx / _safe(suml2), scale)
         best = np.where(better, scale * sumlx, best)
         best_iscale = np.where(better, iscale, best_iscale)
-    lv = np.rint(best_iscale[:, None] * x)
-    np.clip(lv, -nmax, nmax - 1, out=lv)
+    lv = levels(best_iscale)
     lv += nmax
-    lv[zero] = 0
+    lv[:, zero] = 0
     return np.where(zero, np.float32(0), scale), lv
 
 
-def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_q3_quants(n, nmax, x, L, do_rmse=true) over the rows of x [m, n]: (scale [m], L [m, n]).
+def _make_q3_quants(xt: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """make_q3_quants(n, nmax, x, L, do_rmse=true) per column of xt [n, m]: (scale [m], L [n, m]).
 
-    The five passes of coordinate descent go element by element as in C, vectorised over the rows.
+    Its five passes of coordinate descent go element by element as in C, vectorised over the columns still changing
+    (one that a whole pass left as it was stays so).
     """
-    mx = _signed_absmax(x)
+    mx = _signed_absmax(xt)
     zero = np.abs(mx) < _EPS
     iscale = np.float32(-nmax) / np.where(zero, np.float32(1), mx)
-    xt = np.ascontiguousarray(x.T)  # [n, m]
-    lt = np.rint(iscale * xt)
+    lt = np.rint(xt * iscale)
     np.clip(lt, -nmax, nmax - 1, out=lt)
     wt = xt * xt
     wxt = wt * xt
-    sumlx = np.zeros(len(x), np.float32)
-    suml2 = np.zeros(len(x), np.float32)
-    for i in range(len(xt)):  # the sums in C's order
-        sumlx += wxt[i] * lt[i]
-        suml2 += wt[i] * lt[i] * lt[i]
+    sumlx = _dot(wxt, lt)
+    suml2 = _dot(wt * lt, lt)
+    # With max > 0 (iscale < 0) every l has the opposite sign of its x, so every w x l <= 0, slx <= 0 and L never
+    # changes: only the columns with max < 0 descend.
+    cols = np.flatnonzero(iscale > 0)
     for _ in range(5):
-        changed = False
+        xa, wa, wxa, la = xt[:, cols], wt[:, cols], wxt[:, cols], lt[:, cols]
+        sx, s2 = sumlx[cols], suml2[cols]
+        changed = np.zeros(len(cols), bool)
         for i in range(len(xt)):
-            li = lt[i]
-            slx = sumlx - wxt[i] * li
-            sl2 = suml2 - wt[i] * li * li
+            li = la[i]
+            slx = sx - wxa[i] * li
+            sl2 = s2 - wa[i] * li * li
             pos = slx > 0
-            new = np.rint(xt[i] * sl2 / np.where(pos, slx, np.float32(1)))
+            new = np.rint(xa[i] * sl2 / np.where(pos, slx, np.float32(1)))
             np.clip(new, -nmax, nmax - 1, out=new)
-            slx = slx + wxt[i] * new
-            sl2 = sl2 + wt[i] * new * new
-            take = pos & (new != li) & (sl2 > 0) & (slx * slx * suml2 > sumlx * sumlx * sl2)
-            if take.any():
-                changed = True
-                lt[i] = np.where(take, new, li)
-                sumlx = np.where(take, slx, sumlx)
-                suml2 = np.where(take, sl2, suml2)
-        if not changed:
+            slx += wxa[i] * new
+            sl2 += wa[i] * new * new
+            take = pos & (new != li) & (sl2 > 0) & (slx * slx * s2 > sx * sx * sl2)
+            la[i] = np.where(take, new, li)
+            sx = np.where(take, slx, sx)
+            s2 = np.where(take, sl2, s2)
+            changed |= take
+        lt[:, cols], sumlx[cols], suml2[cols] = la, sx, s2
+        cols = cols[changed]
+        if not len(cols):
             break
-    lv = lt.T + nmax
-    lv[zero] = 0
+    lt += nmax
+    lt[:, zero] = 0
     scale = np.where(suml2 > 0, sumlx / _safe(suml2), np.float32(0))
-    return np.where(zero, np.float32(0), scale), lv
+    return np.where(zero, np.float32(0), scale), lt
 
 
 def _make_qkx2_quants(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, steps: tuple[int, ...], use_mad: bool
+    xt: np.ndarray, wt: np.ndarray, nmax: int, rmin: float, rdelta: float, steps: tuple[int, ...], use_mad: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """make_qkx2_quants over the rows of x [m, n] with weights w: (scale [m], the_min [m], L [m, n]).
-
-    With use_mad false the weighted squared error of a candidate comes from its sums, not from another pass.
-    """
-    mn = np.minimum(x.min(-1), np.float32(0))
-    mx = x.max(-1)
+    """make_qkx2_quants per column of xt [n, m] with weights wt: (scale [m], the_min [m], L [n, m]), trying the
+    candidate steps `steps` (llama.cpp: all of 0..nstep)."""
+    mn = np.minimum(xt.min(0), np.float32(0))
+    mx = xt.max(0)
     flat = mx == mn
-    sum_w = w.sum(-1, dtype=np.float32)
-    sum_x = _dot(w, x)
-    sum_x2 = _dot(w * x, x).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = np.float32(nmax) / np.where(flat, np.float32(1), mx - mn)
-        scale = np.float32(1) / iscale
-        lv = np.rint(iscale[:, None] * (x - mn[:, None]))
-        np.clip(lv, 0, nmax, out=lv)
+    wx = wt * xt
+    sum_w = wt.sum(0)
+    sum_x = wx.sum(0)
 
-        def error(sc: np.ndarray, m: np.ndarray, lv: np.ndarray, s_l, s_l2, s_xl) -> np.ndarray:
-            if use_mad:
-                return _dot(w, np.abs(sc[:, None] * lv + m[:, None] - x))
-            sc, m = sc.astype(np.float64), m.astype(np.float64)
-            return (
-                sc * sc * s_l2 + 2 * sc * m * s_l - 2 * sc * s_xl + m * m * sum_w - 2 * m * sum_x
-            ) + sum_x2  # sum of w (sc l + m - x)^2
+    def levels(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+        lv = xt - mn
+        lv *= iscale
+        np.rint(lv, out=lv)
+        return np.clip(lv, 0, nmax, out=lv)
 
-        wl = w * lv
-        best = error(scale, mn, lv, wl.sum(-1), _dot(wl, lv), _dot(wl, x))
-        for step in steps:
-            iscale = (np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)) / (mx - mn)
-            la = np.rint(iscale[:, None] * (x - mn[:, None]))
-            np.clip(la, 0, nmax, out=la)
-            wl = w * la
-            s_l, s_l2, s_xl = wl.sum(-1), _dot(wl, la), _dot(wl, x)
-            det = sum_w * s_l2 - s_l * s_l
-            this_scale = (sum_w * s_xl - sum_x * s_l) / det
-            this_min = (s_l2 * sum_x - s_l * s_xl) / det
-            pos = this_min > 0
-            this_min = np.where(pos, np.float32(0), this_min)
-            this_scale = np.where(pos, s_xl / s_l2, this_scale)
-            cur = error(this_scale, this_min, la, s_l, s_l2, s_xl)
-            better = (det > 0) & (cur < best)
-            lv = np.where(better[:, None], la, lv)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
-    lv[flat] = 0
+    def error(sc: np.ndarray, m: np.ndarray, lv: np.ndarray) -> np.ndarray:
+        e = lv * sc
+        e += m
+        e -= xt
+        if use_mad:
+            np.abs(e, out=e)
+        else:
+            e *= e
+        return _dot(wt, e)
+
+    iscale = np.float32(nmax) / np.where(flat, np.float32(1), mx - mn)
+    scale = np.float32(1) / iscale
+    best_iscale, best_mn = iscale, mn
+    best = error(scale, mn, levels(iscale, mn))
+    for step in steps:
+        iscale = (np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)) / (mx - mn)
+        lv = levels(iscale, mn)
+        wl = wt * lv
+        s_l, s_l2, s_xl = wl.sum(0), _dot(wl, lv), _dot(wl, xt)
+        det = sum_w * s_l2 - s_l * s_l
+        this_scale = (sum_w * s_xl - sum_x * s_l) / det
+        this_min = (s_l2 * sum_x - s_l * s_xl) / det
+        pos = this_min > 0
+        this_min = np.where(pos, np.float32(0), this_min)
+        this_scale = np.where(pos, s_xl / s_l2, this_scale)
+        cur = error(this_scale, this_min, lv)
+        better = (det > 0) & (cur < best)
+        best = np.where(better, cur, best)
+        scale = np.where(better, this_scale, scale)
+        best_iscale = np.where(better, iscale, best_iscale)
+        best_mn = np.where(better, mn, best_mn)
+        mn = np.where(better, this_min, mn)
+    lv = levels(best_iscale, best_mn)
+    lv[:, flat] = 0
     return np.where(flat, np.float32(0), scale), -mn, lv
 
 
@@ -280,11 +306,11 @@ def _make_qkx2_quants(
 def _q2_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q2_K_ref: 16 sub-blocks of 16, w = d sc q - dmin m, q in [0, 3], sc and m 4-bit."""
     n = len(x)
-    sub = x.reshape(n * 16, 16)
-    scales, mins, lv = _make_qkx2_quants(sub, np.abs(sub), 3, -0.5, 0.1, _QKX2_TRIES[Q2_K], True)
-    scales, mins, lv = scales.reshape(n, 16), mins.reshape(n, 16), lv.reshape(n, 16, 16)
-    max_scale = np.maximum(scales.max(-1), 0)
-    max_min = np.maximum(mins.max(-1), 0)
+    xt = _cols(x, 16)
+    scales, mins, lv = _make_qkx2_quants(xt, np.abs(xt), 3, -0.5, 0.1, _QKX2_TRIES[Q2_K], True)
+    scales, mins, lv = scales.reshape(n, 16), mins.reshape(n, 16), lv.T.reshape(n, 16, 16)
+    max_scale = _positive_max(scales)
+    max_min = _positive_max(mins)
     q4scale = np.float32(15)
     ls = np.rint(np.where(max_scale > 0, q4scale / _safe(max_scale), 0)[:, None] * scales).astype(np.int32)
     lm = np.rint(np.where(max_min > 0, q4scale / _safe(max_min), 0)[:, None] * mins).astype(np.int32)
@@ -293,7 +319,7 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
     dmin = _f16(max_min / q4scale)
     dl = d[:, None] * (sc_bytes & 0xF)
     ml = dmin[:, None] * (sc_bytes >> 4)
-    q = np.rint((sub.reshape(n, 16, 16) + ml[..., None]) / _safe(dl)[..., None])
+    q = np.rint((x.reshape(n, 16, 16) + ml[..., None]) / _safe(dl)[..., None])
     np.clip(q, 0, 3, out=q)
     q = np.where((dl != 0)[..., None], q, lv).astype(np.uint8).reshape(n, 256)
     return np.concatenate([sc_bytes, _pack2(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
@@ -302,10 +328,9 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
 def _q3_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q3_K_ref: 16 sub-blocks of 16, w = d (sc - 32) q, q in [-4, 3], signed 6-bit sc."""
     n = len(x)
-    sub = x.reshape(n * 16, 16)
-    scales, lv = _make_q3_quants(sub, 4)
-    scales, lv = scales.reshape(n, 16), lv.reshape(n, 16, 16)
-    max_scale = _signed_absmax(scales)
+    scales, lv = _make_q3_quants(_cols(x, 16), 4)
+    scales, lv = scales.reshape(n, 16), lv.T.reshape(n, 16, 16)
+    max_scale = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)[:, 0]
     nonzero = max_scale != 0
     iscale = np.float32(-32) / _safe(max_scale)
     ls = np.rint(iscale[:, None] * scales)
@@ -313,11 +338,11 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
     ls = np.where(nonzero[:, None], ls + 32, 0).astype(np.uint8)
     d = np.where(nonzero, _f16(np.float32(1) / iscale), np.float32(0))
     dl = d[:, None] * (ls.astype(np.float32) - 32)
-    q = np.rint(sub.reshape(n, 16, 16) / _safe(dl)[..., None])
+    q = np.rint(x.reshape(n, 16, 16) / _safe(dl)[..., None])
     np.clip(q, -4, 3, out=q)
     q = np.where((dl != 0)[..., None], q + 4, lv).astype(np.uint8).reshape(n, 256)
-    hmask = (q.reshape(n, 8, 32) >> 2) & 1
-    hmask = np.bitwise_or.reduce(hmask << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    hmask = ((q.reshape(n, 8, 32) >> 2) & 1) << np.arange(8, dtype=np.uint8)[:, None]
+    hmask = np.bitwise_or.reduce(hmask, axis=1)
     return np.concatenate([hmask, _pack2(q & 3), _pack_scales_q3(ls), _f16_bytes(d)], axis=1)
 
 
@@ -325,16 +350,15 @@ def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
     """quantize_row_q4_K_ref / q5_K_ref: 8 sub-blocks of 32, w = d sc q - dmin m, 6-bit sc and m."""
     n = len(x)
     nmax = (1 << bits) - 1
-    sub = x.reshape(n * 8, 32)
-    av_x = np.sqrt(_dot(sub, sub) / np.float32(32))
-    weights = av_x[:, None] + np.abs(sub)
-    if bits == 4:
-        scales, mins, lv = _make_qkx2_quants(sub, weights, nmax, -1.0, 0.1, _QKX2_TRIES[Q4_K], False)
-    else:
-        scales, mins, lv = _make_qkx2_quants(sub, weights, nmax, -0.5, 0.1, _QKX2_TRIES[Q5_K], False)
-    scales, mins, lv = scales.reshape(n, 8), mins.reshape(n, 8), lv.reshape(n, 8, 32)
-    max_scale = np.maximum(scales.max(-1), 0)
-    max_min = np.maximum(mins.max(-1), 0)
+    xt = _cols(x, 32)
+    av_x = np.sqrt(_dot(xt, xt) / np.float32(32))
+    weights = np.abs(xt)
+    weights += av_x
+    rmin, steps = (-1.0, _QKX2_TRIES[Q4_K]) if bits == 4 else (-0.5, _QKX2_TRIES[Q5_K])
+    scales, mins, lv = _make_qkx2_quants(xt, weights, nmax, rmin, 0.1, steps, False)
+    scales, mins, lv = scales.reshape(n, 8), mins.reshape(n, 8), lv.T.reshape(n, 8, 32)
+    max_scale = _positive_max(scales)
+    max_min = _positive_max(mins)
     inv_scale = np.where(max_scale > 0, np.float32(63) / _safe(max_scale), np.float32(0))
     inv_min = np.where(max_min > 0, np.float32(63) / _safe(max_min), np.float32(0))
     # C: uint8_t ls = nearest_int(...); ls = MIN(63, ls)
@@ -344,7 +368,7 @@ def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
     dmin = _f16(max_min / np.float32(63))
     dl = d[:, None] * ls
     ml = dmin[:, None] * lm
-    q = np.rint((sub.reshape(n, 8, 32) + ml[..., None]) / _safe(dl)[..., None])
+    q = np.rint((x.reshape(n, 8, 32) + ml[..., None]) / _safe(dl)[..., None])
     np.clip(q, 0, nmax, out=q)
     q = np.where((dl != 0)[..., None], q, lv).astype(np.uint8).reshape(n, 256)
     parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_scales_k4(ls, lm)]
@@ -358,17 +382,16 @@ def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
 def _q6_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q6_K_ref: 16 sub-blocks of 16, w = d sc q, q in [-32, 31], int8 sc."""
     n = len(x)
-    sub = x.reshape(n * 16, 16)
-    scales, lv = _make_qx_quants(sub, 32)
-    scales, lv = scales.reshape(n, 16), lv.reshape(n, 16, 16)
-    max_scale = _signed_absmax(scales)
+    scales, lv = _make_qx_quants(_cols(x, 16), 32)
+    scales, lv = scales.reshape(n, 16), lv.T.reshape(n, 16, 16)
+    max_scale = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)[:, 0]
     zero = np.abs(max_scale) < _EPS
     iscale = np.float32(-128) / _safe(max_scale)
     d = np.where(zero, np.float32(0), _f16(np.float32(1) / iscale))
     sc = np.minimum(np.rint(iscale[:, None] * scales), 127)
     sc = np.where(zero[:, None], 0, sc).astype(np.int8)
     dl = d[:, None] * sc
-    q = np.rint(sub.reshape(n, 16, 16) / _safe(dl)[..., None])
+    q = np.rint(x.reshape(n, 16, 16) / _safe(dl)[..., None])
     np.clip(q, -32, 31, out=q)
     q = np.where((dl != 0)[..., None], q + 32, lv)
     q = np.where(zero[:, None, None], 0, q).astype(np.uint8).reshape(n, 256)
@@ -381,53 +404,51 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
 # ---- the IQ4 types ----------------------------------------------------------------------------------------------
 
 
-def _iq4_scales(sub: np.ndarray, tries: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
-    """The per-block part of quantize_row_iq4_nl_impl (weights x^2) over rows of 32: (scale [m], positions [m, 32]).
-
-    tries None is ntry = -1 (quantize_row_iq4_nl_ref: one fit); otherwise ntry = 7 (quantize_iq4_xs) with those itry.
-    """
-    mx = _signed_absmax(sub)
+def _iq4_scales(xt: np.ndarray) -> np.ndarray:
+    """The per-block search of quantize_row_iq4_nl_impl (no importance matrix: weights x^2, ntry 7) per column of
+    32 weights of xt [32, m]: the scale of each [m]."""
+    mx = _signed_absmax(xt)
     zero = np.abs(mx) < _EPS
     mx = np.where(zero, np.float32(1), mx)
-    w = sub * sub
-    wx = w * sub
+    w = xt * xt
     v0 = _KVALUES_IQ4NL[0]
-    d = -mx / v0 if tries is not None else mx / v0
-    pos = _iq4_pos(sub, (np.float32(1) / d)[:, None])
-    q = _IQ4_VAL[pos]
-    sumqx, sumq2 = _dot(wx, q), _dot(w * q, q)
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        q = _IQ4_VAL[_iq4_pos(xt, iscale)]
+        wq = w * q
+        return _dot(wq, xt), _dot(wq, q)
+
+    sumqx, sumq2 = fit(np.float32(1) / (-mx / v0))
     d = np.where(sumq2 > 0, sumqx / _safe(sumq2), np.float32(0))
     best = d * sumqx
-    for itry in tries or ():
-        q = _IQ4_VAL[_iq4_pos(sub, ((np.float32(itry) + v0) / mx)[:, None])]
-        sumqx, sumq2 = _dot(wx, q), _dot(w * q, q)
+    for itry in _IQ4_TRIES:
+        sumqx, sumq2 = fit((np.float32(itry) + v0) / mx)
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         d = np.where(better, sumqx / _safe(sumq2), d)
         best = np.where(better, d * sumqx, best)
-    pos[zero] = np.searchsorted(_IQ4_IDX, 0)  # L = 0
-    return np.where(zero, np.float32(0), d), pos
+    return np.where(zero, np.float32(0), d)
 
 
 def _iq4_nl(x: np.ndarray) -> np.ndarray:
-    """quantize_row_iq4_nl_ref: blocks of 32, w = d kvalues_iq4nl[q], signed d."""
-    d, pos = _iq4_scales(x, None)
-    return np.concatenate([_f16_bytes(d), _pack_nibbles(_IQ4_IDX[pos], 16)], axis=1)
+    """quantize_iq4_nl (what llama-quantize writes): blocks of 32, w = d kvalues_iq4nl[q], signed d."""
+    d = _iq4_scales(_cols(x, 32))
+    q = _IQ4_IDX[_iq4_pos(x, np.where(d != 0, np.float32(1) / _safe(d), np.float32(0))[:, None])]
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q, 16)], axis=1)
 
 
 def _iq4_xs(x: np.ndarray) -> np.ndarray:
     """quantize_row_iq4_xs_ref: 8 sub-blocks of 32, w = d (sc - 32) kvalues_iq4nl[q], signed 6-bit sc."""
     n = len(x)
-    sub = x.reshape(n * 8, 32)
-    scales, pos = _iq4_scales(sub, _IQ4_TRIES)
+    scales = _iq4_scales(_cols(x, 32))
     scales = scales.reshape(n, 8)
-    max_scale = _signed_absmax(scales)
+    max_scale = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)[:, 0]
     d = -max_scale / np.float32(32)
     idv = np.where(d != 0, np.float32(1) / _safe(d), np.float32(0))
     ls = np.rint(idv[:, None] * scales)
     np.clip(ls, -32, 31, out=ls)
     dl = d[:, None] * ls
     idl = np.where(dl != 0, np.float32(1) / _safe(dl), np.float32(0))
-    q = _IQ4_IDX[_iq4_pos(sub, idl.reshape(n * 8, 1))].reshape(n, 256)
+    q = _IQ4_IDX[_iq4_pos(x.reshape(n, 8, 32), idl[..., None])].reshape(n, 256)
     ls = (ls + 32).astype(np.uint16)
     scales_l = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).astype(np.uint8)
     scales_h = np.bitwise_or.reduce((ls >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1).astype(np.uint16)
@@ -459,7 +480,8 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     if cols % weights:
         raise ValueError(f"GGML type {qtype} needs rows of a multiple of {weights} weights, got {cols}")
     if qtype in _GGUF_TYPES:
-        return gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+        # + 0 turns -0.0 into +0.0: ggml starts its searches from +0, so a block of zeros gets Q4_0's d = 0 / -8 = -0
+        return gguf.quants.quantize(w + np.float32(0), gguf.GGMLQuantizationType(qtype))
     blocks = w.reshape(-1, weights)
     out = np.empty((len(blocks), nbytes), np.uint8)
     step = max(_CHUNK // weights, 1)

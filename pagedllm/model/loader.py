@@ -1,10 +1,11 @@
 """Checkpoint -> model: safetensors folders and GGUF files feed the same HF-named tensors to `load_weights`.
 
-GGUF tensors of a type the native kernels run (pagedllm.model.quant.NATIVE_TYPES) reach the layers as stored, as
-`QuantTensor`s, when the model config says so (`quantization == "gguf"`, the default for a .gguf file) and the
-native ops are there; every other tensor is de-quantized by the `gguf` package to float32 (through the weight cache,
-weight_cache.py, when nothing stays quantized) and cast to the compute dtype, and the types de-quantized that way
-are logged once. llama.cpp stores Llama query/key weights with the rows of each head interleaved for its rotary
+GGUF tensors of a type the native kernels run (pagedllm.model.quant.NATIVE_TYPES), and float16 and bfloat16 matrices,
+reach the layers as stored, as `QuantTensor`s, when the model config says so (`quantization == "gguf"`, the default
+for a .gguf file) and the native ops are there; a matrix of any other type is then a ValueError naming the tensor
+and its type (never a silent float32 copy). Without the native ops, or with `quantization="none"`, every tensor is
+de-quantized by the `gguf` package to float32 (through the weight cache, weight_cache.py) and cast to the compute
+dtype, which the loader logs. llama.cpp stores Llama query/key weights with the rows of each head interleaved for its rotary
 layout; they are un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding expects:
 whole rows move, so a quantized tensor is un-permuted exactly.
 """
@@ -23,10 +24,10 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.model.gguf_file import open_gguf
+from pagedllm.model.gguf_file import open_gguf, release_gguf_readers
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.linear import prepare_for_inference
-from pagedllm.model.quant import NATIVE_TYPES, QuantTensor, type_name
+from pagedllm.model.quant import F16, F32, HALF_TYPES, NATIVE_TYPES, QuantTensor, type_name
 from pagedllm.model.registry import get_model_class
 from pagedllm.model.weight_cache import gguf_weights
 
@@ -83,6 +84,7 @@ def iterate_gguf(
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
     dequantized: set[str] = set()
+    halves: set[str] = set()
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
@@ -95,7 +97,15 @@ def iterate_gguf(
                 heads = n_kv
         shape = tuple(reversed([int(d) for d in t.shape]))  # numpy order: [rows (out), cols (in)]
         qtype = int(t.tensor_type)
-        if keep_quantized and qtype in NATIVE_TYPES and len(shape) == 2:
+        if keep_quantized and len(shape) == 2 and qtype not in (*NATIVE_TYPES, *HALF_TYPES, F32):
+            raise ValueError(
+                f"GGUF tensor {t.name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
+                f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
+                "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
+            )
+        if keep_quantized and len(shape) == 2 and qtype == F16:
+            halves.add(t.name)
+        if keep_quantized and (qtype in NATIVE_TYPES or qtype in HALF_TYPES) and len(shape) == 2:
             with warnings.catch_warnings():  # the mapping is read-only; the layers copy what they keep
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.from_numpy(t.data)
@@ -116,6 +126,13 @@ def iterate_gguf(
     if keep_quantized and dequantized:
         kinds = ", ".join(sorted(dequantized))
         logger.info("GGUF tensors of type %s have no native kernel: de-quantized to float32 at load", kinds)
+    if halves:
+        logger.info(
+            "%d F16 weight(s) (e.g. %s): linear layers run them on bf16 panels (rounded to bfloat16); "
+            "embedding tables keep them as stored (a tied one reads the head's bf16 panels)",
+            len(halves),
+            min(halves),
+        )
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,6 +177,8 @@ def load_model(
     model.load_weights((name, t.to(device)) for name, t in weights)
     loaded = time.perf_counter()
     prepare_for_inference(model, bf16=kernels is not None and kernels.bf16_weights)
+    if path.endswith(".gguf"):
+        release_gguf_readers()  # the layers hold their own copies now: the file's mapping and metadata can go
     logger.info("startup: weights %.2f s, packing %.2f s", loaded - start, time.perf_counter() - loaded)
     return model.eval()
 

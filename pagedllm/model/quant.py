@@ -9,7 +9,9 @@ Contract.
   package's reference.
 * `NATIVE_TYPES`: the GGML types the native kernels run as stored (csrc/cpu/quant.cpp). A layer keeps a weight
   quantized when the model loads with quantization on, the native ops are there, and `ops.quant_row_bytes` accepts
-  the type and row length; anything else is de-quantized at load (the loader logs which types).
+  the type and row length. `HALF_TYPES` (F16, BF16) reach the layers as QuantTensors too: linears run them on bf16
+  panels (F16 rounded to bf16, which the loader logs), embeddings keep them as stored. A GGUF weight of any other
+  type is refused by the loader (loader.py), naming the tensor and the type.
 * `QuantParts`: the row segments one layer collects (a merged q|k|v takes three), turned by `build(ops)` into the
   kernels' `QuantMatrix` over one owned copy of the bytes in huge-page memory; the mapped file is not referenced
   afterwards.
@@ -29,6 +31,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 
 NATIVE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 # Float types a GGUF file may hold a weight in: float32 runs as float32, float16 and bfloat16 on bf16 panels.
 F32, F16, BF16 = 0, 1, 30
+HALF_TYPES = (F16, BF16)
 
 
 def type_name(qtype: int) -> str:
@@ -73,8 +76,20 @@ class QuantTensor:
         """Itself: a quantized tensor keeps its type until it is de-quantized (and stays on the CPU)."""
         return self
 
+    @property
+    def is_half(self) -> bool:
+        """Whether this is a float16 or bfloat16 tensor (run on bf16 panels, not by the block kernels)."""
+        return self.qtype in HALF_TYPES
+
+    def half(self) -> torch.Tensor:
+        """A float16 or bfloat16 tensor as stored: a view of its bytes [rows, cols]."""
+        dtype = torch.float16 if self.qtype == F16 else torch.bfloat16
+        return self.data.contiguous().view(dtype).reshape(tuple(self.shape))
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] through the gguf package's reference de-quantization."""
+        if self.is_half:
+            return self.half().float()
         import gguf
 
         w = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.qtype))

@@ -1,5 +1,8 @@
 """The quantized-weight kernels (csrc/cpu/quant.cpp), once per ISA build this CPU runs, for every GGML type they
-run: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS, on weights quantized as
+llama.cpp quantizes (tests/quant_utils.py: signed scales where llama.cpp's are signed) and on blocks of random bytes
+(every bit pattern a block can hold: negative scales, all sub-block scales and mins), at widths that are and are
+not multiples of 256.
 
 * `dequantize_rows` equals the `gguf` package's reference de-quantization (to float32 rounding).
 * `quant_linear` against x @ dequantize(W)^T in float64. The kernels quantize each input row to int8 in blocks of 32
@@ -16,9 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPES, dequantize, quantize
+from pagedllm.model.quant import type_name
+from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPES, block_size, dequantize, quantize
 
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", 13: "Q5_K", Q6_K: "Q6_K"}
+NAMES = {t: type_name(t) for t in TYPES}
+# Byte offsets of each type's float16 fields within its block (the rest of a block is integers and bit fields).
+F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2]}
+F16_FIELDS |= {14: [208], 20: [0], 23: [0]}
 
 
 @pytest.fixture
@@ -51,6 +58,58 @@ def test_dequantize_rows_is_the_reference(ops, qtype: int) -> None:
     got = ops.dequantize_rows(qm, ids)
     assert got.shape == (2, 2, 512)
     np.testing.assert_allclose(got.numpy(), w[ids.numpy()], rtol=1e-6, atol=1e-7)
+
+
+def _random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random blocks: random bytes, the float16 fields set to small normal values."""
+    rng = np.random.default_rng(seed)
+    weights, nbytes = block_size(qtype)
+    blocks = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        d = (rng.standard_normal(blocks.shape[:2]) * 0.002).astype(np.float16)
+        blocks[:, :, at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def _width(qtype: int) -> int:
+    """A width as real models have it: 896 (Qwen2.5-0.5B's hidden size, not a multiple of 256) for the types of
+    32-weight blocks, 1792 (7 x 256) for those of 256."""
+    return 896 if block_size(qtype)[0] == 32 else 1792
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_random_blocks_against_the_reference(ops, qtype: int) -> None:
+    """Blocks of random bytes hold every value a block can: negative and positive scales, every sub-block scale,
+    min and high bit. De-quantized rows are the gguf package's bit for bit; products of 1, 3 and 40 rows (int8 and
+    panels) are within the int8 bound of the reference product."""
+    cols = _width(qtype)
+    q = _random_blocks(qtype, 40, cols, seed=qtype)
+    w = dequantize(q, qtype, (40, cols))
+    qm = ops.quant_matrix([qtype], [torch.from_numpy(q)], cols)
+    np.testing.assert_array_equal(ops.dequantize_rows(qm, torch.arange(40)).numpy(), w)
+    for rows in (1, 3, 40):
+        x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.T.astype(np.float64)
+        for int8 in (True, False):
+            got = ops.quant_linear(torch.from_numpy(x), qm, None, int8).numpy()
+            slack = 2.0**-8 * (np.abs(x) @ np.abs(w).T) + 1e-6  # bf16 panels round both factors
+            assert np.all(np.abs(got - ref) <= _bound(x, w) + slack), (rows, int8)
+            assert np.linalg.norm(got - ref) < 0.03 * np.linalg.norm(ref), (rows, int8)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_widths_of_real_models(ops, qtype: int) -> None:
+    """Quantized as llama.cpp does, at a width real models have (896 is no multiple of 256): de-quantization exact,
+    and products of 1, 2, 5 and 40 rows within the int8 bound."""
+    cols = _width(qtype)
+    qm, w = _matrix(ops, [(qtype, 50)], cols, seed=21)
+    np.testing.assert_allclose(ops.dequantize_rows(qm, torch.arange(50)).numpy(), w, rtol=1e-6, atol=1e-7)
+    for rows in (1, 2, 5, 40):
+        x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.T.astype(np.float64)
+        got = ops.quant_linear(torch.from_numpy(x), qm).numpy()
+        assert np.all(np.abs(got - ref) <= _bound(x, w) + 2.0**-8 * (np.abs(x) @ np.abs(w).T) + 1e-6), rows
+        assert np.linalg.norm(got - ref) < 0.03 * np.linalg.norm(ref), rows
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
@@ -204,7 +263,14 @@ def test_row_bytes_per_type(ops) -> None:
     assert ops.quant_row_bytes(Q8_0, 64) == 2 * 34
     assert ops.quant_row_bytes(Q6_K, 512) == 2 * 210
     assert ops.quant_row_bytes(Q4_K, 576) == 0  # not a whole number of 256-weight blocks
-    assert ops.quant_row_bytes(1, 64) == 0  # F16: no quantized kernel
+    assert ops.quant_row_bytes(6, 896) == 28 * 22  # Q5_0
+    assert ops.quant_row_bytes(10, 768) == 3 * 84  # Q2_K
+    assert ops.quant_row_bytes(11, 768) == 3 * 110  # Q3_K
+    assert ops.quant_row_bytes(20, 96) == 3 * 18  # IQ4_NL
+    assert ops.quant_row_bytes(23, 512) == 2 * 136  # IQ4_XS
+    assert ops.quant_row_bytes(23, 896) == 0
+    assert ops.quant_row_bytes(1, 64) == 0  # F16: no quantized kernel (linears run it on bf16 panels)
+    assert ops.quant_row_bytes(16, 256) == 0  # IQ2_XXS: none
     assert ops.quant_row_bytes(Q4_0, 0) == 0
 
 

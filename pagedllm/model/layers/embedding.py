@@ -45,7 +45,9 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
+        # Not zeros: a quantized table never writes it (a 150k x 1k float32 table is 600 MB of pages touched for
+        # nothing); the loader zeroes the padding rows of the last shard.
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.quant: QuantParts | None = None  # a quantized table as loaded, until pack_weights
         self.qweight: Any = None  # the native QuantMatrix of the table, once packed
@@ -58,8 +60,14 @@ class VocabParallelEmbedding(nn.Module):
                 self.quant = QuantParts(self.shard_size, self.embedding_dim)
                 self.quant.add(0, part)
                 return
+            if part.is_half and self.ops is not None:  # kept as stored; rows widened to float32 when read
+                table = torch.zeros(self.shard_size, self.embedding_dim, dtype=part.half().dtype)
+                table[: part.shape[0]].copy_(part.half())
+                param.data = table
+                return
             part = part.dequantize()
         param.data[: part.shape[0]].copy_(part)
+        param.data[part.shape[0] :].zero_()
 
     def pack_weights(
         self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None, bf16: bool = False
@@ -89,7 +97,7 @@ class VocabParallelEmbedding(nn.Module):
             flat = ids.reshape(-1)
             rows = panels[flat // panels.shape[2], :, flat % panels.shape[2], :].reshape(flat.shape[0], -1)
             return rows[:, : self.embedding_dim].float().view(*ids.shape, -1)
-        if self.weight.dtype == torch.bfloat16 and self.ops is not None:
+        if self.weight.dtype in (torch.bfloat16, torch.float16) and self.ops is not None:
             return F.embedding(ids, self.weight).float()
         return F.embedding(ids, self.weight)
 
@@ -144,9 +152,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             return True
         if self.quant is not None:
             return super().pack_weights(panels_out, quant_out)
-        if bf16:
+        half = self.weight.dtype in (torch.float16, torch.bfloat16)  # a GGUF's F16 or BF16 table, as stored
+        if bf16 or half:
             # tied, the table is bf16 by now (the embedding packs first): its values are those of the float32 one
-            self.bf16_panels = pack_bf16_panels(self.weight.float(), self.ops, panels_out)
+            self.bf16_panels = pack_bf16_panels(self.weight.float(), self.ops, panels_out if bf16 else None)
             if self.bf16_panels is not None:
                 # one bf16 copy: tied, the embedding then reads its rows from these panels
                 if self.tied is not None and self.tied.tp_size == 1:

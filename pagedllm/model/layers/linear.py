@@ -277,6 +277,7 @@ class LinearBase(nn.Module):
         self.bf16_panels: Bf16Panels | None = None
         self.quant: QuantParts | None = None  # quantized rows as loaded, until pack_weights
         self.qweight: Any = None  # the native QuantMatrix the layer runs on, once packed
+        self.half_source = False  # loaded from float16/bfloat16 GGUF tensors: kept in bf16 panels, not float32
 
     def put_rows(self, param: nn.Parameter, first_row: int, tensor: torch.Tensor | QuantTensor) -> None:
         """Load `tensor` into rows [first_row, ...) of `param`: a quantized weight the native ops run is kept as
@@ -287,19 +288,22 @@ class LinearBase(nn.Module):
                     self.quant = QuantParts(self.output_size, self.input_size)
                 self.quant.add(first_row, tensor)
                 return
+            if param is self.weight and tensor.is_half and self.ops is not None:
+                self.half_source = True  # float32 until packed, then bf16 panels (pack_weights)
             tensor = tensor.dequantize()
         param.data.narrow(0, first_row, tensor.shape[0]).copy_(tensor)
 
     def settle_quant(self) -> None:
-        """After loading: a weight only partly quantized (some of its checkpoint tensors of a type without a
-        kernel) is de-quantized whole."""
+        """After loading: a weight only partly quantized (some of its checkpoint tensors float16 or bfloat16, or
+        split off block boundaries) is de-quantized whole, and then runs on bf16 panels."""
         if self.quant is not None and not self.quant.complete():
             self.quant.dequantize_into(self.weight.data)
             self.quant = None
+            self.half_source = self.ops is not None
 
     def panel_shape(self, bf16: bool = False) -> tuple[int, ...] | None:
-        if self.quant is not None or self.qweight is not None:
-            return None
+        if self.quant is not None or self.qweight is not None or (self.half_source and not bf16):
+            return None  # no float32 panels: quantized, or bf16 panels of its own (pack_weights)
         return panel_shape(self.weight, self.ops, bf16)
 
     def pack_weights(
@@ -314,8 +318,8 @@ class LinearBase(nn.Module):
             self.quant = None
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
             return True
-        if bf16:
-            self.bf16_panels = pack_bf16_panels(self.weight, self.ops, panels_out)
+        if bf16 or self.half_source:
+            self.bf16_panels = pack_bf16_panels(self.weight, self.ops, panels_out if bf16 else None)
             if self.bf16_panels is not None:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
                 return True

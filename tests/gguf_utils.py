@@ -1,0 +1,180 @@
+"""Test helpers: an HF model folder -> a GGUF file with the type mix llama.cpp's quantizer gives a real model.
+
+`write_gguf(folder, path, layout)` writes the folder's weights (HF names mapped to llama.cpp's, q/k rows permuted
+for llama's rotary layout where llama.cpp does) with each matrix quantized by tests/quant_utils.py to the type
+`tensor_type(layout, ...)` picks: a model of the folder's config, with the metadata pagedllm's GGUF config reader
+needs. The tokenizer stays in the folder: pass it as `tokenizer=folder`.
+
+`tensor_type` follows llama.cpp's `llama_tensor_get_type` for the layouts tested (Q4_K_M, Q5_K_M, Q3_K_M, Q2_K,
+Q8_0, IQ4_XS): the base type, the head in Q6_K (the token embedding when tied), attn_v and ffn_down with more bits
+in the first and last eighths of the layers and every third in between (`use_more_bits`), and llama.cpp's fallback
+where a row is not a whole number of 256-weight blocks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K /
+IQ4_XS -> IQ4_NL. That is how a 0.5B Qwen2.5's Q4_K_M holds Q5_0, Q8_0, Q4_K, Q6_K and F32 tensors at once.
+Norms and biases stay F32. Quantized bytes are cached per (tensor, type) for the process, so layouts that share a
+type for a large tensor (the embedding, the head) quantize it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from tests.quant_utils import (
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    block_size,
+    quantize,
+)
+
+LAYOUTS = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q8_0", "IQ4_XS")
+_BASE = {"Q4_K_M": Q4_K, "Q5_K_M": Q5_K, "Q3_K_M": Q3_K, "Q2_K": Q2_K, "Q8_0": Q8_0, "IQ4_XS": IQ4_XS}
+_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0, Q2_K: IQ4_NL, Q3_K: IQ4_NL, IQ4_XS: IQ4_NL}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_quantized: dict[tuple[str, int, int], np.ndarray] = {}  # (folder/tensor, type, seed) -> bytes
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(layout: str, name: str, cols: int, n_layers: int, tied: bool) -> int:
+    """The GGML type llama.cpp's `layout` gives the matrix `name` (llama.cpp's name) whose rows are `cols` long."""
+    if layout not in _BASE:
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    base = _BASE[layout]
+    qtype = base
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        qtype = base if base == Q8_0 else Q6_K
+    elif ".attn_v." in name:
+        qtype = {
+            "Q4_K_M": Q6_K if _use_more_bits(layer, n_layers) else Q4_K,
+            "Q5_K_M": Q6_K if _use_more_bits(layer, n_layers) else Q5_K,
+            "Q3_K_M": Q5_K if layer < 2 else Q4_K,
+            "Q2_K": Q3_K,
+            "Q8_0": Q8_0,
+            "IQ4_XS": Q5_K,
+        }[layout]
+    elif ".ffn_down." in name:
+        more = _use_more_bits(layer, n_layers)
+        qtype = {
+            "Q4_K_M": Q6_K if more else Q4_K,
+            "Q5_K_M": Q6_K if more else Q5_K,
+            "Q3_K_M": Q5_K if layer < n_layers // 16 else Q4_K if more else Q3_K,
+            "Q2_K": Q3_K,
+            "Q8_0": Q8_0,
+            "IQ4_XS": IQ4_XS,
+        }[layout]
+    elif ".attn_output." in name:
+        qtype = {"Q3_K_M": Q4_K, "Q2_K": Q3_K}.get(layout, base)
+    if cols % block_size(qtype)[0]:
+        qtype = _FALLBACK[qtype]
+    return qtype
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's interleave of q/k rows per head (convert_hf_to_gguf's permute): the inverse of the loader's."""
+    shape = w.shape
+    return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def gguf_name(hf_name: str) -> str | None:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    key = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{_LAYER_NAMES[key]}.{parts[-1]}" if key in _LAYER_NAMES else None
+
+
+def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """Write the HF model in `folder` as a GGUF file at `path` in llama.cpp's `layout`; returns {GGUF tensor name:
+    GGML type} for the matrices. `overrides` sets the type of named tensors (e.g. an F16 one)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg: dict[str, Any] = json.load(f)
+    arch = cfg["model_type"]
+    weights: dict[str, np.ndarray] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(folder, file)))
+    tied = "lm_head.weight" not in weights or bool(cfg.get("tie_word_embeddings"))
+    n_layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg["hidden_size"])
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(int(cfg["max_position_embeddings"]))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(int(cfg.get("head_dim") or hidden // heads))
+    w.add_value_length(int(cfg.get("head_dim") or hidden // heads))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    w.add_uint32("tokenizer.ggml.bos_token_id", int(cfg.get("bos_token_id") or 1))
+    w.add_uint32("tokenizer.ggml.eos_token_id", int(cfg.get("eos_token_id") or 2))
+    types: dict[str, int] = {}
+    for hf_name in sorted(weights):
+        name = gguf_name(hf_name)
+        if name is None or (tied and name == "output.weight"):
+            continue
+        t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
+        if arch in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
+            t = _permute(t, heads)
+        elif arch in ("llama", "mistral") and name.endswith(("attn_k.weight", "attn_k.bias")):
+            t = _permute(t, kv_heads)
+        if t.ndim == 1:
+            w.add_tensor(name, t)
+            continue
+        qtype = (overrides or {}).get(name) or tensor_type(layout, name, t.shape[1], n_layers, tied)
+        types[name] = qtype
+        if qtype in (0, 1, 30):  # F32, F16, BF16
+            if qtype == 0:
+                w.add_tensor(name, t)
+            else:
+                raw = gguf.quants.quantize(t, gguf.GGMLQuantizationType(qtype))
+                w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
+            continue
+        key = (os.path.join(folder, hf_name), qtype, t.shape[0])
+        if key not in _quantized:
+            _quantized[key] = quantize(t, qtype)
+        w.add_tensor(name, _quantized[key], raw_dtype=gguf.GGMLQuantizationType(qtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types
