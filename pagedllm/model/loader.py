@@ -5,9 +5,9 @@ reach the layers as stored, as `QuantTensor`s, when the model config says so (`q
 for a .gguf file) and the native ops are there; a matrix of any other type is then a ValueError naming the tensor
 and its type (never a silent float32 copy). Without the native ops, or with `quantization="none"`, every tensor is
 de-quantized by the `gguf` package to float32 (through the weight cache, weight_cache.py) and cast to the compute
-dtype, which the loader logs. llama.cpp stores Llama query/key weights with the rows of each head interleaved for its rotary
-layout; they are un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding expects:
-whole rows move, so a quantized tensor is un-permuted exactly.
+dtype, which the loader logs. llama.cpp stores Llama query/key weights with the rows of each head interleaved for
+its rotary layout; they are un-permuted here back to the HF layout (rotate-half), which the model's rotary embedding
+expects: whole rows move, so a quantized tensor is un-permuted exactly.
 """
 
 from __future__ import annotations
