@@ -2,7 +2,7 @@
 
     python bench/peers/run.py [--workloads varied,uniform,decode,online,uniform-top-p,decode-top-p]
                               [--engines pagedllm,pagedllm-gguf,pagedllm-gguf-kvf32,pagedllm-bf16,hf,vllm,llamacpp]
-                              [--rates 1,2,4,8]
+                              [--rates 1,2,4,8] [--gguf qwen2.5-coder-0.5b-q4_k_m]
                               [--record]
 
 Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder (pagedllm-bf16: pagedllm on it with --dtype
@@ -135,9 +135,18 @@ def llamacpp_python() -> str:
     return str(LLAMACPP_VENV / "bin" / "python")
 
 
-def gguf_model() -> str:
-    from pagedllm.config import default_model_path
+GGUF_OVERRIDE: list[str] = []  # --gguf: the file the GGUF engines load instead of the default model's
 
+
+def gguf_model() -> str:
+    """The GGUF file of the GGUF engines: --gguf (a path, or a packaged model's name, pagedllm.model.packaged), else
+    the default model's."""
+    from pagedllm.config import default_model_path
+    from pagedllm.model.packaged import PACKAGED_MODELS, packaged_model
+
+    if GGUF_OVERRIDE:
+        name = GGUF_OVERRIDE[0]
+        return packaged_model(name) if name in PACKAGED_MODELS else str(Path(name).resolve())
     return default_model_path()
 
 
@@ -515,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
     parser.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file the GGUF engines (pagedllm-gguf, llamacpp) load: a path or a packaged model's name "
+        "(e.g. qwen2.5-coder-0.5b-q4_k_m); only GGUF engines may run then",
+    )
+    parser.add_argument(
         "--baseline",
         default=None,
         help="a checkout of pagedllm (another commit, its kernels built) run as engine 'baseline' (offline "
@@ -540,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the top-p workloads run pagedllm, HF and vLLM only (the llama.cpp runner takes the argmax)")
     if "baseline" in engines and not args.baseline:
         parser.error("engine 'baseline' needs --baseline PATH")
+    if args.gguf:
+        if any(e not in GGUF_ENGINES for e in engines):
+            parser.error(f"--gguf runs the GGUF engines only ({', '.join(GGUF_ENGINES)})")
+        GGUF_OVERRIDE.append(args.gguf)
     problem = stale_kernels(engines)
     if problem is not None:
         parser.error(f"pagedllm would run on plain torch, not its native kernels: {problem}")

@@ -12,7 +12,8 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${1:-${LLAMACPP_VENV:-$ROOT/.venv-llamacpp}}"
 PYTHON="${PYTHON:-python3}"
 VERSION="0.3.36"
-CPU="$( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
+BUILD="no-amx"  # bumped when the build flags change: a venv of other flags is rebuilt
+CPU="$BUILD $( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
 MARK="$VENV/.built-for-cpu"
 
 if [ -x "$VENV/bin/python" ] && [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$CPU" ] \
@@ -24,7 +25,9 @@ rm -rf "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 # No CUDA, no BLAS: llama.cpp's own CPU kernels, compiled for this CPU; -j from the cores we have.
-CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+# AMX off: the VMs we measure on list amx_tile/amx_int8 in /proc/cpuinfo but trap on its first tileloadd (SIGILL,
+# seen on a Xeon of 2026-11-27): GGML_NATIVE would build it in and llama.cpp would die at its first prompt.
+CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   $PIP install --quiet --no-cache-dir "llama-cpp-python==$VERSION"
 echo "$CPU" > "$MARK"
