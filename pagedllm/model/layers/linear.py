@@ -19,6 +19,8 @@ position, so a request's output does not depend on what else shares its steps.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -30,6 +32,8 @@ from torch import nn
 from pagedllm.distributed.parallel_state import Shard, TensorParallelGroup, attention_shard
 from pagedllm.model import hugepages
 from pagedllm.model.quant import QuantParts, QuantTensor, keeps
+
+logger = logging.getLogger(__name__)
 
 # Below this many rows, a CPU matmul is faster as a batch of per-thread slices of the weight (one bmm): MKL's own
 # threading of skinny GEMMs leaves most of the memory bandwidth unused on the CPUs we measure on (bench/RESULTS.md).
@@ -238,6 +242,18 @@ def panel_arena(modules: list[nn.Module], bf16: bool = False) -> dict[nn.Module,
         return {}
     _, views = hugepages.arena([shapes[m] for m in order], torch.bfloat16 if bf16 else torch.float32)
     return dict(zip(order, views, strict=True))
+
+
+@functools.cache
+def _warn_split(type_name: str, width: int, ranks: int) -> None:
+    """Once per (type, width): a row-parallel split that cuts the type's blocks de-quantizes this rank's slice."""
+    logger.warning(
+        "tensor parallel %d splits %s weights into slices %d wide, not whole blocks of the type: those slices are "
+        "de-quantized to float32 on each rank",
+        ranks,
+        type_name,
+        width,
+    )
 
 
 def _set_loader(param: nn.Parameter, loader) -> None:
@@ -471,7 +487,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantTensor) -> None:
         # A quantized weight stays so when this rank's columns are whole blocks (else the slice is de-quantized).
-        self.put_rows(param, 0, loaded_weight.narrow(1, self.input_shard.first, self.input_shard.count))
+        part = loaded_weight.narrow(1, self.input_shard.first, self.input_shard.count)
+        if isinstance(loaded_weight, QuantTensor) and not isinstance(part, QuantTensor):
+            _warn_split(loaded_weight.dtype, self.input_shard.count, self.tp_size)
+        self.put_rows(param, 0, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.

@@ -1,0 +1,132 @@
+"""A synthetic model of a real model's shapes, quantized by llama.cpp's own quantizer: for batch-1 speed at the sizes
+users run on a CPU, where no such checkpoint can be had here (no model hub).
+
+    python bench/peers/synthetic_gguf.py [--shape llama-3.2-3b] [--ftype Q4_K_M] [--out FILE]
+
+1. writes an F16 GGUF (llama architecture) of the shape with random weights (N(0, 0.02), norms 1), and the
+   tokenizer of the packaged Qwen2.5-Coder-0.5B GGUF (a real BPE vocabulary of 151,936 tokens, so both engines load
+   it; Llama-3.2-3B's own has 128,256);
+2. quantizes it with llama.cpp's `llama_model_quantize` (llama-cpp-python in the peer virtualenv,
+   setup_llamacpp.sh) to the type mix llama-quantize gives that ftype, then deletes the F16 file.
+Prints the output path. Decode speed does not depend on the weights' values, only on their types and shapes. Never
+part of `make test`: the F16 file of a 3B model is 6.6 GB and the quantization takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {
+    # Llama-3.2-3B: 28 layers, hidden 3072, 24 query heads over 8 KV heads of 128, intermediate 8192, tied head.
+    "llama-3.2-3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, inter=8192, tied=True),
+    # Llama-3.2-1B: 16 layers, hidden 2048, 32 over 8 heads of 64, intermediate 8192, tied head.
+    "llama-3.2-1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, tied=True),
+}
+FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "IQ4_XS": 30}
+
+
+def write_f16(path: str, shape: dict, seed: int = 0) -> None:
+    import gguf
+
+    from pagedllm.model.gguf_file import open_gguf
+    from pagedllm.model.packaged import packaged_model
+
+    source = open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(f"synthetic {os.path.basename(path)}")
+    w.add_block_count(shape["layers"])
+    w.add_context_length(8192)
+    w.add_embedding_length(shape["hidden"])
+    w.add_feed_forward_length(shape["inter"])
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_key_length(shape["head_dim"])
+    w.add_value_length(shape["head_dim"])
+    w.add_rope_dimension_count(shape["head_dim"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(tokens)
+    w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos", "eos", "padding"):
+        field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    h, d = shape["hidden"], shape["head_dim"]
+    w.add_tensor("token_embd.weight", matrix(vocab, h))
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    if not shape["tied"]:
+        w.add_tensor("output.weight", matrix(vocab, h))
+    for i in range(shape["layers"]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", matrix(shape["heads"] * d, h))
+        w.add_tensor(f"blk.{i}.attn_k.weight", matrix(shape["kv_heads"] * d, h))
+        w.add_tensor(f"blk.{i}.attn_v.weight", matrix(shape["kv_heads"] * d, h))
+        w.add_tensor(f"blk.{i}.attn_output.weight", matrix(h, shape["heads"] * d))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape["inter"], h))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape["inter"], h))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", matrix(h, shape["inter"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_QUANTIZE = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.nthread = 2
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params)
+sys.exit(rc)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.2-3b", choices=sorted(SHAPES))
+    parser.add_argument("--ftype", default="Q4_K_M", choices=sorted(FTYPES))
+    parser.add_argument("--out", default=None, help="default: $PAGEDLLM_CACHE_DIR/models/synthetic-SHAPE-FTYPE.gguf")
+    args = parser.parse_args(argv)
+    from pagedllm.config import cache_dir
+
+    out = args.out or os.path.join(cache_dir(), "models", f"synthetic-{args.shape}-{args.ftype.lower()}.gguf")
+    if os.path.isfile(out):
+        print(out)
+        return 0
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    f16 = out + ".f16.tmp"
+    print(f"writing the F16 model of {args.shape} ...", file=sys.stderr, flush=True)
+    write_f16(f16, SHAPES[args.shape])
+    subprocess.run([str(HERE / "setup_llamacpp.sh")], check=True)
+    venv = Path(os.environ.get("LLAMACPP_VENV", HERE.parents[1] / ".venv-llamacpp"))
+    print(f"quantizing to {args.ftype} with llama.cpp ...", file=sys.stderr, flush=True)
+    tmp = out + ".tmp"
+    subprocess.run([str(venv / "bin" / "python"), "-c", _QUANTIZE, f16, tmp, str(FTYPES[args.ftype])], check=True)
+    os.replace(tmp, out)
+    os.unlink(f16)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
