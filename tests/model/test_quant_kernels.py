@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagedllm.model.quant import type_name
-from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPES, block_size, dequantize, quantize
+from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, TYPES, block_size, dequantize, quantize
 
 NAMES = {t: type_name(t) for t in TYPES}
 # Byte offsets of each type's float16 fields within its block (the rest of a block is integers and bit fields).
@@ -175,18 +175,25 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(whole.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-PACKED = (Q4_0, Q4_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
+PACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
 
 
 def _packs(ops) -> bool:
     return ops.isa != "generic"  # AVX2 (vpmaddubsw) or AVX-512 (vpdpbusd with VNNI, else the AVX2 kernel)
 
 
+def _packed_types(ops) -> tuple[int, ...]:
+    """The types this build keeps in its interleaved layout: Q4_K and Q5_K too where it has AVX-512 VNNI."""
+    if not _packs(ops):
+        return ()
+    return PACKED + ((Q4_K, 13) if ops.isa == "avx512bf16" else ())
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
 def test_packed_layout_where_the_build_has_one(ops, qtype: int) -> None:
     """SIMD builds rewrite Q4_0, Q4_1 and Q8_0 rows in groups of 16 (the rest stay as stored); generic keeps all."""
     qm, w = _matrix(ops, [(qtype, 37)], 512)
-    assert qm.packed_rows == (32 if _packs(ops) and qtype in PACKED else 0)
+    assert qm.packed_rows == (32 if qtype in _packed_types(ops) else 0)
     assert qm.nbytes == 37 * ops.quant_row_bytes(qtype, 512)  # in place: no byte more
     np.testing.assert_allclose(ops.dequantize_rows(qm, torch.arange(37)).numpy(), w, rtol=1e-6, atol=1e-7)
 
@@ -210,7 +217,7 @@ def test_int8_inputs_for_any_number_of_rows(ops, qtype: int) -> None:
         assert not torch.equal(got, panels)  # without int8: the panels, for any number of rows
         assert torch.equal(ops.quant_linear(x[7:9].contiguous(), qm), panels[7:9])
     else:
-        assert not (_packs(ops) and qtype in PACKED)
+        assert qtype not in _packed_types(ops)
         assert torch.equal(got, ops.quant_linear(x, qm))
 
 

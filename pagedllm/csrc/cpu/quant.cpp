@@ -613,12 +613,33 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 // every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
 constexpr int64_t kPackRows = 16;
 
-inline bool packable(int32_t type) { return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q8_0; }
-constexpr int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 : 32; }  // in a packed chunk
+// Q4_K and Q5_K have their packed layout (pack_group_k) in builds with AVX-512 VNNI only.
+constexpr bool packed_k(int32_t type) { return type == PQ_Q4_K || type == PQ_Q5_K; }
+
+inline bool packable(int32_t type) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (packed_k(type)) return true;
+#endif
+  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0;
+}
+constexpr bool has_min(int32_t type) { return type == PQ_Q4_1 || type == PQ_Q5_1; }  // b from the block, not a
+constexpr bool five_bit(int32_t type) { return type == PQ_Q5_0 || type == PQ_Q5_1; }
+// Where a packed chunk's fifth bits start (Q5_0, Q5_1: 16 lanes of 4 bytes, after the scales and mins) and its weight
+// vectors.
+constexpr int64_t packed_qh_at(int32_t type) { return has_min(type) ? 64 : 32; }
+constexpr int64_t packed_weights_at(int32_t type) { return packed_qh_at(type) + (five_bit(type) ? 64 : 0); }
+// b of a type without a min, as a multiple of a: w = a u + b with u the unsigned integer the packed layout holds.
+constexpr float packed_offset(int32_t type) { return type == PQ_Q8_0 ? -128.f : type == PQ_Q5_0 ? -16.f : -8.f; }
+
+// Q5_0 and Q5_1: the fifth bit of weight w (0..31) of a chunk goes to bit 8 (w % 4) + j of its row's packed word,
+// j = (w % 16) / 4 + 4 (w / 16) the index of the weight vector that holds the weight's nibble (vectors 0-3 the low
+// nibbles, 4-7 the high ones): shifted by 4 - j, the word then holds vector j's fifth bits at bit 4 of each byte.
+constexpr int fifth_bit_at(int w) { return 8 * (w % 4) + (w % 16) / 4 + 4 * (w / 16); }
 
 [[maybe_unused]] void pack_group(uint8_t* grp, int32_t type, int64_t nb, std::vector<uint8_t>& tmp) {
-  const int64_t bb = block_bytes(type), rb = nb * bb, wo = packed_weights_at(type);
-  const int vecs = type == PQ_Q8_0 ? 8 : 4, qoff = type == PQ_Q4_1 ? 4 : 2;
+  const int64_t bb = block_bytes(type), rb = nb * bb, wo = packed_weights_at(type), qh_at = packed_qh_at(type);
+  const int vecs = type == PQ_Q8_0 ? 8 : 4;
+  const int qoff = (has_min(type) ? 4 : 2) + (five_bit(type) ? 4 : 0);  // of the block's weights
   const uint32_t flip = type == PQ_Q8_0 ? 0x80808080u : 0u;  // q + 128 as unsigned bytes
   tmp.assign(grp, grp + kPackRows * rb);
   for (int64_t c = 0; c < nb; ++c) {
@@ -626,7 +647,13 @@ constexpr int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 
     for (int r = 0; r < kPackRows; ++r) {
       const uint8_t* blk = tmp.data() + r * rb + c * bb;
       std::memcpy(o + 2 * r, blk, 2);
-      if (type == PQ_Q4_1) std::memcpy(o + 32 + 2 * r, blk + 2, 2);
+      if (has_min(type)) std::memcpy(o + 32 + 2 * r, blk + 2, 2);
+      if (five_bit(type)) {
+        uint32_t qh, word = 0;
+        std::memcpy(&qh, blk + (has_min(type) ? 4 : 2), 4);
+        for (int w = 0; w < 32; ++w) word |= ((qh >> w) & 1u) << fifth_bit_at(w);
+        std::memcpy(o + qh_at + 4 * r, &word, 4);
+      }
       for (int j = 0; j < vecs; ++j) {
         uint32_t w4;
         std::memcpy(&w4, blk + qoff + 4 * j, 4);
@@ -637,8 +664,51 @@ constexpr int64_t packed_weights_at(int32_t type) { return type == PQ_Q4_1 ? 64 
   }
 }
 
+// The packed layout of Q4_K and Q5_K: each super-block of a group's 16 rows in as many bytes as the rows' blocks,
+// the 16 rows' fields side by side: d (16 f16), dmin (16 f16), the 12 scale bytes as 3 vectors of 16 lanes of 4 bytes
+// (vector w lane r: bytes 4w .. 4w + 3 of row r's), for Q5_K the 32 fifth-bit bytes as 8 such vectors, then the 128
+// nibble bytes as 32 vectors: vector 8g + t lane r holds bytes 32g + 4t .. 32g + 4t + 3 of row r's nibbles, whose
+// low nibbles are weights 4t .. 4t + 3 of chunk 2g and high nibbles those of chunk 2g + 1 (ggml's order). A chunk's
+// 8 vectors then feed vpdpbusd as Q4_0's do, and its scale and min come from the scale vectors for 16 rows at once.
+constexpr int64_t kQh = 256;  // where Q5_K's fifth bits start in a packed super-block
+constexpr int64_t k_nibbles_at(int32_t type) { return type == PQ_Q5_K ? kQh + 512 : kQh; }
+
+// Moves row r's block between its GGUF layout (blk) and its lanes of a packed super-block (sb): `pack` true writes
+// sb, false writes blk.
+void move_block_k(int32_t type, uint8_t* sb, int r, uint8_t* blk, bool pack) {
+  auto mv = [&](int64_t at_sb, int64_t at_blk, int64_t n) {
+    if (pack) std::memcpy(sb + at_sb, blk + at_blk, n);
+    else std::memcpy(blk + at_blk, sb + at_sb, n);
+  };
+  mv(2 * r, 0, 2);
+  mv(32 + 2 * r, 2, 2);
+  for (int w = 0; w < 3; ++w) mv(64 + 64 * w + 4 * r, 4 + 4 * w, 4);
+  const int64_t qs = type == PQ_Q5_K ? 48 : 16;
+  if (type == PQ_Q5_K)
+    for (int t = 0; t < 8; ++t) mv(kQh + 64 * t + 4 * r, 16 + 4 * t, 4);
+  for (int v = 0; v < 32; ++v) mv(k_nibbles_at(type) + 64 * v + 4 * r, qs + 4 * v, 4);
+}
+
+[[maybe_unused]] void pack_group_k(uint8_t* grp, int32_t type, int64_t nsb, std::vector<uint8_t>& tmp) {
+  const int64_t bb = block_bytes(type), rb = nsb * bb;
+  tmp.assign(grp, grp + kPackRows * rb);
+  for (int64_t sbi = 0; sbi < nsb; ++sbi)
+    for (int r = 0; r < kPackRows; ++r)
+      move_block_k(type, grp + sbi * kPackRows * bb, r, tmp.data() + r * rb + sbi * bb, true);
+}
+
+void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out);
+
 // Row `lane` of a packed group, de-quantized (the same arithmetic as dequant_row).
 void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, float* out) {
+  if (packed_k(type)) {  // the row's blocks put back together, then de-quantized as stored
+    uint8_t blk[176];
+    for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+      move_block_k(type, const_cast<uint8_t*>(grp) + sbi * kPackRows * block_bytes(type), lane, blk, false);
+      dequant_row(type, blk, 256, out + 256 * sbi);
+    }
+    return;
+  }
   const int64_t cb = kPackRows * block_bytes(type), wo = packed_weights_at(type);
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
@@ -650,12 +720,15 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
         for (int k = 0; k < 4; ++k) o[4 * j + k] = a * static_cast<float>(static_cast<int>(u[64 * j + k]) - 128);
       continue;
     }
-    const float b = type == PQ_Q4_1 ? f16_at(ch + 32 + 2 * lane) : -8.f * a;
+    uint32_t word = 0;
+    if (five_bit(type)) std::memcpy(&word, ch + packed_qh_at(type) + 4 * lane, 4);
+    auto fifth = [&](int w) { return static_cast<int>((word >> fifth_bit_at(w)) & 1u) << 4; };
+    const float b = has_min(type) ? f16_at(ch + 32 + 2 * lane) : packed_offset(type) * a;
     for (int t = 0; t < 4; ++t)
       for (int k = 0; k < 4; ++k) {
         const uint8_t v = u[64 * t + k];
-        o[4 * t + k] = std::fma(a, static_cast<float>(v & 0xF), b);
-        o[16 + 4 * t + k] = std::fma(a, static_cast<float>(v >> 4), b);
+        o[4 * t + k] = std::fma(a, static_cast<float>((v & 0xF) | fifth(4 * t + k)), b);
+        o[16 + 4 * t + k] = std::fma(a, static_cast<float>((v >> 4) | fifth(16 + 4 * t + k)), b);
       }
   }
 }
@@ -691,8 +764,8 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
     const uint8_t* ch = grp + c * cb;
     prefetch_weights(ch, kPrefetchAhead, cb);
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
-    const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
-                                  : _mm512_mul_ps(a, _mm512_set1_ps(T == PQ_Q4_0 ? -8.f : -128.f));
+    const __m512 b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                                : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
     __m512i v[8];
     if constexpr (T == PQ_Q8_0) {
       for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(ch + wo + 64 * j);
@@ -701,6 +774,14 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
         const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
         v[t] = _mm512_and_si512(p, m4);
         v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+      if constexpr (five_bit(T)) {  // vector j's fifth bits at bit 4 of each byte: (word << 4 - j) & 0x10
+        const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i at = j <= 4 ? _mm512_slli_epi32(word, 4 - j) : _mm512_srli_epi32(word, j - 4);
+          v[j] = _mm512_ternarylogic_epi32(v[j], at, b4, 0xF8);  // v | (at & b4)
+        }
       }
     }
 #pragma GCC unroll 8
@@ -715,6 +796,71 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
       acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
+// The same for a packed group of Q4_K or Q5_K rows (pack_group_k): each chunk's scale a = d sc and offset
+// b = -dmin m for the 16 rows from the super-block's scale vectors (scale_min_k4's bit fields, lane-wise).
+template <int32_t T, int RB>
+void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                    int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+  constexpr int64_t sbb = kPackRows * block_bytes(T);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF);
+  const __m512i three = _mm512_set1_epi32(3);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32)));
+    const __m512i w0 = _mm512_loadu_si512(sb + 64), w1 = _mm512_loadu_si512(sb + 128), w2 = _mm512_loadu_si512(sb + 192);
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * g;
+      prefetch_weights(vs, kPrefetchAhead, 512);
+      __m512i raw[8];
+      for (int t = 0; t < 8; ++t) raw[t] = _mm512_loadu_si512(vs + 64 * t);
+#pragma GCC unroll 2
+      for (int hi = 0; hi < 2; ++hi) {
+        const int j = 2 * g + hi;
+        __m512i sc, mn;
+        if (j < 4) {
+          sc = _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), m6);
+          mn = _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), m6);
+        } else {
+          const int k = 8 * (j - 4);
+          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k), low4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, k + 6), three), 4));
+          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k + 4), low4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, k + 6), three), 4));
+        }
+        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        const __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(mn));
+        __m512i v[8];
+        for (int t = 0; t < 8; ++t) {
+          v[t] = hi ? _mm512_and_si512(_mm512_srli_epi16(raw[t], 4), m4) : _mm512_and_si512(raw[t], m4);
+          if constexpr (T == PQ_Q5_K) {  // bit j of the fifth-bit bytes: weight 4t + k's bit 4
+            const __m512i qh = _mm512_loadu_si512(sb + kQh + 64 * t);
+            const __m512i bit = _mm512_and_si512(_mm512_srli_epi32(qh, j), _mm512_set1_epi8(1));
+            v[t] = _mm512_or_si512(v[t], _mm512_slli_epi32(bit, 4));
+          }
+        }
+        const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* x = xq + r * ldq + 32 * c;
+          __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int t = 0; t < 8; ++t) {
+            int32_t x4;
+            std::memcpy(&x4, x + 4 * t, 4);
+            s = _mm512_dpbusd_epi32(s, v[t], _mm512_set1_epi32(x4));
+          }
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+        }
+      }
     }
   }
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
@@ -752,9 +898,9 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
       // The first half asks for the weights kPrefetchAhead bytes on; the second half finds this group in L1.
       if (h == 0) prefetch_weights(ch, kPrefetchAhead, cb);
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
-      const __m256 b = T == PQ_Q4_1
+      const __m256 b = has_min(T)
                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
-                           : _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+                           : _mm256_mul_ps(a, _mm256_set1_ps(packed_offset(T)));
       __m256i v[8], av[8];
       if constexpr (T == PQ_Q8_0) {
         for (int j = 0; j < 8; ++j) {
@@ -767,6 +913,15 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
           const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * t + 32 * h));
           v[t] = _mm256_and_si256(p, m4);
           v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+        if constexpr (five_bit(T)) {  // as in the AVX-512 kernel: vector j's fifth bits are (word << 4 - j) & 0x10
+          const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + packed_qh_at(T) + 32 * h));
+          const __m256i b4 = _mm256_set1_epi8(0x10);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            const __m256i at = j <= 4 ? _mm256_slli_epi32(word, 4 - j) : _mm256_srli_epi32(word, j - 4);
+            v[j] = _mm256_or_si256(v[j], _mm256_and_si256(at, b4));
+          }
         }
       }
 #pragma GCC unroll 8
@@ -784,6 +939,14 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
           for (int j = 1; j < 8; ++j)
             s = _mm256_add_epi32(
                 s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(x4(j), v[j])), ones));
+        } else if constexpr (five_bit(T)) {  // u <= 31: four vectors' pair sums fit 16 bits (4 * 2 * 31 * 127)
+          __m256i p = _mm256_maddubs_epi16(v[0], x4(0)), q = _mm256_maddubs_epi16(v[4], x4(4));
+#pragma GCC unroll 4
+          for (int j = 1; j < 4; ++j) {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[j], x4(j)));
+            q = _mm256_add_epi16(q, _mm256_maddubs_epi16(v[j + 4], x4(j + 4)));
+          }
+          s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
         } else {
           __m256i p = _mm256_maddubs_epi16(v[0], x4(0));
 #pragma GCC unroll 8
@@ -823,12 +986,27 @@ PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
   return fn;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+template <int32_t T, int... RB>
+PackedFn packed_pick_k(int rb, std::integer_sequence<int, RB...>) {
+  PackedFn fn = nullptr;
+  ((fn = (rb == RB + 1 ? packed_group_k<T, RB + 1> : fn)), ...);
+  return fn;
+}
+#endif
+
 PackedFn packed_fn(int32_t type, int rb) {
   const auto all = std::make_integer_sequence<int, kPackedTile>{};
   switch (type) {
     case PQ_Q4_0: return packed_pick<PQ_Q4_0>(rb, all);
     case PQ_Q4_1: return packed_pick<PQ_Q4_1>(rb, all);
+    case PQ_Q5_0: return packed_pick<PQ_Q5_0>(rb, all);
+    case PQ_Q5_1: return packed_pick<PQ_Q5_1>(rb, all);
     case PQ_Q8_0: return packed_pick<PQ_Q8_0>(rb, all);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    case PQ_Q4_K: return packed_pick_k<PQ_Q4_K>(rb, all);
+    case PQ_Q5_K: return packed_pick_k<PQ_Q5_K>(rb, all);
+#endif
     default: return nullptr;
   }
 }
@@ -837,7 +1015,7 @@ PackedFn packed_fn(int32_t type, int rb) {
 // input rows: group by group, each group's weights read once for all the rows.
 void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, float* y, int64_t ldy, int64_t l0,
                   int64_t l1) {
-  const int64_t nb = in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
+  const int64_t nb = in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, in);
   const PackedFn full = packed_fn(g.type, kPackedTile), tail = packed_fn(g.type, static_cast<int>(rows % kPackedTile));
   for (int64_t gi = l0 / kPackRows; gi * kPackRows < l1; ++gi) {
     const int64_t s0 = gi * kPackRows;
@@ -862,13 +1040,17 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     const QSegment& g = w.seg[s];
     if (base < first + g.rows) {
       const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed) return false;
+      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type)) return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
-        if (g.type == PQ_Q4_0) fn(std::integral_constant<int32_t, PQ_Q4_0>{}, grp, nb, h * kPackRows);
-        else if (g.type == PQ_Q4_1) fn(std::integral_constant<int32_t, PQ_Q4_1>{}, grp, nb, h * kPackRows);
-        else fn(std::integral_constant<int32_t, PQ_Q8_0>{}, grp, nb, h * kPackRows);
+        switch (g.type) {
+          case PQ_Q4_0: fn(std::integral_constant<int32_t, PQ_Q4_0>{}, grp, nb, h * kPackRows); break;
+          case PQ_Q4_1: fn(std::integral_constant<int32_t, PQ_Q4_1>{}, grp, nb, h * kPackRows); break;
+          case PQ_Q5_0: fn(std::integral_constant<int32_t, PQ_Q5_0>{}, grp, nb, h * kPackRows); break;
+          case PQ_Q5_1: fn(std::integral_constant<int32_t, PQ_Q5_1>{}, grp, nb, h * kPackRows); break;
+          default: fn(std::integral_constant<int32_t, PQ_Q8_0>{}, grp, nb, h * kPackRows); break;
+        }
       }
       return true;
     }
@@ -888,9 +1070,15 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
     prefetch_weights(ch, kPrefetchAhead, cb);  // the AVX2 build on Zen 5: 30 layers at 1 row 9.0 -> 6.1 ms
     for (int h = 0; h < 2; ++h) {
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16 * h)));
-      const __m256 b = T == PQ_Q4_1
+      const __m256 b = has_min(T)
                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 32 + 16 * h)))
-                           : _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+                           : _mm256_mul_ps(a, _mm256_set1_ps(packed_offset(T)));
+      [[maybe_unused]] const __m256i word =
+          five_bit(T) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + packed_qh_at(T) + 32 * h))
+                      : _mm256_setzero_si256();
+      auto fifth = [&](int w) {  // weight w's fifth bit as 16 or 0, for the 8 rows
+        return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(word, fifth_bit_at(w)), _mm256_set1_epi32(1)), 4);
+      };
       float* o = panel + 32 * c * kPanel + n0 + 8 * h;
       for (int j = 0; j < (T == PQ_Q8_0 ? 8 : 4); ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h));
@@ -901,8 +1089,12 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
             const __m256i u = _mm256_sub_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(0xFF)), _mm256_set1_epi32(128));
             _mm256_storeu_ps(o + (4 * j + k) * kPanel, _mm256_mul_ps(a, _mm256_cvtepi32_ps(u)));
           } else {
-            const __m256i lo = _mm256_and_si256(sh, _mm256_set1_epi32(0xF));
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 4), _mm256_set1_epi32(0xF));
+            __m256i lo = _mm256_and_si256(sh, _mm256_set1_epi32(0xF));
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 4), _mm256_set1_epi32(0xF));
+            if constexpr (five_bit(T)) {
+              lo = _mm256_or_si256(lo, fifth(4 * j + k));
+              hi = _mm256_or_si256(hi, fifth(16 + 4 * j + k));
+            }
             _mm256_storeu_ps(o + (4 * j + k) * kPanel, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(lo), b));
             _mm256_storeu_ps(o + (16 + 4 * j + k) * kPanel, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(hi), b));
           }
@@ -932,8 +1124,10 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
     // Without asking ahead, a third of this loop's time went to waiting for the weights (Zen 5, one row).
     prefetch_weights(ch, kPrefetchAhead, cb);
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
-    const __m512 b = T == PQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
-                                  : _mm512_mul_ps(a, _mm512_set1_ps(-8.f));
+    const __m512 b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                                : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
+    [[maybe_unused]] const __m512i word =
+        five_bit(T) ? _mm512_loadu_si512(ch + packed_qh_at(T)) : _mm512_setzero_si512();
     auto weight = [&](int k) {  // weight k (0..31) of the chunk, for the 16 rows
       if constexpr (T == PQ_Q8_0) {
         const __m512i v = _mm512_loadu_si512(ch + wo + 64 * (k / 4));
@@ -942,7 +1136,10 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
       } else {
         const __m512i v = _mm512_loadu_si512(ch + wo + 64 * ((k % 16) / 4));
         const int shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
-        const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
+        __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
+        if constexpr (five_bit(T))
+          u = _mm512_or_si512(
+              u, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(word, fifth_bit_at(k)), _mm512_set1_epi32(1)), 4));
         return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(u), b);
       }
     };
@@ -1089,7 +1286,10 @@ int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in) {
   {
     std::vector<uint8_t> tmp;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) pack_group(data + g * kPackRows * row_bytes, type, in / 32, tmp);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (packed_k(type)) pack_group_k(data + g * kPackRows * row_bytes, type, in / 256, tmp);
+      else pack_group(data + g * kPackRows * row_bytes, type, in / 32, tmp);
+    }
   }
   return groups * kPackRows;
 #else
