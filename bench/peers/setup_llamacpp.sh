@@ -12,7 +12,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${1:-${LLAMACPP_VENV:-$ROOT/.venv-llamacpp}}"
 PYTHON="${PYTHON:-python3}"
 VERSION="0.3.36"
-BUILD="no-amx"  # bumped when the build flags change: a venv of other flags is rebuilt
+BUILD="isa-by-name"  # bumped when the build flags change: a venv of other flags is rebuilt
 CPU="$BUILD $( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
 MARK="$VENV/.built-for-cpu"
 
@@ -25,9 +25,21 @@ rm -rf "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 # No CUDA, no BLAS: llama.cpp's own CPU kernels, compiled for this CPU; -j from the cores we have.
-# AMX off: the VMs we measure on list amx_tile/amx_int8 in /proc/cpuinfo but trap on its first tileloadd (SIGILL,
-# seen on a Xeon of 2026-11-27): GGML_NATIVE would build it in and llama.cpp would die at its first prompt.
-CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+# Not GGML_NATIVE: the VMs we measure on list amx_tile/amx_int8 in /proc/cpuinfo but trap on the first tileloadd
+# (SIGILL, seen on a Xeon of 2026-11-27), and -march=native compiles llama.cpp's AMX kernels in whatever
+# GGML_AMX_* says. Instead every other instruction set this CPU lists, named one by one.
+has() { grep -m1 -q -w "$1" /proc/cpuinfo; }
+ISA="-DGGML_NATIVE=OFF"
+has avx && ISA="$ISA -DGGML_AVX=ON"
+has avx2 && ISA="$ISA -DGGML_AVX2=ON"
+has fma && ISA="$ISA -DGGML_FMA=ON"
+has f16c && ISA="$ISA -DGGML_F16C=ON"
+has avx_vnni && ISA="$ISA -DGGML_AVX_VNNI=ON"
+has avx512f && ISA="$ISA -DGGML_AVX512=ON"
+has avx512_vbmi && ISA="$ISA -DGGML_AVX512_VBMI=ON"
+has avx512_vnni && ISA="$ISA -DGGML_AVX512_VNNI=ON"
+has avx512_bf16 && ISA="$ISA -DGGML_AVX512_BF16=ON"
+CMAKE_ARGS="$ISA -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   $PIP install --quiet --no-cache-dir "llama-cpp-python==$VERSION"
 echo "$CPU" > "$MARK"

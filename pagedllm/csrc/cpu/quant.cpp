@@ -613,8 +613,8 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 // every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
 constexpr int64_t kPackRows = 16;
 
-// Q4_K and Q5_K have their packed layout (pack_group_k) in builds with AVX-512 VNNI only.
-constexpr bool packed_k(int32_t type) { return type == PQ_Q4_K || type == PQ_Q5_K; }
+// Q4_K, Q5_K and Q6_K have their packed layout (pack_group_k) in builds with AVX-512 VNNI only.
+constexpr bool packed_k(int32_t type) { return type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K; }
 
 inline bool packable(int32_t type) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -673,6 +673,11 @@ constexpr int fifth_bit_at(int w) { return 8 * (w % 4) + (w % 16) / 4 + 4 * (w /
 constexpr int64_t kQh = 256;  // where Q5_K's fifth bits start in a packed super-block
 constexpr int64_t k_nibbles_at(int32_t type) { return type == PQ_Q5_K ? kQh + 512 : kQh; }
 
+// Q6_K's: d (16 f16), the 16 int8 scales as 4 vectors (vector w lane r: scales 4w .. 4w + 3 of row r), the 128
+// low-bit bytes as 32 vectors (vector v lane r: bytes 4v .. 4v + 3 of row r's ql), the 64 high-bit bytes as 16
+// (likewise of qh).
+constexpr int64_t kQ6Scales = 32, kQ6Low = 32 + 256, kQ6High = 32 + 256 + 2048;
+
 // Moves row r's block between its GGUF layout (blk) and its lanes of a packed super-block (sb): `pack` true writes
 // sb, false writes blk.
 void move_block_k(int32_t type, uint8_t* sb, int r, uint8_t* blk, bool pack) {
@@ -680,6 +685,13 @@ void move_block_k(int32_t type, uint8_t* sb, int r, uint8_t* blk, bool pack) {
     if (pack) std::memcpy(sb + at_sb, blk + at_blk, n);
     else std::memcpy(blk + at_blk, sb + at_sb, n);
   };
+  if (type == PQ_Q6_K) {  // ql [128], qh [64], scales [16], d
+    mv(2 * r, 208, 2);
+    for (int w = 0; w < 4; ++w) mv(kQ6Scales + 64 * w + 4 * r, 192 + 4 * w, 4);
+    for (int v = 0; v < 32; ++v) mv(kQ6Low + 64 * v + 4 * r, 4 * v, 4);
+    for (int v = 0; v < 16; ++v) mv(kQ6High + 64 * v + 4 * r, 128 + 4 * v, 4);
+    return;
+  }
   mv(2 * r, 0, 2);
   mv(32 + 2 * r, 2, 2);
   for (int w = 0; w < 3; ++w) mv(64 + 64 * w + 4 * r, 4 + 4 * w, 4);
@@ -702,7 +714,7 @@ void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out);
 // Row `lane` of a packed group, de-quantized (the same arithmetic as dequant_row).
 void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, float* out) {
   if (packed_k(type)) {  // the row's blocks put back together, then de-quantized as stored
-    uint8_t blk[176];
+    uint8_t blk[210];
     for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
       move_block_k(type, const_cast<uint8_t*>(grp) + sbi * kPackRows * block_bytes(type), lane, blk, false);
       dequant_row(type, blk, 256, out + 256 * sbi);
@@ -866,6 +878,69 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
 }
 
+// The same for a packed group of Q6_K rows: w = d sc (u - 32) with u = 6 bits (unsigned, for vpdpbusd) and a scale per
+// 16 weights, so a chunk's two halves sum apart, each less 32 times the sum of its 16 inputs.
+template <int32_t T, int RB>
+void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                      int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+  static_assert(T == PQ_Q6_K);
+  (void)xs;
+  constexpr int64_t sbb = kPackRows * 210;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    prefetch_weights(sb, kPrefetchAhead, sbb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    // Each input row's sums over 16 inputs (32 of them in this super-block's 256), times 32.
+    int32_t x16[RB][16];
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* x = xq + r * ldq + 256 * sbi;
+      for (int k = 0; k < 16; ++k) {
+        int32_t t = 0;
+        for (int l = 0; l < 16; ++l) t += x[16 * k + l];
+        x16[r][k] = 32 * t;
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int h = j / 4, part = j % 4;
+      // scales 8h + 2 part and + 1: bytes (2 part) % 4 and + 1 of scale vector 2h + part / 2, sign-extended
+      const __m512i sw = _mm512_loadu_si512(sb + kQ6Scales + 64 * (2 * h + part / 2));
+      const int sh = 8 * ((2 * part) % 4);
+      const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - sh), 24);
+      const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 16 - sh), 24);
+      const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0)), a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s1));
+      __m512i v[8];
+      for (int t = 0; t < 8; ++t) {
+        const __m512i lo = _mm512_loadu_si512(sb + kQ6Low + 64 * (16 * h + 8 * (part % 2) + t));
+        const __m512i hi = _mm512_loadu_si512(sb + kQ6High + 64 * (8 * h + t));
+        const __m512i nib = part < 2 ? _mm512_and_si512(lo, m4) : _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4);
+        const __m512i top = _mm512_and_si512(_mm512_srli_epi16(hi, 2 * part), three);
+        v[t] = _mm512_or_si512(nib, _mm512_slli_epi16(top, 4));
+      }
+      const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + 32 * c;
+        __m512i p0 = _mm512_set1_epi32(-x16[r][2 * j]), p1 = _mm512_set1_epi32(-x16[r][2 * j + 1]);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          int32_t x4a, x4b;
+          std::memcpy(&x4a, x + 4 * t, 4);
+          std::memcpy(&x4b, x + 16 + 4 * t, 4);
+          p0 = _mm512_dpbusd_epi32(p0, v[t], _mm512_set1_epi32(x4a));
+          p1 = _mm512_dpbusd_epi32(p1, v[t + 4], _mm512_set1_epi32(x4b));
+        }
+        const __m512 dx = _mm512_set1_ps(xd[r * ldb + c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(a0, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(a1, dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
 constexpr int kPackedTile = 8;  // input rows per packed_group call
 
 #elif defined(PAGEDLLM_QUANT_AVX2)
@@ -990,7 +1065,10 @@ PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
 template <int32_t T, int... RB>
 PackedFn packed_pick_k(int rb, std::integer_sequence<int, RB...>) {
   PackedFn fn = nullptr;
-  ((fn = (rb == RB + 1 ? packed_group_k<T, RB + 1> : fn)), ...);
+  if constexpr (T == PQ_Q6_K)
+    ((fn = (rb == RB + 1 ? packed_group_q6k<T, RB + 1> : fn)), ...);
+  else
+    ((fn = (rb == RB + 1 ? packed_group_k<T, RB + 1> : fn)), ...);
   return fn;
 }
 #endif
@@ -1006,6 +1084,7 @@ PackedFn packed_fn(int32_t type, int rb) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
     case PQ_Q4_K: return packed_pick_k<PQ_Q4_K>(rb, all);
     case PQ_Q5_K: return packed_pick_k<PQ_Q5_K>(rb, all);
+    case PQ_Q6_K: return packed_pick_k<PQ_Q6_K>(rb, all);
 #endif
     default: return nullptr;
   }
