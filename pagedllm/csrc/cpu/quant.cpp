@@ -1,4 +1,5 @@
-// Linear layers on GGUF block-quantized weights, run as stored: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+// Linear layers on GGUF block-quantized weights, run as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K, IQ4_NL and IQ4_XS.
 //
 // A weight is a QMatrix (kernels.h): up to four row segments, each the GGUF file's own bytes of consecutive output
 // rows of one type (a merged q|k|v or gate|up may mix types, as a Q4_K_M file does). Every type is read in chunks of
@@ -9,11 +10,11 @@
 // a weight as stored up to kQuantDotMaxRows input rows (internal.h), y = x W^T runs as ggml does: each input row
 // is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
 // a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
-// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q8_0 in whole groups of 16 rows, rewritten in place at load by
-//   quant_pack): one vpdpbusd (AVX-512 VNNI; without it, vpmaddubsw on 8 rows at a time) multiplies 4 weights of 16
-//   output rows by 4 inputs broadcast, so a group's chunk is decoded once for every input row, no horizontal sum is
-//   needed, and the float step serves 8 or 16 outputs at once. Compute bound from a few rows on, at ~480 GFLOP/s
-//   on two Zen 4 cores (bench/RESULTS.md).
+// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in whole groups of 16 rows, and with AVX-512
+//   VNNI Q4_K, Q5_K and Q6_K, rewritten in place at load by quant_pack): one vpdpbusd (AVX-512 VNNI; without it,
+//   vpmaddubsw on 8 rows at a time) multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk
+//   is decoded once for every input row, no horizontal sum is needed, and the float step serves 8 or 16 outputs at
+//   once. Compute bound from a few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
 // * As stored (every other type, build or row): AVX2 vpmaddubsw then vpmaddwd by the 16-bit scales, or vpdpbusd where
 //   the scales are all 1 and the build has VNNI; each output row's chunks are decoded once for a group of up to kGroup
 //   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
