@@ -53,14 +53,17 @@ struct Decoder {
 };
 
 // The step's input rows quantized for the quantized weights (one per thread): row r of width n at q + r n, d and
-// s + r n / 32.
+// s + r n / 32, s16 + r n / 16.
 struct Q8Rows8 {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  Q8Rows8(int64_t rows, int64_t n) : q(rows * n), d(rows * (n / 32 + 1)), s(rows * (n / 32 + 1)) {}
+  std::vector<int32_t> s16;
+  Q8Rows8(int64_t rows, int64_t n)
+      : q(rows * n), d(rows * (n / 32 + 1)), s(rows * (n / 32 + 1)), s16(rows * (n / 16 + 2)) {}
   void set(const float* x, int64_t rows, int64_t n) {  // x [rows, n]
     for (int64_t r = 0; r < rows; ++r)
-      quantize_input(x + r * n, n, q.data() + r * n, d.data() + r * (n / 32), s.data() + r * (n / 32));
+      quantize_input(x + r * n, n, q.data() + r * n, d.data() + r * (n / 32), s.data() + r * (n / 32),
+                     s16.data() + r * (n / 16));
   }
 };
 
@@ -86,7 +89,7 @@ inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* 
   if (qw.nseg > 0 && prompt) {
     quant_panel_rows_range(qw, xb.pairs.data(), rows, bias, y, ys, o0, o1, xb.out.data());
   } else if (qw.nseg > 0) {
-    quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), rows, bias, y, ys, o0, o1);
+    quant_gemv_rows(qw, xq.q.data(), xq.d.data(), xq.s.data(), xq.s16.data(), rows, bias, y, ys, o0, o1);
   } else if (w16 != nullptr) {
     bf16_gemm_range(w16, xb.pairs.data(), rows, bias, y, ys, o0, o1, (in + 1) / 2, xb.out.data());
   } else {

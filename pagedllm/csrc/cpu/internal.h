@@ -75,12 +75,13 @@ constexpr int64_t kQuantDotMaxRows = 32;
 int64_t quant_dot_max_rows();
 
 // Quantized weights (quant.cpp): an input row x [in] (in a multiple of 32) to int8 blocks of 32 (q [in]; d, s
-// [in / 32]: each block's scale and scale times the sum of its q); then outputs [o0, o1) of `rows` such rows on W
-// (row m: q + m * in, d and s + m * in / 32; its outputs at y + m * ldy), each row's as it would be alone (a weight
-// row is decoded once for up to four input rows, whose sums are kept apart in the same order).
-void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s);
-void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
-                     float* y, int64_t ldy, int64_t o0, int64_t o1);
+// [in / 32]: each block's scale and scale times the sum of its q; s16 [in / 16]: the sums of q over 16); then outputs
+// [o0, o1) of `rows` such rows on W (row m: q + m * in, d and s + m * in / 32, s16 + m * in / 16; its outputs at
+// y + m * ldy), each row's as it would be alone (a weight row is decoded once for up to four input rows, whose sums
+// are kept apart in the same order).
+void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s, int32_t* s16);
+void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, const int32_t* s16,
+                     int64_t rows, const float* bias, float* y, int64_t ldy, int64_t o0, int64_t o1);
 // Outputs [o0, o1) of `rows` input rows on W's de-quantized bf16 panels (xt: the rows' bf16 pairs as
 // bf16_pairs_blocked lays them out), into y (row m at y + m * ldy): the sums quant_linear's panels give each row (the
 // path of prompt rows) whatever the number of rows; t: scratch of rows * kPanel floats. Builds with AVX512-BF16

@@ -262,13 +262,14 @@ void dequant_row_scalar(int32_t type, const uint8_t* row, int64_t in, float* out
 // ---------------------------------------------------------------------------------------------------------------
 // Input rows quantized to int8 in blocks of 32.
 struct Q8Rows {
-  int8_t* q;   // [rows, in]
-  float* d;    // [rows, in / 32]: the block's scale
-  float* s;    // [rows, in / 32]: d * sum of the block's q
-  int64_t in;  // row length
+  int8_t* q;       // [rows, in]
+  float* d;        // [rows, in / 32]: the block's scale
+  float* s;        // [rows, in / 32]: d * sum of the block's q
+  int64_t in;      // row length
+  int32_t* s16;    // [rows, in / 16]: the sums of q over 16 (Q6_K's packed kernel)
 };
 
-void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* s, int32_t* s16) {
   for (int64_t c = 0; c < in / 32; ++c) {
     const float* v = x + 32 * c;
     int8_t* o = q + 32 * c;
@@ -286,7 +287,8 @@ void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* s) {
     const __m256 mul = _mm256_set1_ps(id);
     __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
     __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    const __m256i lo16 = _mm256_add_epi32(i0, i1);
+    const __m256i sum32 = _mm256_add_epi32(lo16, _mm256_add_epi32(i2, i3));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -297,18 +299,30 @@ void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* s) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), i0);
     d[c] = dd;
     s[c] = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+    if (s16 != nullptr) {  // weights 0-15 are lo16's (i0, i1 before packing), 16-31 the rest
+      __m128i h0 = _mm_add_epi32(_mm256_castsi256_si128(lo16), _mm256_extracti128_si256(lo16, 1));
+      h0 = _mm_add_epi32(h0, _mm_shuffle_epi32(h0, 0x4E));
+      h0 = _mm_add_epi32(h0, _mm_shuffle_epi32(h0, 0xB1));
+      s16[2 * c] = _mm_cvtsi128_si32(h0);
+      s16[2 * c + 1] = _mm_cvtsi128_si32(s4) - s16[2 * c];
+    }
 #else
     float amax = 0.f;
     for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
     const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
+    int sum = 0, low = 0;
     for (int l = 0; l < 32; ++l) {
       const int qi = static_cast<int>(std::nearbyint(v[l] * id));
       o[l] = static_cast<int8_t>(qi);
       sum += qi;
+      if (l == 15) low = sum;
     }
     d[c] = dd;
     s[c] = dd * static_cast<float>(sum);
+    if (s16 != nullptr) {
+      s16[2 * c] = low;
+      s16[2 * c + 1] = sum - low;
+    }
 #endif
   }
 }
@@ -768,7 +782,7 @@ constexpr int64_t kPrefetchAhead = 5120;
 // whatever RB: a row's result does not depend on the others.
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
-                  int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+                  int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RB];
@@ -818,7 +832,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
 // b = -dmin m for the 16 rows from the super-block's scale vectors (scale_min_k4's bit fields, lane-wise).
 template <int32_t T, int RB>
 void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
-                    int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+                    int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   constexpr int64_t sbb = kPackRows * block_bytes(T);
   const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF);
   const __m512i three = _mm512_set1_epi32(3);
@@ -883,7 +897,7 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
 // 16 weights, so a chunk's two halves sum apart, each less 32 times the sum of its 16 inputs.
 template <int32_t T, int RB>
 void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
-                      int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+                      int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   static_assert(T == PQ_Q6_K);
   (void)xs;
   constexpr int64_t sbb = kPackRows * 210;
@@ -894,16 +908,6 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-    // Each input row's sums over 16 inputs (32 of them in this super-block's 256), times 32.
-    int32_t x16[RB][16];
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* x = xq + r * ldq + 256 * sbi;
-      for (int k = 0; k < 16; ++k) {
-        int32_t t = 0;
-        for (int l = 0; l < 16; ++l) t += x[16 * k + l];
-        x16[r][k] = 32 * t;
-      }
-    }
     for (int j = 0; j < 8; ++j) {
       const int h = j / 4, part = j % 4;
       // scales 8h + 2 part and + 1: bytes (2 part) % 4 and + 1 of scale vector 2h + part / 2, sign-extended
@@ -924,7 +928,9 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
         const int8_t* x = xq + r * ldq + 32 * c;
-        __m512i p0 = _mm512_set1_epi32(-x16[r][2 * j]), p1 = _mm512_set1_epi32(-x16[r][2 * j + 1]);
+        // less 32 times each half's input sum (quantize_row's sums over 16: x16, rows 2 ldb apart)
+        const int32_t* sums = x16 + r * 2 * ldb + 2 * c;
+        __m512i p0 = _mm512_set1_epi32(-32 * sums[0]), p1 = _mm512_set1_epi32(-32 * sums[1]);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
           int32_t x4a, x4b;
@@ -962,7 +968,7 @@ constexpr int64_t kPrefetchAhead = 2560;
 
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
-                  int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+                  int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -1053,7 +1059,7 @@ constexpr int kPackedTile = 6;  // input rows per packed_group call (6 is ~8% fa
 
 #if defined(PAGEDLLM_QUANT_PACKED)
 using PackedFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t,
-                          float*, int64_t, uint32_t);
+                          float*, int64_t, uint32_t, const int32_t*);
 
 template <int32_t T, int... RB>
 PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
@@ -1104,8 +1110,9 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
     const uint8_t* grp = g.data + gi * group_bytes;
     int64_t m = 0;
     for (; m + kPackedTile <= rows; m += kPackedTile)
-      full(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
-    if (m < rows) tail(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
+      full(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep, x.s16 + m * 2 * nb);
+    if (m < rows)
+      tail(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep, x.s16 + m * 2 * nb);
   }
 }
 
@@ -1485,6 +1492,7 @@ void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias
   // The rows in tiles whose int8 copy fits kTileBytes (a whole number of groups), each quantized then multiplied.
   const int64_t tile = std::max<int64_t>(kGroup, std::min<int64_t>(rows, kTileBytes / in / kGroup * kGroup));
   int8_t* q = scratch<int8_t, 0>(tile * in);
+  int32_t* s16 = scratch<int32_t, 0>(tile * 2 * nb);
   float* d = scratch<float, 3>(tile * nb);
   float* s = scratch<float, 4>(tile * nb);
   // Outputs in chunks of 16 rows, handed out in shrinking runs (guided): a thread that loses its core for a while
@@ -1493,12 +1501,12 @@ void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias
   const int nt = team_size(threads, chunks);
   for (int64_t t0 = 0; t0 < rows; t0 += tile) {
     const int64_t n = std::min(tile, rows - t0);
-    const Q8Rows xr{q, d, s, in};
+    const Q8Rows xr{q, d, s, in, s16};
 #pragma omp parallel num_threads(team_for_grain(nt, n * in, 1 << 14))
     {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < n; ++m)
-        quantize_row(x + (t0 + m) * in, in, q + m * in, d + m * nb, s + m * nb);
+        quantize_row(x + (t0 + m) * in, in, q + m * in, d + m * nb, s + m * nb, s16 + m * 2 * nb);
     }
 #pragma omp parallel for schedule(guided) num_threads(nt)
     for (int64_t ch = 0; ch < chunks; ++ch)
@@ -1512,12 +1520,14 @@ void quant_dequantize_rows(float* out, const QMatrix* wp, const int64_t* ids, in
   for (int64_t i = 0; i < n; ++i) dequant_matrix_row(w, ids[i], out + i * w.in);
 }
 
-void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s) { quantize_row(x, in, q, d, s); }
+void quantize_input(const float* x, int64_t in, int8_t* q, float* d, float* s, int32_t* s16) {
+  quantize_row(x, in, q, d, s, s16);
+}
 
-void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, int64_t rows, const float* bias,
-                     float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  quant_rows_range(w, Q8Rows{const_cast<int8_t*>(q), const_cast<float*>(d), const_cast<float*>(s), w.in}, rows, bias,
-                   y, ldy, o0, o1);
+void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const float* s, const int32_t* s16,
+                     int64_t rows, const float* bias, float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  const Q8Rows x{const_cast<int8_t*>(q), const_cast<float*>(d), const_cast<float*>(s), w.in, const_cast<int32_t*>(s16)};
+  quant_rows_range(w, x, rows, bias, y, ldy, o0, o1);
 }
 
 }  // namespace pagedllm
