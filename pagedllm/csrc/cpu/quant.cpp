@@ -780,6 +780,26 @@ constexpr int64_t kPrefetchAhead = 5120;
 // The 16 outputs of one packed group for RB input rows (row r's int8 copy at xq + r * ldq, its block scales and
 // scaled sums at xd, xs + r * ldb), the lanes in `keep` stored to y + r * ldy. Each row's sums run in the same order
 // whatever RB: a row's result does not depend on the others.
+// Chunk c of RB input rows against a packed group's 16 rows, whose 32 weights are the 8 vectors v (lane r: 4
+// unsigned weights of row r), w = a u + b: acc[r] += a dx sum(u x) + b sx, each row's in the same order.
+template <int RB>
+inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, const float* xs, int64_t ldq, int64_t ldb,
+                       int64_t c, __m512 a, __m512 b, __m512* acc) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* x = xq + r * ldq + 32 * c;
+    __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      int32_t x4;
+      std::memcpy(&x4, x + 4 * j, 4);
+      s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(x4));
+    }
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
+    acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+  }
+}
+
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                   int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
@@ -811,19 +831,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
         }
       }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* x = xq + r * ldq + 32 * c;
-      __m512i s = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        int32_t x4;
-        std::memcpy(&x4, x + 4 * j, 4);
-        s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(x4));
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
-    }
+    chunk_rows<RB>(v, xq, xd, xs, ldq, ldb, c, a, b, acc);
   }
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
 }
@@ -873,20 +881,7 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
             v[t] = _mm512_or_si512(v[t], _mm512_slli_epi32(bit, 4));
           }
         }
-        const int64_t c = sbi * 8 + j;
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r) {
-          const int8_t* x = xq + r * ldq + 32 * c;
-          __m512i s = _mm512_setzero_si512();
-#pragma GCC unroll 8
-          for (int t = 0; t < 8; ++t) {
-            int32_t x4;
-            std::memcpy(&x4, x + 4 * t, 4);
-            s = _mm512_dpbusd_epi32(s, v[t], _mm512_set1_epi32(x4));
-          }
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
-          acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
-        }
+        chunk_rows<RB>(v, xq, xd, xs, ldq, ldb, sbi * 8 + j, a, b, acc);
       }
     }
   }
