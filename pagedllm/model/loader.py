@@ -97,15 +97,16 @@ def iterate_gguf(
                 heads = n_kv
         shape = tuple(reversed([int(d) for d in t.shape]))  # numpy order: [rows (out), cols (in)]
         qtype = int(t.tensor_type)
-        if keep_quantized and len(shape) == 2 and qtype not in (*NATIVE_TYPES, *HALF_TYPES, F32):
+        as_stored = keep_quantized and len(shape) == 2 and qtype != F32  # a matrix the layers keep as stored
+        if as_stored and qtype not in (*NATIVE_TYPES, *HALF_TYPES):
             raise ValueError(
                 f"GGUF tensor {t.name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
                 f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
                 "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
             )
-        if keep_quantized and len(shape) == 2 and qtype == F16:
-            halves.add(t.name)
-        if keep_quantized and (qtype in NATIVE_TYPES or qtype in HALF_TYPES) and len(shape) == 2:
+        if as_stored:
+            if qtype == F16:
+                halves.add(t.name)
             with warnings.catch_warnings():  # the mapping is read-only; the layers copy what they keep
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.from_numpy(t.data)

@@ -1123,7 +1123,7 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     if (base < first + g.rows) {
       const int64_t local = base - first;
       if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type)) return false;
-      const int64_t nb = w.in / 32, group_bytes = kPackRows * nb * block_bytes(g.type);
+      const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
         switch (g.type) {
