@@ -33,6 +33,7 @@ from tests.quant_utils import (
     Q5_K,
     Q6_K,
     Q8_0,
+    TYPES,
     block_size,
     quantize,
 )
@@ -168,6 +169,11 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
             else:
                 raw = gguf.quants.quantize(t, gguf.GGMLQuantizationType(qtype))
                 w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
+            continue
+        if qtype not in TYPES:  # a type the tests cannot quantize (a refusal test): random blocks of its size
+            per_block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            raw = np.random.default_rng(0).integers(0, 256, (t.shape[0], t.shape[1] // per_block * nbytes), np.uint8)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
             continue
         key = (os.path.join(folder, hf_name), qtype, t.shape[0])
         if key not in _quantized:

@@ -109,7 +109,8 @@ def iterate_gguf(
                 halves.add(t.name)
             with warnings.catch_warnings():  # the mapping is read-only; the layers copy what they keep
                 warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(t.data)
+                # the file's bytes [rows, row bytes] (the reader gives F16 tensors as float16 elements)
+                data = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(shape[0], -1))
             q = QuantTensor(qtype, data, shape)
             if heads is not None:
                 q = q.index_rows(unpermute_rotary(np.arange(shape[0]), heads))

@@ -234,3 +234,29 @@ def test_tensor_parallel_2(folders, q4km, q4km_float32) -> None:
         assert got == want
     finally:
         stored.shutdown()
+
+
+def test_f16_and_bf16_matrices_run_on_bf16_panels(folders, gguf_dir) -> None:
+    """F16 and BF16 matrices beside quantized ones (as some files hold them): kept in bf16 panels, not float32, and
+    the model still agrees with its float32 path."""
+    path = os.path.join(gguf_dir, "Q4_K_M-halves.gguf")
+    write_gguf(folders[False], path, "Q4_K_M", overrides={"blk.0.ffn_up.weight": 1, "blk.1.attn_output.weight": 30})
+    stored = LLM(path, tokenizer=folders[False], **ENGINE)
+    reference = LLM(path, tokenizer=folders[False], quantization="none", **ENGINE)
+    try:
+        layers = _model(stored).model.layers
+        gate_up, o_proj = layers[0].mlp.gate_up_proj, layers[1].self_attn.o_proj
+        for layer in (gate_up, o_proj):  # gate_up: its F16 half makes the merged layer one bf16 weight
+            assert layer.qweight is None and layer.bf16_panels is not None and layer.weight.numel() == 0
+        assert layers[1].mlp.down_proj.qweight is not None
+        _compare(stored, reference, "Q4_K_M with F16 and BF16 matrices")
+    finally:
+        stored.shutdown()
+        reference.shutdown()
+
+
+def test_a_type_without_a_kernel_is_refused_by_name(folders, gguf_dir) -> None:
+    path = os.path.join(gguf_dir, "Q4_K_M-iq2.gguf")
+    write_gguf(folders[False], path, "Q4_K_M", overrides={"blk.1.ffn_down.weight": 16})  # IQ2_XXS
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_down\.weight' is IQ2_XXS.*quantization='none'"):
+        LLM(path, tokenizer=folders[False], **ENGINE)
