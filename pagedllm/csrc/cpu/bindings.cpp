@@ -307,6 +307,10 @@ class CpuOps {
   }
 
   bool bf16_native() const { return t_->bf16_native() != 0; }
+  bool bf16_amx(int64_t mode) const {
+    TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (ask), 0 (off) or 1 (on where the CPU has it)");
+    return t_->bf16_amx(static_cast<int32_t>(mode)) != 0;
+  }
 
   void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_table, torch::Tensor seq_lens, double scale) const {
@@ -696,6 +700,8 @@ PYBIND11_MODULE(_C, m) {
       .def("bf16_panel_linear", &CpuOps::bf16_panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),
            py::arg("out_features"))
       .def("bf16_native", &CpuOps::bf16_native, "whether this build multiplies bf16 in hardware (AVX512-BF16)")
+      .def("bf16_amx", &CpuOps::bf16_amx, py::arg("mode") = -1,
+           "AMX for many rows' bf16 panels: mode 0 off, 1 on where the CPU and the OS have it, -1 ask; whether it is on")
       .def("quant_dot_max_rows", &CpuOps::quant_dot_max_rows,
            "rows up to which quant_linear runs on int8 products (more: de-quantized float32 panels)")
       .def("quant_row_bytes", &CpuOps::quant_row_bytes, py::arg("type"), py::arg("in_features"),

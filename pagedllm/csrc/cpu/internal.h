@@ -113,6 +113,10 @@ void bf16_pairs_blocked_serial(uint32_t* xt, const float* x, int64_t rows, int64
 void bf16_panel_block(const uint32_t* panel, const uint32_t* xt, int64_t mb, int64_t in2, float* y, int64_t ys,
                       const float* bias, int64_t nout);
 bool bf16_native();
+// AMX for bf16 panels (bf16.cpp): mode 0 turns it off, 1 on where the CPU and the OS have it (and PAGEDLLM_AMX is
+// not 0), -1 asks; returns whether it is on. While on, bf16_pairs_blocked(_serial) write rows of a multiple of 32
+// inputs as plain pairs (row m at xt + m * in2) and bf16_panel_block multiplies them on the tiles.
+int32_t bf16_amx(int32_t mode);
 // Outputs [o0, o1) of `rows` input rows, their bf16 pairs xt as bf16_pairs_blocked lays them out (one row: its plain
 // pairs), from W's bf16 panels into y (row m at y + m * ldy): the same sums as bf16_panel_linear's for each row
 // whatever the number of rows; bias may be null; t: scratch of rows * kPanel floats.

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 11
+#define PAGEDLLM_CPU_ABI 12
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -180,6 +180,10 @@ struct PagedllmCpuOps {
                             int64_t in, int64_t out, int threads);
   // 1 where this build multiplies bf16 in hardware (AVX512-BF16), 0 where it widens to float32.
   int32_t (*bf16_native)(void);
+  // AMX for the bf16 panels of many rows (prompt rows on quantized weights, bf16 weights): mode 0 off, 1 on where
+  // the CPU and the OS have it, -1 asks; returns whether it is on (on by default where it can be, unless the
+  // environment sets PAGEDLLM_AMX=0). Each row's sums are still independent of the other rows.
+  int32_t (*bf16_amx)(int32_t mode);
   // The sampler's pieces alone (sample_rows below runs them; the tests hold them to the torch path's tokens):
   // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised;
   // sampling.cpp).
