@@ -56,12 +56,12 @@ class PagedLLMEngine:
 
 
 class VLLMEngine:
-    def __init__(self, model: str, num_threads: int) -> None:
+    def __init__(self, model: str, num_threads: int, dtype: str = "float32") -> None:
         from vllm import LLM
 
         # vLLM's CPU backend: KV cache size from VLLM_CPU_KVCACHE_SPACE (GiB; the harness sets 2, as pagedllm's
         # default), OpenMP threads pinned by VLLM_CPU_OMP_THREADS_BIND.
-        self.llm = LLM(model=model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5, seed=0)
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=2048, gpu_memory_utilization=0.5, seed=0)
 
     def generate(self, prompts: list[list[int]], output_lens: list[int], sampling: dict[str, Any]) -> list[list[int]]:
         from vllm import SamplingParams
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "pagedllm":
         load_s, engine = _timed(PagedLLMEngine, args.model, args.num_threads, args.dtype, args.kv_cache_dtype)
     elif args.engine == "vllm":
-        load_s, engine = _timed(VLLMEngine, args.model, args.num_threads)
+        load_s, engine = _timed(VLLMEngine, args.model, args.num_threads, args.dtype)
     elif args.engine == "llamacpp":
         load_s, engine = _timed(LlamaCppEngine, args.model, args.num_threads)
     else:
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["pagedllm", "hf", "vllm", "llamacpp"], required=True)
-    parser.add_argument("--dtype", default="float32", help="pagedllm's --dtype (float32 or bfloat16)")
+    parser.add_argument("--dtype", default="float32", help="--dtype of pagedllm or vLLM (float32 or bfloat16)")
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype (auto, bfloat16, float32)"
     )

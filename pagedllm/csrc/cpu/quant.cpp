@@ -1244,6 +1244,110 @@ bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
     packed_group_to_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
 }
+
+#if defined(__AVX512VNNI__)
+// 32 weights of the 16 rows (weight(k): a vector of row lanes) -> pairs 16 c .. 16 c + 15 of the panel's columns
+// [n0, n0 + 16), as packed_group_to_panel writes them.
+template <class W>
+inline void chunk_to_panel(W&& weight, uint32_t* panel, int64_t c, int64_t n0) {
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight(2 * p + 1), weight(2 * p));
+    _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_permutexvar_epi16(inter, both));
+  }
+}
+
+// A packed group of Q4_K, Q5_K or Q6_K rows (move_block_k's layout) straight into 16 columns of a bf16 pair panel:
+// dequant_row's arithmetic (w = fma(u, d sc, -dmin m); Q6_K: (u - 32) d sc), the chunk's scales for the 16 rows
+// from the super-block's scale vectors as packed_group_k and packed_group_q6k read them.
+template <int32_t T>
+void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int64_t n0) {
+  constexpr int64_t sbb = kPackRows * block_bytes(T);
+  const __m512i m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    prefetch_weights(sb, kPrefetchAhead, sbb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = sbi * 8 + j;
+      if constexpr (T == PQ_Q6_K) {
+        const int h = j / 4, part = j % 4;
+        const __m512i sw = _mm512_loadu_si512(sb + kQ6Scales + 64 * (2 * h + part / 2));
+        const int sh = 8 * ((2 * part) % 4);
+        const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - sh), 24);
+        const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 16 - sh), 24);
+        const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0)), a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s1));
+        auto weight = [&](int k) {
+          const int t = k / 4, at = 8 * (k % 4);
+          const __m512i lo = _mm512_loadu_si512(sb + kQ6Low + 64 * (16 * h + 8 * (part % 2) + t));
+          const __m512i hi = _mm512_loadu_si512(sb + kQ6High + 64 * (8 * h + t));
+          const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(lo, at + (part < 2 ? 0 : 4)), low4);
+          const __m512i top = _mm512_and_si512(_mm512_srli_epi32(hi, at + 2 * part), three);
+          const __m512i u = _mm512_sub_epi32(_mm512_or_si512(nib, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), k < 16 ? a0 : a1, _mm512_setzero_ps());
+        };
+        chunk_to_panel(weight, panel, c, n0);
+      } else {
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32)));
+        const __m512i w0 = _mm512_loadu_si512(sb + 64), w1 = _mm512_loadu_si512(sb + 128);
+        const __m512i w2 = _mm512_loadu_si512(sb + 192);
+        __m512i sc, mn;
+        if (j < 4) {
+          sc = _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), m6);
+          mn = _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), m6);
+        } else {
+          const int k = 8 * (j - 4);
+          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k), low4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, k + 6), three), 4));
+          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k + 4), low4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, k + 6), three), 4));
+        }
+        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        const __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(mn));
+        const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * (j / 2);
+        auto weight = [&](int k) {
+          const int t = k / 4, at = 8 * (k % 4);
+          __m512i u = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(vs + 64 * t), at + 4 * (j % 2)), low4);
+          if constexpr (T == PQ_Q5_K) {
+            const __m512i qh = _mm512_loadu_si512(sb + kQh + 64 * t);
+            u = _mm512_or_si512(u, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, at + j), one), 4));
+          }
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), a, b);
+        };
+        chunk_to_panel(weight, panel, c, n0);
+      }
+    }
+  }
+}
+
+// The same for a panel of outputs [base, base + kPanel) that lies in whole packed groups of one K-type segment.
+bool packed_panel_k(const QMatrix& w, int64_t base, uint32_t* panel) {
+  if (kPanel % kPackRows != 0) return false;
+  int64_t first = 0;
+  for (int s = 0; s < w.nseg; ++s) {
+    const QSegment& g = w.seg[s];
+    if (base < first + g.rows) {
+      const int64_t local = base - first;
+      if (local % kPackRows != 0 || local + kPanel > g.packed || !packed_k(g.type)) return false;
+      const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
+      for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
+        const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
+        switch (g.type) {
+          case PQ_Q4_K: packed_group_k_to_panel<PQ_Q4_K>(grp, nb, panel, h * kPackRows); break;
+          case PQ_Q5_K: packed_group_k_to_panel<PQ_Q5_K>(grp, nb, panel, h * kPackRows); break;
+          default: packed_group_k_to_panel<PQ_Q6_K>(grp, nb, panel, h * kPackRows); break;
+        }
+      }
+      return true;
+    }
+    first += g.rows;
+  }
+  return false;
+}
+#endif
 #endif
 #endif
 
@@ -1387,6 +1491,9 @@ namespace {
 void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpanel, float* rows) {
 #if defined(PAGEDLLM_QUANT_PACKED_BF16)
   if (packed_panel(w, base, bpanel)) return;  // whole packed groups: no float rows in between
+#if defined(__AVX512VNNI__)
+  if (packed_panel_k(w, base, bpanel)) return;
+#endif
 #endif
   for (int64_t k = 0; k < nout; ++k) dequant_matrix_row(w, base + k, rows + k * w.in);
   bf16_panel_from_rows(bpanel, rows, w.in, nout, w.in);
