@@ -17,7 +17,8 @@ Contract.
   `world_size / num_kv_heads` ranks, which split its query heads. Any other split is a `ValueError` naming the
   sizes: `check_tensor_parallel` runs it for a model's config at startup.
 * `even_shard(size, world_size, rank)`: a contiguous (first, count) range of `size` rows, the first ranks taking
-  one more when it does not divide.
+  one more when it does not divide. `block_shard` (what `TensorParallelGroup.shard` gives linear layers) does the
+  same over units of 256 rows where there are enough of them, so that row-parallel splits cut no quantized block.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class TensorParallelGroup:
         return ids
 
     def shard(self, size: int) -> Shard:
-        """This rank's part of `size` rows split as evenly as possible (see `even_shard`)."""
-        return even_shard(size, self.world_size, self.rank)
+        """This rank's part of `size` rows of a linear layer: `block_shard`, so that a row-parallel split of a
+        quantized weight's inputs falls on whole blocks and the weight runs as stored on every rank."""
+        return block_shard(size, self.world_size, self.rank)
 
 
 class Shard(NamedTuple):
@@ -117,6 +119,23 @@ def even_shard(size: int, world_size: int, rank: int) -> Shard:
     """Rows [first, first + count) of `size` for `rank`: contiguous, the first `size % world_size` ranks one more."""
     base, extra = divmod(size, world_size)
     return Shard(rank * base + min(rank, extra), base + (rank < extra))
+
+
+# Split points of linear layers' rows fall on multiples of this (a GGUF K-quant's super-block, so a whole number of
+# any GGML type's blocks) where every rank still gets one: Qwen2.5-0.5B's 4,864 MLP columns split 2,560 + 2,304, not
+# 2,432 + 2,432, and its Q4_K/Q6_K down projections then run as stored at TP=2 instead of de-quantized.
+SHARD_UNIT = 256
+
+
+def block_shard(size: int, world_size: int, rank: int, unit: int = SHARD_UNIT) -> Shard:
+    """Rows [first, first + count) of `size` for `rank`: `even_shard` over whole units of `unit` rows (the last
+    unit may be short) when there are at least `world_size` of them, else `even_shard` over rows."""
+    units = -(-size // unit)
+    if units < world_size:
+        return even_shard(size, world_size, rank)
+    part = even_shard(units, world_size, rank)
+    first = part.first * unit
+    return Shard(first, min(size, (part.first + part.count) * unit) - first)
 
 
 def attention_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> AttentionShard:

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.parallel_state import AttentionShard, attention_shard, check_tensor_parallel, even_shard
+from pagedllm.distributed.parallel_state import (
+    AttentionShard,
+    attention_shard,
+    block_shard,
+    check_tensor_parallel,
+    even_shard,
+)
 from pagedllm.engine.exceptions import EngineDeadError
 from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
 
@@ -32,6 +38,21 @@ def test_even_shard_covers_every_row_once() -> None:
             assert shards[0].first == 0 and sum(s.count for s in shards) == size
             assert all(a.first + a.count == b.first for a, b in zip(shards, shards[1:]))
             assert max(s.count for s in shards) - min(s.count for s in shards) <= 1
+
+
+def test_block_shard_cuts_rows_on_whole_blocks() -> None:
+    # Qwen2.5-0.5B's MLP at TP=2: 19 super-blocks of 256 -> 10 + 9, so each rank's down projection is whole Q4_K
+    # blocks (2,432 + 2,432 would cut one in half).
+    assert [block_shard(4864, 2, r) for r in range(2)] == [(0, 2560), (2560, 2304)]
+    for size in (1, 5, 64, 300, 1536, 4864, 8192 + 100, 151936):
+        for world in (1, 2, 3, 4):
+            shards = [block_shard(size, world, r) for r in range(world)]
+            assert shards[0].first == 0 and sum(s.count for s in shards) == size
+            assert all(a.first + a.count == b.first for a, b in zip(shards, shards[1:]))
+            if -(-size // 256) >= world:  # enough units: every split point on a multiple of 256, no rank empty
+                assert all(s.first % 256 == 0 and s.count > 0 for s in shards)
+            else:  # too few: rows as evenly as they go
+                assert shards == [even_shard(size, world, r) for r in range(world)]
 
 
 def test_attention_shard_groups_replicas_and_refusals() -> None:

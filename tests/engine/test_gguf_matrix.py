@@ -223,15 +223,11 @@ def test_speculation_and_fused_prompt_chunks(folders, q4km, q4km_float32) -> Non
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_2(folders, q4km, q4km_float32) -> None:
+    """TP=2 as stored (each rank's MLP columns whole super-blocks, parallel_state.block_shard, so its Q4_K/Q6_K down
+    projection runs as stored too) against the one-rank float32 path, by the one-rank layouts' measure."""
     stored = LLM(q4km, tokenizer=folders[False], tensor_parallel_size=2, **{**ENGINE, "engine_client": "mp"})
     try:
-        prompts = random_prompts([5, 17, 40], seed=8, vocab_size=SHAPE["vocab_size"])
-        params = SamplingParams(temperature=0, max_tokens=1)
-        got = [o.outputs[0].token_ids for o in stored.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        want = [
-            o.outputs[0].token_ids for o in q4km_float32.generate([{"prompt_token_ids": p} for p in prompts], params)
-        ]
-        assert got == want
+        _compare(stored, q4km_float32, "Q4_K_M at TP=2")
     finally:
         stored.shutdown()
 
