@@ -202,7 +202,9 @@ def test_packed_layout_where_the_build_has_one(ops, qtype: int) -> None:
 def test_int8_inputs_for_any_number_of_rows(ops, qtype: int) -> None:
     """With int8 (decode steps), a wholly packed weight runs every row on int8 products, each row's result the same
     in any batch and within the int8 bound; a weight that is not (another type or build, or a partial group of 16
-    rows) runs more than quant_dot_max_rows rows on panels, as without int8."""
+    rows) runs more than quant_dot_max_rows rows on panels, as without int8. In the amx case rows 0-63 of the 70 go
+    16 at a time through the AMX int8 tiles (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the single rows through VNNI: equal bit
+    for bit."""
     qm, w = _matrix(ops, [(qtype, 48)], 512, seed=9)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
     got = ops.quant_linear(x, qm, None, True)

@@ -199,6 +199,12 @@ bool amx_on() {
   return v == 1;
 }
 
+bool amx_int8_cpu() {
+  unsigned a, b, c, d;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return d >> 25 & 1u;  // AMX-INT8
+}
+
 // Loads a config of 8 tiles: C 0-3 and A 4-5 of `rows` rows, B 6-7 of 16.
 __attribute__((target("amx-tile"))) inline void amx_config(int rows) {
   TileConfig cfg{};
@@ -492,6 +498,15 @@ bool bf16_native() {
 }
 
 int32_t bf16_has_native() { return bf16_native() ? 1 : 0; }
+
+bool amx_int8_on() {
+#if defined(PAGEDLLM_AMX)
+  static const bool cpu = amx_int8_cpu();
+  return cpu && amx_on();
+#else
+  return false;
+#endif
+}
 
 int32_t bf16_amx(int32_t mode) {
 #if defined(PAGEDLLM_AMX)

@@ -117,6 +117,9 @@ bool bf16_native();
 // not 0), -1 asks; returns whether it is on. While on, bf16_pairs_blocked(_serial) write rows of a multiple of 32
 // inputs as plain pairs (row m at xt + m * in2) and bf16_panel_block multiplies them on the tiles.
 int32_t bf16_amx(int32_t mode);
+// Whether AMX is on (bf16_amx) and the CPU has its int8 products too: quant.cpp then runs 16 int8 input rows at a
+// time on the tiles against packed Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 groups, the same sums as its VNNI kernels.
+bool amx_int8_on();
 // Outputs [o0, o1) of `rows` input rows, their bf16 pairs xt as bf16_pairs_blocked lays them out (one row: its plain
 // pairs), from W's bf16 panels into y (row m at y + m * ldy): the same sums as bf16_panel_linear's for each row
 // whatever the number of rows; bias may be null; t: scratch of rows * kPanel floats.

@@ -945,6 +945,118 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
 
 constexpr int kPackedTile = 8;  // input rows per packed_group call
 
+#if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__)
+#define PAGEDLLM_AMX_INT8 1
+// 16 input rows against a packed group of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 rows on AMX tiles: a chunk's integer sums
+// sum(u x) for 16 rows x 16 outputs in one TDPBSUD (x signed in A, 16 rows of 32 bytes; u unsigned in B, the
+// chunk's 8 weight vectors as its 8 rows, as vpdpbusd reads them), then chunk_rows' float arithmetic on them in the
+// same order. Integer sums are exact, so every row's outputs are bit for bit packed_group's, whatever the rows
+// around it (the two mix freely within a call).
+struct alignas(64) Int8TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+template <int32_t T>
+__attribute__((target("amx-tile,amx-int8"))) void amx_packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq,
+                                                                   const float* xd, const float* xs, int64_t ldq,
+                                                                   int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
+  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
+  Int8TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 2; ++t) {  // C 0-1: 16 x 16 int32; A 2-3: 16 rows x 32 bytes; B 4-5: 8 rows x 64 bytes
+    cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = 32;
+    cfg.rows[4 + t] = 8, cfg.colsb[4 + t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  alignas(64) uint8_t bt[2][512];
+  alignas(64) int32_t sums[2][16 * 16];
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  auto weights = [&](int64_t c, uint8_t* dst) -> const uint8_t* {  // chunk c's 8 vectors as B's rows
+    const uint8_t* ch = grp + c * cb;
+    if constexpr (T == PQ_Q8_0) {
+      (void)dst;
+      return ch + wo;
+    } else {
+      __m512i v[8];
+      for (int t = 0; t < 4; ++t) {
+        const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
+        v[t] = _mm512_and_si512(p, m4);
+        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+      if constexpr (five_bit(T)) {
+        const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i at = j <= 4 ? _mm512_slli_epi32(word, 4 - j) : _mm512_srli_epi32(word, j - 4);
+          v[j] = _mm512_ternarylogic_epi32(v[j], at, b4, 0xF8);
+        }
+      }
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(dst + 64 * j, v[j]);
+      return dst;
+    }
+  };
+  auto scale = [&](int64_t c, const int32_t* s) {  // chunk_rows' arithmetic on the tile's sums
+    const uint8_t* ch = grp + c * cb;
+    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
+    const __m512 b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                                : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512i sr = _mm512_load_si512(s + 16 * r);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+    }
+  };
+  int64_t c = 0;
+  for (; c + 2 <= nb; c += 2) {
+    prefetch_weights(grp + c * cb, kPrefetchAhead, 2 * cb);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xq + 32 * c, ldq);
+    _tile_loadd(3, xq + 32 * (c + 1), ldq);
+    _tile_loadd(4, weights(c, bt[0]), 64);
+    _tile_loadd(5, weights(c + 1, bt[1]), 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    scale(c, sums[0]);
+    scale(c + 1, sums[1]);
+  }
+  if (c < nb) {
+    _tile_zero(0);
+    _tile_loadd(2, xq + 32 * c, ldq);
+    _tile_loadd(4, weights(c, bt[0]), 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    scale(c, sums[0]);
+  }
+  _tile_release();
+  for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
+using AmxGroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t,
+                            float*, int64_t, uint32_t);
+
+// The AMX kernel of a packed type, where AMX is on and the type has one (else null: packed_group's VNNI rows).
+AmxGroupFn amx_group_fn(int32_t type) {
+  if (!amx_int8_on()) return nullptr;
+  switch (type) {
+    case PQ_Q4_0: return amx_packed_group<PQ_Q4_0>;
+    case PQ_Q4_1: return amx_packed_group<PQ_Q4_1>;
+    case PQ_Q5_0: return amx_packed_group<PQ_Q5_0>;
+    case PQ_Q5_1: return amx_packed_group<PQ_Q5_1>;
+    case PQ_Q8_0: return amx_packed_group<PQ_Q8_0>;
+    default: return nullptr;
+  }
+}
+#endif
+
 #elif defined(PAGEDLLM_QUANT_AVX2)
 #define PAGEDLLM_QUANT_PACKED 1
 
@@ -1097,13 +1209,24 @@ PackedFn packed_fn(int32_t type, int rb) {
 void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, float* y, int64_t ldy, int64_t l0,
                   int64_t l1) {
   const int64_t nb = in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, in);
-  const PackedFn full = packed_fn(g.type, kPackedTile), tail = packed_fn(g.type, static_cast<int>(rows % kPackedTile));
+#if defined(PAGEDLLM_AMX_INT8)
+  const AmxGroupFn amx = rows >= 16 ? amx_group_fn(g.type) : nullptr;
+  const int64_t rest = amx != nullptr ? rows % 16 : rows;
+#else
+  const int64_t rest = rows;
+#endif
+  const PackedFn full = packed_fn(g.type, kPackedTile), tail = packed_fn(g.type, static_cast<int>(rest % kPackedTile));
   for (int64_t gi = l0 / kPackRows; gi * kPackRows < l1; ++gi) {
     const int64_t s0 = gi * kPackRows;
     const int first = static_cast<int>(std::max<int64_t>(0, l0 - s0)), last = static_cast<int>(std::min<int64_t>(16, l1 - s0));
     const uint32_t keep = ((1u << last) - 1) & ~((1u << first) - 1);
     const uint8_t* grp = g.data + gi * group_bytes;
     int64_t m = 0;
+#if defined(PAGEDLLM_AMX_INT8)
+    if (amx != nullptr)  // 16 rows at a time on the tiles, the rest below: the same sums either way
+      for (; m + 16 <= rows; m += 16)
+        amx(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep);
+#endif
     for (; m + kPackedTile <= rows; m += kPackedTile)
       full(grp, nb, x.q + m * in, x.d + m * nb, x.s + m * nb, in, nb, y + m * ldy + s0, ldy, keep, x.s16 + m * 2 * nb);
     if (m < rows)
