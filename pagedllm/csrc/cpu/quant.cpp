@@ -800,40 +800,69 @@ inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, cons
   }
 }
 
+// A packed chunk of 16 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): its scale a and offset b per row, and its 32 unsigned
+// weights as 8 vectors (lane r: 4 weights of row r), as vpdpbusd reads them.
+template <int32_t T>
+inline void unpack_chunk(const uint8_t* ch, __m512& a, __m512& b, __m512i* v) {
+  constexpr int64_t wo = packed_weights_at(T);
+  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
+  b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
+                 : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
+  if constexpr (T == PQ_Q8_0) {
+    for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(ch + wo + 64 * j);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
+      v[t] = _mm512_and_si512(p, m4);
+      v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+    }
+    if constexpr (five_bit(T)) {  // vector j's fifth bits at bit 4 of each byte: (word << 4 - j) & 0x10
+      const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i at = j <= 4 ? _mm512_slli_epi32(word, 4 - j) : _mm512_srli_epi32(word, j - 4);
+        v[j] = _mm512_ternarylogic_epi32(v[j], at, b4, 0xF8);  // v | (at & b4)
+      }
+    }
+  }
+}
+
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                   int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
-  constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  constexpr int64_t cb = kPackRows * block_bytes(T);
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nb; ++c) {
     const uint8_t* ch = grp + c * cb;
     prefetch_weights(ch, kPrefetchAhead, cb);
-    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
-    const __m512 b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
-                                : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
+    __m512 a, b;
     __m512i v[8];
-    if constexpr (T == PQ_Q8_0) {
-      for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(ch + wo + 64 * j);
-    } else {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
-        v[t] = _mm512_and_si512(p, m4);
-        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
-      }
-      if constexpr (five_bit(T)) {  // vector j's fifth bits at bit 4 of each byte: (word << 4 - j) & 0x10
-        const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m512i at = j <= 4 ? _mm512_slli_epi32(word, 4 - j) : _mm512_srli_epi32(word, j - 4);
-          v[j] = _mm512_ternarylogic_epi32(v[j], at, b4, 0xF8);  // v | (at & b4)
-        }
-      }
-    }
+    unpack_chunk<T>(ch, a, b, v);
     chunk_rows<RB>(v, xq, xd, xs, ldq, ldb, c, a, b, acc);
   }
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
+// Chunk j's scale a = d sc and offset b = -dmin m for the 16 rows of a packed Q4_K or Q5_K super-block (scale_min_k4's
+// bit fields, lane-wise from its three scale vectors).
+inline void k4_scales(const uint8_t* sb, int j, __m512 d, __m512 dmin, __m512& a, __m512& b) {
+  const __m512i m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3);
+  const __m512i w0 = _mm512_loadu_si512(sb + 64), w1 = _mm512_loadu_si512(sb + 128), w2 = _mm512_loadu_si512(sb + 192);
+  __m512i sc, mn;
+  if (j < 4) {
+    sc = _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), m6);
+    mn = _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), m6);
+  } else {
+    const int k = 8 * (j - 4);
+    sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k), low4),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, k + 6), three), 4));
+    mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k + 4), low4),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, k + 6), three), 4));
+  }
+  a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+  b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(mn));
 }
 
 // The same for a packed group of Q4_K or Q5_K rows (pack_group_k): each chunk's scale a = d sc and offset
@@ -842,15 +871,13 @@ template <int32_t T, int RB>
 void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                     int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   constexpr int64_t sbb = kPackRows * block_bytes(T);
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF);
-  const __m512i three = _mm512_set1_epi32(3);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32)));
-    const __m512i w0 = _mm512_loadu_si512(sb + 64), w1 = _mm512_loadu_si512(sb + 128), w2 = _mm512_loadu_si512(sb + 192);
     for (int g = 0; g < 4; ++g) {
       const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * g;
       prefetch_weights(vs, kPrefetchAhead, 512);
@@ -859,19 +886,8 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
 #pragma GCC unroll 2
       for (int hi = 0; hi < 2; ++hi) {
         const int j = 2 * g + hi;
-        __m512i sc, mn;
-        if (j < 4) {
-          sc = _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), m6);
-          mn = _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), m6);
-        } else {
-          const int k = 8 * (j - 4);
-          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k), low4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, k + 6), three), 4));
-          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k + 4), low4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, k + 6), three), 4));
-        }
-        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        const __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(mn));
+        __m512 a, b;
+        k4_scales(sb, j, d, dmin, a, b);
         __m512i v[8];
         for (int t = 0; t < 8; ++t) {
           v[t] = hi ? _mm512_and_si512(_mm512_srli_epi16(raw[t], 4), m4) : _mm512_and_si512(raw[t], m4);
@@ -886,6 +902,19 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
     }
   }
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
+// Chunk j's two scales d sc (its first and second 16 weights) for the 16 rows of a packed Q6_K super-block: scales
+// 8h + 2 part and + 1 (h = j / 4, part = j % 4) are bytes (2 part) % 4 and + 1 of scale vector 2h + part / 2,
+// sign-extended.
+inline void q6_scales(const uint8_t* sb, int j, __m512 d, __m512& a0, __m512& a1) {
+  const int h = j / 4, part = j % 4;
+  const __m512i sw = _mm512_loadu_si512(sb + kQ6Scales + 64 * (2 * h + part / 2));
+  const int sh = 8 * ((2 * part) % 4);
+  const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - sh), 24);
+  const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 16 - sh), 24);
+  a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0));
+  a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s1));
 }
 
 // The same for a packed group of Q6_K rows: w = d sc (u - 32) with u = 6 bits (unsigned, for vpdpbusd) and a scale per
@@ -905,12 +934,8 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     for (int j = 0; j < 8; ++j) {
       const int h = j / 4, part = j % 4;
-      // scales 8h + 2 part and + 1: bytes (2 part) % 4 and + 1 of scale vector 2h + part / 2, sign-extended
-      const __m512i sw = _mm512_loadu_si512(sb + kQ6Scales + 64 * (2 * h + part / 2));
-      const int sh = 8 * ((2 * part) % 4);
-      const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - sh), 24);
-      const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 16 - sh), 24);
-      const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0)), a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s1));
+      __m512 a0, a1;
+      q6_scales(sb, j, d, a0, a1);
       __m512i v[8];
       for (int t = 0; t < 8; ++t) {
         const __m512i lo = _mm512_loadu_si512(sb + kQ6Low + 64 * (16 * h + 8 * (part % 2) + t));
@@ -971,40 +996,21 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_packed_group(const uint8_t
     cfg.rows[4 + t] = 8, cfg.colsb[4 + t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
   alignas(64) uint8_t bt[2][512];
   alignas(64) int32_t sums[2][16 * 16];
-  __m512 acc[16];
+  __m512 acc[16], sa[2], sb[2];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  auto weights = [&](int64_t c, uint8_t* dst) -> const uint8_t* {  // chunk c's 8 vectors as B's rows
+  auto weights = [&](int64_t c, int k) -> const uint8_t* {  // chunk c's 8 vectors as B's rows; its a, b to sa, sb
     const uint8_t* ch = grp + c * cb;
-    if constexpr (T == PQ_Q8_0) {
-      (void)dst;
-      return ch + wo;
-    } else {
-      __m512i v[8];
-      for (int t = 0; t < 4; ++t) {
-        const __m512i p = _mm512_loadu_si512(ch + wo + 64 * t);
-        v[t] = _mm512_and_si512(p, m4);
-        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
-      }
-      if constexpr (five_bit(T)) {
-        const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m512i at = j <= 4 ? _mm512_slli_epi32(word, 4 - j) : _mm512_srli_epi32(word, j - 4);
-          v[j] = _mm512_ternarylogic_epi32(v[j], at, b4, 0xF8);
-        }
-      }
-      for (int j = 0; j < 8; ++j) _mm512_store_si512(dst + 64 * j, v[j]);
-      return dst;
-    }
+    __m512i v[8];
+    unpack_chunk<T>(ch, sa[k], sb[k], v);
+    if constexpr (T == PQ_Q8_0) return ch + wo;
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(bt[k] + 64 * j, v[j]);
+    return bt[k];
   };
-  auto scale = [&](int64_t c, const int32_t* s) {  // chunk_rows' arithmetic on the tile's sums
-    const uint8_t* ch = grp + c * cb;
-    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch)));
-    const __m512 b = has_min(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 32)))
-                                : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
+  auto scale = [&](int64_t c, int k) {  // chunk_rows' arithmetic on the tile's sums
+    const int32_t* s = sums[k];
+    const __m512 a = sa[k], b = sb[k];
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const __m512i sr = _mm512_load_si512(s + 16 * r);
@@ -1019,22 +1025,22 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_packed_group(const uint8_t
     _tile_zero(1);
     _tile_loadd(2, xq + 32 * c, ldq);
     _tile_loadd(3, xq + 32 * (c + 1), ldq);
-    _tile_loadd(4, weights(c, bt[0]), 64);
-    _tile_loadd(5, weights(c + 1, bt[1]), 64);
+    _tile_loadd(4, weights(c, 0), 64);
+    _tile_loadd(5, weights(c + 1, 1), 64);
     _tile_dpbsud(0, 2, 4);
     _tile_dpbsud(1, 3, 5);
     _tile_stored(0, sums[0], 64);
     _tile_stored(1, sums[1], 64);
-    scale(c, sums[0]);
-    scale(c + 1, sums[1]);
+    scale(c, 0);
+    scale(c + 1, 1);
   }
   if (c < nb) {
     _tile_zero(0);
     _tile_loadd(2, xq + 32 * c, ldq);
-    _tile_loadd(4, weights(c, bt[0]), 64);
+    _tile_loadd(4, weights(c, 0), 64);
     _tile_dpbsud(0, 2, 4);
     _tile_stored(0, sums[0], 64);
-    scale(c, sums[0]);
+    scale(c, 0);
   }
   _tile_release();
   for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
@@ -1236,8 +1242,9 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
 
 // Calls fn(type, group, nb, n0) for each packed group of the panel of outputs [base, base + kPanel) (its rows from
 // column n0; type a std::integral_constant of the segment's type), where they all are in one packed segment's whole
-// groups; false otherwise (the caller de-quantizes rows).
-template <class Fn>
+// groups, of a K type (Q4_K, Q5_K, Q6_K) if K and of an interleaved one otherwise; false otherwise (the caller
+// de-quantizes rows).
+template <bool K = false, class Fn>
 bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
   if (kPanel % kPackRows != 0) return false;
   int64_t first = 0;
@@ -1245,10 +1252,18 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     const QSegment& g = w.seg[s];
     if (base < first + g.rows) {
       const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type)) return false;
+      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K) return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
+        if constexpr (K) {
+          switch (g.type) {
+            case PQ_Q4_K: fn(std::integral_constant<int32_t, PQ_Q4_K>{}, grp, nb, h * kPackRows); break;
+            case PQ_Q5_K: fn(std::integral_constant<int32_t, PQ_Q5_K>{}, grp, nb, h * kPackRows); break;
+            default: fn(std::integral_constant<int32_t, PQ_Q6_K>{}, grp, nb, h * kPackRows); break;
+          }
+          continue;
+        }
         switch (g.type) {
           case PQ_Q4_0: fn(std::integral_constant<int32_t, PQ_Q4_0>{}, grp, nb, h * kPackRows); break;
           case PQ_Q4_1: fn(std::integral_constant<int32_t, PQ_Q4_1>{}, grp, nb, h * kPackRows); break;
@@ -1318,6 +1333,21 @@ bool packed_f32_panel(const QMatrix& w, int64_t base, float* panel) {
 
 #if defined(__AVX512BF16__)
 #define PAGEDLLM_QUANT_PACKED_BF16 1
+// 32 weights of a packed group's 16 rows (weight(k): a vector of row lanes) -> pairs 16 c .. 16 c + 15 of the
+// panel's columns [n0, n0 + 16): both weights of pair p rounded in one instruction (row n's even weight in bf16 lane
+// n, its odd one in lane 16 + n), then interleaved into row n's pair by one permutation of the 32 bf16 lanes;
+// unrolled, so that each weight's shift is a constant.
+template <class W>
+inline void chunk_to_panel(W&& weight, uint32_t* panel, int64_t c, int64_t n0) {
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight(2 * p + 1), weight(2 * p));
+    _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_permutexvar_epi16(inter, both));
+  }
+}
+
 // A packed group's 16 rows straight into 16 columns of a bf16 pair panel (panel [in / 2, kPanel], the group's
 // outputs from column n0): the pairs bf16_panel_from_rows makes of the rows de-quantized (dequant_packed_row's
 // arithmetic, rounded to nearest even), the 16 rows' weight k of a chunk being one vector of the packed layout.
@@ -1348,16 +1378,7 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
         return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(u), b);
       }
     };
-    // Both weights of pair p rounded in one instruction (row n's even weight in bf16 lane n, its odd one in lane 16
-    // + n), then interleaved into row n's pair by one permutation of the 32 bf16 lanes; unrolled, so that each
-    // weight's shift is a constant.
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-#pragma GCC unroll 16
-    for (int p = 0; p < 16; ++p) {
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight(2 * p + 1), weight(2 * p));
-      _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_permutexvar_epi16(inter, both));
-    }
+    chunk_to_panel(weight, panel, c, n0);
   }
 }
 
@@ -1369,27 +1390,13 @@ bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
 }
 
 #if defined(__AVX512VNNI__)
-// 32 weights of the 16 rows (weight(k): a vector of row lanes) -> pairs 16 c .. 16 c + 15 of the panel's columns
-// [n0, n0 + 16), as packed_group_to_panel writes them.
-template <class W>
-inline void chunk_to_panel(W&& weight, uint32_t* panel, int64_t c, int64_t n0) {
-  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-#pragma GCC unroll 16
-  for (int p = 0; p < 16; ++p) {
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight(2 * p + 1), weight(2 * p));
-    _mm512_storeu_si512(panel + (16 * c + p) * kPanel + n0, _mm512_permutexvar_epi16(inter, both));
-  }
-}
-
 // A packed group of Q4_K, Q5_K or Q6_K rows (move_block_k's layout) straight into 16 columns of a bf16 pair panel:
 // dequant_row's arithmetic (w = fma(u, d sc, -dmin m); Q6_K: (u - 32) d sc), the chunk's scales for the 16 rows
 // from the super-block's scale vectors as packed_group_k and packed_group_q6k read them.
 template <int32_t T>
 void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int64_t n0) {
   constexpr int64_t sbb = kPackRows * block_bytes(T);
-  const __m512i m6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3);
-  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), one = _mm512_set1_epi32(1);
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
@@ -1398,11 +1405,8 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
       const int64_t c = sbi * 8 + j;
       if constexpr (T == PQ_Q6_K) {
         const int h = j / 4, part = j % 4;
-        const __m512i sw = _mm512_loadu_si512(sb + kQ6Scales + 64 * (2 * h + part / 2));
-        const int sh = 8 * ((2 * part) % 4);
-        const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - sh), 24);
-        const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(sw, 16 - sh), 24);
-        const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0)), a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s1));
+        __m512 a0, a1;
+        q6_scales(sb, j, d, a0, a1);
         auto weight = [&](int k) {
           const int t = k / 4, at = 8 * (k % 4);
           const __m512i lo = _mm512_loadu_si512(sb + kQ6Low + 64 * (16 * h + 8 * (part % 2) + t));
@@ -1415,21 +1419,8 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
         chunk_to_panel(weight, panel, c, n0);
       } else {
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32)));
-        const __m512i w0 = _mm512_loadu_si512(sb + 64), w1 = _mm512_loadu_si512(sb + 128);
-        const __m512i w2 = _mm512_loadu_si512(sb + 192);
-        __m512i sc, mn;
-        if (j < 4) {
-          sc = _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), m6);
-          mn = _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), m6);
-        } else {
-          const int k = 8 * (j - 4);
-          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k), low4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, k + 6), three), 4));
-          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, k + 4), low4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, k + 6), three), 4));
-        }
-        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        const __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(mn));
+        __m512 a, b;
+        k4_scales(sb, j, d, dmin, a, b);
         const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * (j / 2);
         auto weight = [&](int k) {
           const int t = k / 4, at = 8 * (k % 4);
@@ -1448,27 +1439,9 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
 
 // The same for a panel of outputs [base, base + kPanel) that lies in whole packed groups of one K-type segment.
 bool packed_panel_k(const QMatrix& w, int64_t base, uint32_t* panel) {
-  if (kPanel % kPackRows != 0) return false;
-  int64_t first = 0;
-  for (int s = 0; s < w.nseg; ++s) {
-    const QSegment& g = w.seg[s];
-    if (base < first + g.rows) {
-      const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed || !packed_k(g.type)) return false;
-      const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
-      for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
-        const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
-        switch (g.type) {
-          case PQ_Q4_K: packed_group_k_to_panel<PQ_Q4_K>(grp, nb, panel, h * kPackRows); break;
-          case PQ_Q5_K: packed_group_k_to_panel<PQ_Q5_K>(grp, nb, panel, h * kPackRows); break;
-          default: packed_group_k_to_panel<PQ_Q6_K>(grp, nb, panel, h * kPackRows); break;
-        }
-      }
-      return true;
-    }
-    first += g.rows;
-  }
-  return false;
+  return packed_panel_groups<true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+    packed_group_k_to_panel<decltype(type)::value>(grp, nb, panel, n0);
+  });
 }
 #endif
 #endif
