@@ -1,4 +1,5 @@
-"""Model path -> ModelConfig: an HF folder (config.json) or a single .gguf file (its metadata).
+"""Model path -> ModelConfig: an HF folder (config.json) or a single .gguf file (its metadata), or the name of a
+model that PyPI packages ship (model/packaged.py: the file they assemble, served under that name).
 
 For GGUF the transformers config is built from the file's metadata directly (a fraction of a second,
 where transformers' own GGUF config path parses the whole file). Only local paths are accepted: nothing is
@@ -17,6 +18,7 @@ from typing import Any
 
 from pagedllm.config import ModelConfig, cache_dir, dtype_name
 from pagedllm.model.gguf_file import open_gguf
+from pagedllm.model.packaged import PACKAGED_MODELS, packaged_model
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
 
 logger = logging.getLogger(__name__)
@@ -172,6 +174,10 @@ def load_model_config(
         raise ValueError(f"unknown quantization {quantization!r}; choose one of gguf, none")
     path = os.path.abspath(os.path.expanduser(model))
     gguf_file = None
+    if not os.path.exists(path) and model in PACKAGED_MODELS:  # a packaged model's name: its file, served as the name
+        return load_model_config(
+            packaged_model(model), tokenizer, dtype, max_model_len, served_model_name or model, seed, quantization
+        )
     if os.path.isfile(path) and path.endswith(".gguf"):
         hf_config = gguf_to_hf_config(gguf_config_metadata(path))
         tok_dir, gguf_file = os.path.split(path)
@@ -199,8 +205,8 @@ def load_model_config(
         default_name = os.path.basename(path.rstrip("/"))
     else:
         raise ValueError(
-            f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors) "
-            f"or a .gguf file (models are never downloaded)"
+            f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors), "
+            f"a .gguf file or a packaged model's name ({', '.join(PACKAGED_MODELS)}; models are never downloaded)"
         )
     arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     return ModelConfig(
