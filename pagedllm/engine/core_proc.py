@@ -10,7 +10,8 @@ PUSH. Three threads here:
 The first message on the DEALER is READY (or FAILED with the error) once the model is loaded. With data
 parallelism several of these processes share the client's two sockets: each is started with its engine index,
 builds its config as that data-parallel rank, and stamps the index on everything it sends. The process
-exits on SIGTERM/SIGINT, on a SHUTDOWN request, or when its parent disappears.
+exits on SIGTERM, on a SHUTDOWN request, or when its parent disappears; it ignores SIGINT (a terminal's Ctrl-C
+reaches the whole group, and the client stops it).
 """
 
 from __future__ import annotations
@@ -198,7 +199,9 @@ def run_engine_core(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Ctrl-C in a terminal reaches the whole process group: the client stops this process itself (SIGTERM), so that
+    # a server's Ctrl-C is one clean stop, not an engine that died under it (as the workers do, worker_proc.py).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     proc = EngineCoreProc(engine_args_json, input_addr, output_addr, identity, engine_index)
     threading.Thread(target=proc._parent_watch, args=(parent,), daemon=True, name="parent-watch").start()
     status = 0

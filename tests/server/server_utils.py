@@ -32,9 +32,16 @@ _READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
 
 class RemoteServer:
     def __init__(
-        self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None, start: bool = True
+        self,
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        start: bool = True,
+        new_session: bool = False,
     ) -> None:
-        """`api_key`: the key clients send; passed as --api-key unless `env` sets $PAGEDLLM_API_KEY."""
+        """`api_key`: the key clients send; passed as --api-key unless `env` sets $PAGEDLLM_API_KEY. `new_session`:
+        the server leads a process group of its own (with its engine core), as a terminal's foreground job does, so
+        that a test can send a signal to the whole group as Ctrl-C does."""
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *COMMON_ARGS, *args]
@@ -43,7 +50,9 @@ class RemoteServer:
         full_env.update(env or {})
         if api_key and "PAGEDLLM_API_KEY" not in full_env:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session
+        )
         self.host = "127.0.0.1"
         self.port: int | None = None
         if start:

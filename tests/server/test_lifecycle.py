@@ -1,4 +1,5 @@
-"""Server life cycle, each on a server of its own: SIGTERM stops the server and its engine-core process;
+"""Server life cycle, each on a server of its own: SIGTERM stops the server and its engine-core process, and so
+does Ctrl-C (SIGINT to the whole process group), logged as a clean stop;
 a dead engine core makes /health answer 503, fails in-flight requests (no hang) and makes the server exit
 with a non-zero status within 10 s; --max-queued-requests answers 429 beyond the limit."""
 
@@ -33,13 +34,16 @@ def servers():
         start=False,
     )
     dying = RemoteServer("--enable-debug-routes", "--max-queued-requests", "2", start=False)
+    ctrl_c = RemoteServer("--enable-debug-routes", start=False, new_session=True)
     try:
         term.wait_ready()
         dying.wait_ready()
-        yield {"term": term, "dying": dying}
+        ctrl_c.wait_ready()
+        yield {"term": term, "dying": dying, "ctrl_c": ctrl_c}
     finally:
         term.stop(signal.SIGKILL)
         dying.stop(signal.SIGKILL)
+        ctrl_c.stop(signal.SIGKILL)
 
 
 def _pid_gone(pid: int, timeout: float = 5.0) -> bool:
@@ -120,6 +124,19 @@ def test_served_model_name_env_key_and_sigterm(servers):
     assert _pid_gone(core_pid), "the engine-core process outlived the server"
     stream.join(timeout=5)
     assert not stream.is_alive()
+
+
+def test_ctrl_c_to_the_process_group_is_a_clean_stop(servers):
+    """A terminal's Ctrl-C sends SIGINT to the server and its engine core at once: the core leaves stopping to the
+    server, which exits 0 and logs a clean stop, not an engine that died under it."""
+    srv = servers["ctrl_c"]
+    assert srv.client().completions.create(model=srv.client().models.list().data[0].id, prompt=PROMPT, max_tokens=2)
+    core_pid = srv.kv()["core_pid"]
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(30) == 0
+    assert _pid_gone(core_pid), "the engine-core process outlived the server"
+    log = srv.log_text()
+    assert "engine core process died" not in log and "pagedllm server stopped" in log, log[-2000:]
 
 
 def test_queue_limit_then_engine_death(servers):

@@ -447,6 +447,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
             signal.signal(signal.SIGTERM, previous)
         if engine is not None:
             engine.shutdown()
+            logger.info("pagedllm server stopped: engine shut down")
         if core is not None:
             core.close()
         if sock is not None:
