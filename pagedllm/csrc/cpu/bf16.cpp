@@ -93,6 +93,25 @@ static inline float hi_float(uint32_t pair) {
   return f;
 }
 
+// One row's panel sums (a0: outputs 0..kLanes-1, a1: the rest) to out[0, nout), bias added when given; with `add`,
+// added to what out holds.
+static inline void store_sums(float* out, pvec a0, pvec a1, const float* bias, int64_t nout, bool add) {
+  if (nout == kPanel) {  // a whole panel: vector adds, the same sums as the scalar tail below
+    if (bias) a0 = pv_add(a0, pv_load(bias)), a1 = pv_add(a1, pv_load(bias + kLanes));
+    if (add) a0 = pv_add(pv_load(out), a0), a1 = pv_add(pv_load(out + kLanes), a1);
+    pv_store(out, a0);
+    pv_store(out + kLanes, a1);
+    return;
+  }
+  float t[kPanel];
+  pv_store(t, a0);
+  pv_store(t + kLanes, a1);
+  if (add)
+    for (int64_t n = 0; n < nout; ++n) out[n] += bias ? t[n] + bias[n] : t[n];
+  else
+    for (int64_t n = 0; n < nout; ++n) out[n] = bias ? t[n] + bias[n] : t[n];
+}
+
 // MB input rows (their pairs interleaved: xt[i2 * ld + m]) against one panel of in2 pairs; row m's outputs [0, nout)
 // go to y + m * ys, bias added when given; with `add`, the sums are added to what y holds (a later slice of the
 // pairs: the caller splits long panels so that a slice stays in L1 for every row block).
@@ -128,24 +147,7 @@ static void bf16_rows(const uint32_t* __restrict wp, const uint32_t* __restrict 
     }
   }
 #endif
-  for (int m = 0; m < MB; ++m) {
-    float* out = y + m * ys;
-    if (nout == kPanel) {  // a whole panel: vector adds, the same sums as the scalar tail below
-      pvec a0 = acc0[m], a1 = acc1[m];
-      if (bias) a0 = pv_add(a0, pv_load(bias)), a1 = pv_add(a1, pv_load(bias + kLanes));
-      if (add) a0 = pv_add(pv_load(out), a0), a1 = pv_add(pv_load(out + kLanes), a1);
-      pv_store(out, a0);
-      pv_store(out + kLanes, a1);
-      continue;
-    }
-    float t[kPanel];
-    pv_store(t, acc0[m]);
-    pv_store(t + kLanes, acc1[m]);
-    if (add)
-      for (int64_t n = 0; n < nout; ++n) out[n] += bias ? t[n] + bias[n] : t[n];
-    else
-      for (int64_t n = 0; n < nout; ++n) out[n] = bias ? t[n] + bias[n] : t[n];
-  }
+  for (int m = 0; m < MB; ++m) store_sums(y + m * ys, acc0[m], acc1[m], bias, nout, add);
 }
 
 using Bf16RowsFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, float*, int64_t, const float*, int64_t,
@@ -170,15 +172,14 @@ static inline Bf16RowsFn bf16_kernel(int64_t mb) {
 // [n0, n0 + 16) are such a B, rows kPanel * 4 bytes apart; input rows as plain pairs are A. Linux hands the tile
 // state to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM); without that, the first tile instruction
 // traps.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_usable() {
+unsigned cpuid7_edx() {  // CPUID leaf 7's EDX: bit 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8
   unsigned a, b, c, d;
   __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return d;
+}
+
+bool amx_usable() {
+  const unsigned d = cpuid7_edx();
   if (!(d >> 22 & 1u) || !(d >> 24 & 1u)) return false;  // AMX-BF16, AMX-TILE
   unsigned lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
@@ -199,16 +200,9 @@ bool amx_on() {
   return v == 1;
 }
 
-bool amx_int8_cpu() {
-  unsigned a, b, c, d;
-  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  return d >> 25 & 1u;  // AMX-INT8
-}
-
 // Loads a config of 8 tiles: C 0-3 and A 4-5 of `rows` rows, B 6-7 of 16.
 __attribute__((target("amx-tile"))) inline void amx_config(int rows) {
-  TileConfig cfg{};
-  cfg.palette = 1;
+  AmxTileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
@@ -216,74 +210,67 @@ __attribute__((target("amx-tile"))) inline void amx_config(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// Rows [m0, m0 + rows) of the sums, c [rows][kPanel] -> y (bias added, outputs [0, nout)).
-inline void amx_write(const float* c, int64_t rows, float* y, int64_t ys, const float* bias, int64_t nout) {
-  for (int64_t m = 0; m < rows; ++m) {
-    float* out = y + m * ys;
-    const float* src = c + m * kPanel;
-    if (nout == kPanel) {
-      pvec a0 = pv_load(src), a1 = pv_load(src + kLanes);
-      if (bias) a0 = pv_add(a0, pv_load(bias)), a1 = pv_add(a1, pv_load(bias + kLanes));
-      pv_store(out, a0);
-      pv_store(out + kLanes, a1);
-      continue;
+// `tiles` (1 or 2) tiles of input rows (plain pairs from a, rows in2 pairs apart) against the panel's two column
+// tiles, over all in2 pairs in order: their sums to c [16 tiles][kPanel] (C tiles 0-1 the first row tile's, 2-3 the
+// second's).
+template <int Tiles>
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_rows_panel(const uint32_t* panel, const uint32_t* a,
+                                                                        int64_t in2, float* c) {
+  const int64_t xs = in2 * 4, ps = kPanel * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Tiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < in2; k += 16) {
+    _tile_loadd(4, a + k, xs);
+    _tile_loadd(6, panel + k * kPanel, ps);
+    _tile_loadd(7, panel + k * kPanel + 16, ps);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Tiles == 2) {
+      _tile_loadd(5, a + 16 * in2 + k, xs);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    for (int64_t n = 0; n < nout; ++n) out[n] = bias ? src[n] + bias[n] : src[n];
+  }
+  _tile_stored(0, c, ps);
+  _tile_stored(1, c + 16, ps);
+  if constexpr (Tiles == 2) {
+    _tile_stored(2, c + 16 * kPanel, ps);
+    _tile_stored(3, c + 16 * kPanel + 16, ps);
   }
 }
 
 // One panel against mb input rows given as plain pairs (row m at x + m * in2; in2 a multiple of 16): 32 rows at a
-// time in four C tiles (two row tiles by the panel's two column tiles), a last 16 and the rest in tiles of fewer
-// rows. Every row's sums run over the pairs in the same order whatever its block, so its result does not depend on
-// the other rows.
+// time in four C tiles (two row tiles by the panel's two column tiles), a last 16, and the rest in tiles configured
+// for fewer rows. Every row's sums run over the pairs in the same order whatever its block, so its result does not
+// depend on the other rows.
 __attribute__((target("amx-tile,amx-bf16"))) void amx_panel_block(const uint32_t* panel, const uint32_t* x,
                                                                    int64_t mb, int64_t in2, float* y, int64_t ys,
                                                                    const float* bias, int64_t nout) {
   alignas(64) float c[32 * kPanel];
-  const int64_t xs = in2 * 4, ps = kPanel * 4;
+  auto write = [&](int64_t m0, int64_t rows) {
+    for (int64_t m = 0; m < rows; ++m)
+      store_sums(y + (m0 + m) * ys, pv_load(c + m * kPanel), pv_load(c + m * kPanel + kLanes), bias, nout, false);
+  };
   const int64_t full = mb / 16 * 16;
   int64_t m0 = 0;
   if (full > 0) amx_config(16);
   for (; m0 + 32 <= full; m0 += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint32_t* a = x + m0 * in2;
-    for (int64_t k = 0; k < in2; k += 16) {
-      _tile_loadd(4, a + k, xs);
-      _tile_loadd(5, a + 16 * in2 + k, xs);
-      _tile_loadd(6, panel + k * kPanel, ps);
-      _tile_loadd(7, panel + k * kPanel + 16, ps);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, c, kPanel * 4);
-    _tile_stored(1, c + 16, kPanel * 4);
-    _tile_stored(2, c + 16 * kPanel, kPanel * 4);
-    _tile_stored(3, c + 16 * kPanel + 16, kPanel * 4);
-    amx_write(c, 32, y + m0 * ys, ys, bias, nout);
+    amx_rows_panel<2>(panel, x + m0 * in2, in2, c);
+    write(m0, 32);
   }
-  for (int pass = 0; pass < 2 && m0 < mb; ++pass) {  // a last whole tile of rows, then the rest
-    const int64_t rows = pass == 0 ? full - m0 : mb - m0;
-    if (rows <= 0) continue;
-    if (pass == 1) amx_config(static_cast<int>(rows));
-    _tile_zero(0);
-    _tile_zero(1);
-    const uint32_t* a = x + m0 * in2;
-    for (int64_t k = 0; k < in2; k += 16) {
-      _tile_loadd(4, a + k, xs);
-      _tile_loadd(6, panel + k * kPanel, ps);
-      _tile_loadd(7, panel + k * kPanel + 16, ps);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, c, kPanel * 4);
-    _tile_stored(1, c + 16, kPanel * 4);
-    amx_write(c, rows, y + m0 * ys, ys, bias, nout);
-    m0 += rows;
+  if (m0 < full) {
+    amx_rows_panel<1>(panel, x + m0 * in2, in2, c);
+    write(m0, 16);
+    m0 += 16;
+  }
+  if (m0 < mb) {
+    amx_config(static_cast<int>(mb - m0));
+    amx_rows_panel<1>(panel, x + m0 * in2, in2, c);
+    write(m0, mb - m0);
   }
   _tile_release();
 }
@@ -501,7 +488,7 @@ int32_t bf16_has_native() { return bf16_native() ? 1 : 0; }
 
 bool amx_int8_on() {
 #if defined(PAGEDLLM_AMX)
-  static const bool cpu = amx_int8_cpu();
+  static const bool cpu = cpuid7_edx() >> 25 & 1u;  // AMX-INT8
   return cpu && amx_on();
 #else
   return false;

@@ -117,6 +117,12 @@ bool bf16_native();
 // not 0), -1 asks; returns whether it is on. While on, bf16_pairs_blocked(_serial) write rows of a multiple of 32
 // inputs as plain pairs (row m at xt + m * in2) and bf16_panel_block multiplies them on the tiles.
 int32_t bf16_amx(int32_t mode);
+// An AMX tile configuration (LDTILECFG's 64 bytes, palette 1): tile t holds rows[t] rows of colsb[t] bytes.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 // Whether AMX is on (bf16_amx) and the CPU has its int8 products too: quant.cpp then runs 16 int8 input rows at a
 // time on the tiles against packed Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 groups, the same sums as its VNNI kernels.
 bool amx_int8_on();

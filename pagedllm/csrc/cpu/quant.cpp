@@ -782,6 +782,13 @@ constexpr int64_t kPrefetchAhead = 5120;
 // whatever RB: a row's result does not depend on the others.
 // Chunk c of RB input rows against a packed group's 16 rows, whose 32 weights are the 8 vectors v (lane r: 4
 // unsigned weights of row r), w = a u + b: acc[r] += a dx sum(u x) + b sx, each row's in the same order.
+// acc += a dx s + b sx: one chunk's integer sums s of one input row (dx, sx its block scale and scaled sum) for 16
+// outputs whose weights are w = a u + b, in this order (the VNNI and the AMX kernels alike).
+inline __m512 add_chunk(__m512 acc, __m512i s, __m512 a, __m512 b, float dx, float sx) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(dx)), acc);
+  return _mm512_fmadd_ps(b, _mm512_set1_ps(sx), acc);
+}
+
 template <int RB>
 inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, const float* xs, int64_t ldq, int64_t ldb,
                        int64_t c, __m512 a, __m512 b, __m512* acc) {
@@ -795,8 +802,7 @@ inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, cons
       std::memcpy(&x4, x + 4 * j, 4);
       s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(x4));
     }
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
-    acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
+    acc[r] = add_chunk(acc[r], s, a, b, xd[r * ldb + c], xs[r * ldb + c]);
   }
 }
 
@@ -974,22 +980,14 @@ constexpr int kPackedTile = 8;  // input rows per packed_group call
 #define PAGEDLLM_AMX_INT8 1
 // 16 input rows against a packed group of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 rows on AMX tiles: a chunk's integer sums
 // sum(u x) for 16 rows x 16 outputs in one TDPBSUD (x signed in A, 16 rows of 32 bytes; u unsigned in B, the
-// chunk's 8 weight vectors as its 8 rows, as vpdpbusd reads them), then chunk_rows' float arithmetic on them in the
-// same order. Integer sums are exact, so every row's outputs are bit for bit packed_group's, whatever the rows
+// chunk's 8 weight vectors as its 8 rows, as vpdpbusd reads them), then add_chunk on them, as chunk_rows does. Integer sums are exact, so every row's outputs are bit for bit packed_group's, whatever the rows
 // around it (the two mix freely within a call).
-struct alignas(64) Int8TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 template <int32_t T>
 __attribute__((target("amx-tile,amx-int8"))) void amx_packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq,
                                                                    const float* xd, const float* xs, int64_t ldq,
                                                                    int64_t ldb, float* y, int64_t ldy, uint32_t keep) {
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
-  Int8TileConfig cfg{};
-  cfg.palette = 1;
+  AmxTileConfig cfg;
   for (int t = 0; t < 2; ++t) {  // C 0-1: 16 x 16 int32; A 2-3: 16 rows x 32 bytes; B 4-5: 8 rows x 64 bytes
     cfg.rows[t] = 16, cfg.colsb[t] = 64;
     cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = 32;
@@ -1008,15 +1006,12 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_packed_group(const uint8_t
     for (int j = 0; j < 8; ++j) _mm512_store_si512(bt[k] + 64 * j, v[j]);
     return bt[k];
   };
-  auto scale = [&](int64_t c, int k) {  // chunk_rows' arithmetic on the tile's sums
+  auto scale = [&](int64_t c, int k) {  // add_chunk on the tile's sums, row by row
     const int32_t* s = sums[k];
     const __m512 a = sa[k], b = sb[k];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512i sr = _mm512_load_si512(s + 16 * r);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_mul_ps(a, _mm512_set1_ps(xd[r * ldb + c])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[r * ldb + c]), acc[r]);
-    }
+    for (int r = 0; r < 16; ++r)
+      acc[r] = add_chunk(acc[r], _mm512_load_si512(s + 16 * r), a, b, xd[r * ldb + c], xs[r * ldb + c]);
   };
   int64_t c = 0;
   for (; c + 2 <= nb; c += 2) {
