@@ -142,6 +142,12 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PAGEDLLM_CPU_KERNELS", "1").strip() != "0"
 
 
+def heap_reuse_enabled() -> bool:
+    """$PAGEDLLM_HEAP_REUSE: a CPU worker keeps freed activation memory for reuse (pagedllm/model/heap.py) unless
+    it is "0"."""
+    return os.environ.get("PAGEDLLM_HEAP_REUSE", "1").strip() != "0"
+
+
 def cpu_isa() -> str:
     """$PAGEDLLM_CPU_ISA: auto (detect at run time, the default), avx512bf16, avx512, avx2 or generic."""
     raw = os.environ.get("PAGEDLLM_CPU_ISA", "auto")

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, heap_reuse_enabled
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.heap import reuse_freed_memory
 from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -39,6 +40,9 @@ class Worker:
         start = time.perf_counter()
         self.model_runner = ModelRunner(config, self.device, self.tp)
         logger.info("startup: model runner %.2f s (kernels, model, weights)", time.perf_counter() - start)
+        if self.device.type == "cpu" and heap_reuse_enabled() and reuse_freed_memory():
+            # After loading: what loading freed has gone back to the OS; from here on activations reuse the heap.
+            logger.info("host memory: freed activations stay in the heap for reuse (PAGEDLLM_HEAP_REUSE=0: off)")
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
