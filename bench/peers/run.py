@@ -586,7 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         parser.error(f"pagedllm would run on plain torch, not its native kernels: {problem}")
     command = "python bench/peers/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    model = prepare_model()
+    # The float32 folder only where an engine loads it or the online client's tokenizer reads it: a 3B model's
+    # de-quantization does not fit beside the page cache, and the GGUF engines never read it.
+    needs_folder = "online" in workloads or any(e not in GGUF_ENGINES for e in engines)
+    model = prepare_model() if needs_folder else gguf_model()
     vpy = vllm_python() if "vllm" in engines else None
     lpy = llamacpp_python() if "llamacpp" in engines else None
     if "online" in workloads and "llamacpp" in engines:
