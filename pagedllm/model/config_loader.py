@@ -148,10 +148,6 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
 
 def _max_len(hf_config: Any, requested: int | None) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) is not False:
-        # Sliding-window attention is not implemented: stay within one window, where it equals full attention.
-        limit = min(limit, int(window))
     if requested is None:
         return limit
     if requested < 1 or requested > limit:

@@ -153,7 +153,7 @@ class CpuDecodeRunner:
                 self._layer_weights(), [a.attn.kv_cache[0] for a in attns],
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
-                self._quant_weights(),
+                self._quant_weights(), [a.attn.sliding_window for a in attns],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

@@ -16,13 +16,15 @@ import torch
 import torch.nn.functional as F
 
 
-def reference(q, k_cache, v_cache, table, lens, scale):
+def reference(q, k_cache, v_cache, table, lens, scale, window: int = 0):
+    """SDPA over each request's gathered keys: its first lens[i], or with a window the last `window` of those."""
     out = []
     hq, d = q.shape[1], q.shape[2]
     for i in range(q.shape[0]):
         n = int(lens[i])
-        keys = k_cache[table[i]].flatten(0, 1)[:n]  # [n, Hkv, D]
-        values = v_cache[table[i]].flatten(0, 1)[:n]
+        lo = max(0, n - window) if window else 0
+        keys = k_cache[table[i]].flatten(0, 1)[lo:n]  # [n - lo, Hkv, D]
+        values = v_cache[table[i]].flatten(0, 1)[lo:n]
         o = F.scaled_dot_product_attention(
             q[i].view(1, hq, 1, d),
             keys.transpose(0, 1)[None],
@@ -72,6 +74,29 @@ def test_kernel_matches_sdpa(
     op(out, q, k_cache, v_cache, table, lens, scale)
     expected = reference(q, k_cache.float(), v_cache.float(), table, lens, scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n, width, hq, hkv, d, block",
+    [(5, 7, 9, 3, 64, 16), (64, 13, 9, 3, 64, 16), (3, 4, 8, 2, 128, 8), (7, 5, 6, 2, 16, 4)],
+)
+@pytest.mark.parametrize("window", [1, 5, 37])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(
+    isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int, window: int, kv_dtype: torch.dtype
+) -> None:
+    """A sliding window: each request attends its last `window` tokens (all of them where it has fewer), windows
+    that start inside a block, at one token, and past a tile's 16."""
+    q, k_cache, v_cache, table, lens, scale = make_case(n * 31 + window, n, width, hq, hkv, d, block)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    out = torch.full_like(q, float("nan"))
+    isa_ops.paged_decode_attention(out, q, k_cache, v_cache, table, lens, scale, window)
+    expected = reference(q, k_cache.float(), v_cache.float(), table, lens, scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if int(lens.max()) > window:  # the window changes the result where a context is longer
+        full = torch.full_like(q, float("nan"))
+        isa_ops.paged_decode_attention(full, q, k_cache, v_cache, table, lens, scale)
+        assert not torch.allclose(full, out)
 
 
 @pytest.mark.parametrize(

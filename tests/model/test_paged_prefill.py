@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 
-def reference(q, k_cache, v_cache, tables, segments, scale):
-    """Each segment: causal attention with offset over its gathered context plus itself."""
+def reference(q, k_cache, v_cache, tables, segments, scale, window: int = 0):
+    """Each segment: causal attention with offset over its gathered context plus itself (with a window, row i at
+    position ctx + i sees only the keys after ctx + i - window)."""
     out = torch.full_like(q, float("nan"))
     hq, d = q.shape[1], q.shape[2]
     for (start, length, ctx), table in zip(segments.tolist(), tables):
@@ -23,6 +24,8 @@ def reference(q, k_cache, v_cache, tables, segments, scale):
         keys = k_cache[table].flatten(0, 1)[:total].transpose(0, 1)[None]  # [1, Hkv, total, D]
         values = v_cache[table].flatten(0, 1)[:total].transpose(0, 1)[None]
         mask = torch.ones(length, total, dtype=torch.bool).tril(diagonal=ctx)
+        if window:
+            mask &= torch.ones(length, total, dtype=torch.bool).triu(diagonal=ctx - window + 1)
         qs = q[start : start + length].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + length] = o[0].transpose(0, 1)
@@ -67,6 +70,29 @@ def test_kernel_matches_sdpa(isa_ops, segs, hq: int, hkv: int, d: int, block: in
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows] = False
     assert out[others].isnan().all(), "rows outside every segment were written"
+
+
+@pytest.mark.parametrize(
+    "segs, hq, hkv, d, block",
+    [
+        ([(256, 0)], 9, 3, 64, 16),
+        ([(7, 0), (33, 40), (1 + 16, 100), (50, 3)], 9, 3, 64, 16),
+        ([(20, 0), (18, 9)], 8, 2, 128, 8),
+        ([(21, 0), (5, 13)], 6, 2, 16, 4),
+    ],
+)
+@pytest.mark.parametrize("window", [1, 7, 20, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(isa_ops, segs, hq: int, hkv: int, d: int, block: int, window: int, kv_dtype) -> None:
+    """A sliding window: windows of one token, shorter and longer than the 16-row and 8-key tiles, starting in the
+    context or inside the chunk; rows whose window holds no key of a whole tile."""
+    q, k_cache, v_cache, tables, segments, scale = make_case(len(segs) * 13 + window, segs, hq, hkv, d, block)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    out = torch.full_like(q, float("nan")).contiguous()
+    isa_ops.paged_prefill_attention(out, q, k_cache, v_cache, tables, segments, scale, window)
+    ref = reference(q, k_cache.float(), v_cache.float(), tables, segments, scale, window)
+    rows = torch.cat([torch.arange(s, s + n) for s, n, _ in segments.tolist()])
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

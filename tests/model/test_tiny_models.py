@@ -1,7 +1,8 @@
 """Model math against HF transformers: tiny random models of every supported architecture, float32 on CPU.
 
 Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transformers-5 `rope_parameters` form
-and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows shorter
+than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3 with
 q/k RMSNorm and head_dim != hidden/heads) must give, with batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
@@ -51,6 +52,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(seed=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, legacy_rope_keys=True, num_hidden_layers=2),
     ),
     "mistral": ("MistralForCausalLM", dict(seed=5)),
+    # A window shorter than the prompts and generations below: every layer attends its last 24 keys.
+    "mistral-window": ("MistralForCausalLM", dict(seed=8, sliding_window=24)),
+    # Qwen2's window on the layers from max_window_layers on (layer_types), full attention below.
+    "qwen2-window": (
+        "Qwen2ForCausalLM",
+        dict(seed=9, use_sliding_window=True, sliding_window=20, max_window_layers=1),
+    ),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", dict(seed=6)),
     "qwen3-qk-norm-tied": ("Qwen3ForCausalLM", dict(seed=7, tie_word_embeddings=True, head_dim=32)),
 }

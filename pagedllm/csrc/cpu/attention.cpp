@@ -385,18 +385,20 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   });
 }
 
-// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's whole paged context of
-// `len` tokens, query row r reading KV head kv0 + r / g: attend_span over [0, len), normalised into out.
+// Single-query attention of `rows` consecutive query heads q [rows, d] over one request's paged context of `len`
+// tokens, query row r reading KV head kv0 + r / g: attend_span over [0, len), or over its last `window` tokens
+// (window > 0), normalised into out.
 template <int D, typename KV>
 static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, const int64_t* table,
-                        int64_t len, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g, int64_t d_rt,
-                        float sc, AttendScratch& s) {
+                        int64_t len, int64_t window, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g,
+                        int64_t d_rt, float sc, AttendScratch& s) {
   const int64_t d = D > 0 ? D : d_rt;
   s.mx.resize(rows);
   s.sum.resize(rows);
   s.acc.resize(rows * d);
-  attend_span<D, KV>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, 0, len, bs, row,
-                 rows, g, d, sc, s.scores);
+  const int64_t l0 = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  attend_span<D, KV>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, l0, len, bs,
+                     row, rows, g, d, sc, s.scores);
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / s.sum[r];
     float* orow = out + r * d;
@@ -410,8 +412,8 @@ static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, 
 // then read whole and in order), one each otherwise.
 template <int D, typename KV>
 static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, const int64_t* tp,
-                        const int64_t* lp, int64_t n, int64_t hq, int64_t hkv, int64_t bs, int64_t width,
-                        int64_t d, float sc, int threads) {
+                        const int64_t* lp, int64_t window, int64_t n, int64_t hq, int64_t hkv, int64_t bs,
+                        int64_t width, int64_t d, float sc, int threads) {
   const int64_t g = hq / hkv;
   const int64_t row = hkv * d;  // elements between consecutive tokens of one block
   const int64_t hs = n >= 4 * threads ? hkv : 1;
@@ -429,8 +431,8 @@ static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, 
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = order[item / per_req], h0 = (item % per_req) * hs;
       const int64_t first = i * hq + h0 * g;  // the item's query heads are consecutive
-      attend_item<D, KV>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], bs, row, h0, hs * g, g, d, sc,
-                     scratch);
+      attend_item<D, KV>(op + first * d, qp + first * d, kp, vp, tp + i * width, lp[i], window, bs, row, h0, hs * g, g,
+                         d, sc, scratch);
     }
   }
 }
@@ -439,7 +441,8 @@ static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, 
 // Causal attention of up to R query rows of one query head over a paged context, flash-attention style: key tiles
 // of C tokens; the R rows sit in the vector lanes (qt holds them transposed and pre-scaled, qt[x * R + i]), so each
 // key element is broadcast against R queries and the running softmax needs no horizontal reductions. Row i sits at
-// position p0 + i and attends the tokens [0, p0 + i]; rows past nrows are padding (qt zero) and not written.
+// position p0 + i and attends the tokens [0, p0 + i], or with a sliding window (window > 0) the tokens
+// [p0 + i - window + 1, p0 + i]; rows past nrows are padding (qt zero) and not written.
 // kc, vc point at the query head's KV head within token rows of `row` floats; ot is [d, R] scratch.
 constexpr int kPrefillRows = 16, kPrefillKeys = 8;
 
@@ -454,8 +457,9 @@ static inline void widen_tile(const KV* const* rows, float* __restrict out) {
 }
 
 template <int D, typename KV>
-static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, const KV* kc,
-                         const KV* vc, const int64_t* table, int64_t bs, int64_t row, float* ot, int64_t d_rt) {
+static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, int64_t window,
+                         const KV* kc, const KV* vc, const int64_t* table, int64_t bs, int64_t row, float* ot,
+                         int64_t d_rt) {
   constexpr int R = kPrefillRows, C = kPrefillKeys;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
@@ -465,7 +469,9 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
   std::fill(m, m + R, ninf);
   std::fill(l, l + R, 0.f);
   std::fill(ot, ot + d * R, 0.f);
-  for (int64_t j0 = 0; j0 < klen; j0 += C) {
+  // The first key any row sees (row 0's window start), from the tile that holds it.
+  const int64_t first = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  for (int64_t j0 = first / C * C; j0 < klen; j0 += C) {
     const int64_t nc = std::min<int64_t>(C, klen - j0);
     const KV* kr[C];
     const KV* vr[C];
@@ -493,7 +499,14 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
         for (int i = 0; i < R; ++i)
           if (c >= nc || j0 + c > p0 + i) s[c][i] = ninf;
     }
-    // Token 0 is in the first tile and visible to every row: m is finite from the first tile on.
+    if (window > 0 && j0 <= p0 + R - 1 - window) {  // the tile starts before some row's window: mask
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < R; ++i)
+          if (j0 + c <= p0 + i - window) s[c][i] = ninf;
+    }
+    // Without a window token 0 is in the first tile and visible to every row, so m is finite from the first tile
+    // on; with one, a row may see nothing of a tile yet (m stays -inf: the exponentials below are then taken
+    // against 0 and give 0, where -inf - -inf would give NaN).
     float mn[R], alpha[R];
     std::copy(m, m + R, mn);
     for (int c = 0; c < C; ++c)
@@ -501,9 +514,11 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
       for (int i = 0; i < R; ++i) mn[i] = std::max(mn[i], s[c][i]);
 #pragma omp simd
     for (int i = 0; i < R; ++i) {
-      alpha[i] = expf(m[i] - mn[i]);
+      const float base = mn[i] == ninf ? 0.f : mn[i];
+      alpha[i] = expf(m[i] - base);
       m[i] = mn[i];
       l[i] *= alpha[i];
+      mn[i] = base;  // the exponentials below: s - base
     }
     for (int c = 0; c < C; ++c)
 #pragma omp simd
@@ -556,15 +571,15 @@ static void decode_typed(const PagedDecodeArgs* a) {
   const KV* vp = static_cast<const KV*>(c.v);
   switch (d) {
     case 64:
-      decode_loop<64, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+      decode_loop<64, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
                           c.block_size, a->table_width, 64, a->scale, a->threads);
       break;
     case 128:
-      decode_loop<128, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+      decode_loop<128, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
                            c.block_size, a->table_width, 128, a->scale, a->threads);
       break;
     default:
-      decode_loop<0, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->n, a->q_heads, c.kv_heads,
+      decode_loop<0, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
                          c.block_size, a->table_width, d, a->scale, a->threads);
   }
 }
@@ -594,7 +609,7 @@ static void prefill_all(const PagedPrefillArgs* a) {
       const PrefillTask& task = tasks[t];
       const int64_t start = sp[3 * task.seg] + task.i0, len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
       prefill_rows_any(a->out + start * hq * d, hq * d, a->q + start * qstride, qstride,
-                       std::min<int64_t>(R, len - task.i0), ctx + task.i0, task.h, c.k, c.v, c.kv_dtype,
+                       std::min<int64_t>(R, len - task.i0), ctx + task.i0, a->window, task.h, c.k, c.v, c.kv_dtype,
                        tp + task.seg * width, c.block_size, row, g, d, a->scale, scratch);
     }
   }
@@ -603,8 +618,8 @@ static void prefill_all(const PagedPrefillArgs* a) {
 
 int64_t prefill_tile_rows() { return kPrefillRows; }
 
-void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0, int64_t h,
-                      const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
+void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0,
+                      int64_t window, int64_t h, const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
                       int64_t g, int64_t d, float sc, std::vector<float>& scratch) {
   constexpr int R = kPrefillRows;
   scratch.resize(2 * d * R);
@@ -618,9 +633,9 @@ void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstri
   auto run = [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     switch (d) {
-      case 64: prefill_tile<64, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d); break;
-      case 128: prefill_tile<128, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d); break;
-      default: prefill_tile<0, KV>(orow, ostride, qt, n, p0, kp + kv, vp + kv, table, bs, row, ot, d);
+      case 64: prefill_tile<64, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d); break;
+      case 128: prefill_tile<128, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d); break;
+      default: prefill_tile<0, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d);
     }
   };
   if (kv_dtype == PKV_BF16) run(static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc));

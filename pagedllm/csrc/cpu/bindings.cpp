@@ -313,7 +313,8 @@ class CpuOps {
   }
 
   void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_table, torch::Tensor seq_lens, double scale) const {
+                              torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                              int64_t window) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
@@ -328,13 +329,15 @@ class CpuOps {
       TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "seq_len ", lp[i], " outside 1..", width * bs);
       check_block_ids(tp + i * width, (lp[i] + bs - 1) / bs, c.num_blocks);
     }
-    const PagedDecodeArgs args{out.data_ptr<float>(), q.data_ptr<float>(), c, tp, lp, n, q.size(1), width,
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    const PagedDecodeArgs args{out.data_ptr<float>(), q.data_ptr<float>(), c, tp, lp, n, q.size(1), width, window,
                                static_cast<float>(scale), at::get_num_threads()};
     t_->paged_decode(&args);
   }
 
   void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor segments, double scale) const {
+                               torch::Tensor block_tables, torch::Tensor segments, double scale,
+                               int64_t window) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     check_index(block_tables, "block_tables");
@@ -353,8 +356,9 @@ class CpuOps {
                   " tokens past its block table");
       check_block_ids(tp + s * width, (ctx + len + bs - 1) / bs, c.num_blocks);
     }
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
     const PagedPrefillArgs args{out.data_ptr<float>(), q.data_ptr<float>(), q.stride(0), tokens, q.size(1), c, tp,
-                                sp, nseg, width, static_cast<float>(scale), at::get_num_threads()};
+                                sp, nseg, width, window, static_cast<float>(scale), at::get_num_threads()};
     t_->paged_prefill(&args);
   }
 
@@ -457,8 +461,8 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
 // layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
 // weights as float32 panels or bf16 pair panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
 // optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
-// panels are then ignored and may be empty), None on its panels.
-// Everything is checked here once; a step passes only the token's few index tensors.
+// panels are then ignored and may be empty), None on its panels; optionally each layer's sliding window in `windows`
+// (0: full attention). Everything is checked here once; a step passes only the token's few index tensors.
 class DecodeModel {
  public:
   static constexpr int kPerLayer = 12, kLinears = 4;
@@ -466,9 +470,10 @@ class DecodeModel {
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-              std::vector<std::shared_ptr<QuantMatrix>> quant)
+              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
     const size_t layers = k_caches.size();
+    TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
                     cos_sin.size() == layers,
                 kPerLayer, " weights, two caches and a rotary table per layer");
@@ -547,6 +552,8 @@ class DecodeModel {
       L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
+      L.window = windows.empty() ? 0 : windows[l];
+      TORCH_CHECK(L.window >= 0, "layer ", l, ": window must be 0 (none) or positive");
       layers_.push_back(L);
     }
     s.layers = layers_.data();
@@ -719,21 +726,24 @@ PYBIND11_MODULE(_C, m) {
            "or de-quantized panels for any M; elsewhere int8 inputs up to quant_dot_max_rows rows, panels beyond")
       .def("dequantize_rows", &quant_dequantize_rows, py::arg("weight"), py::arg("ids"),
            "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
-      .def("paged_decode_attention", &CpuOps::paged_decode_attention)
-      .def("paged_prefill_attention", &CpuOps::paged_prefill_attention)
+      .def("paged_decode_attention", &CpuOps::paged_decode_attention, py::arg("out"), py::arg("q"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0)
+      .def("paged_prefill_attention", &CpuOps::paged_prefill_attention, py::arg("out"), py::arg("q"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("segments"), py::arg("scale"),
+           py::arg("window") = 0)
       .def(
           "decode_model",
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-             std::vector<std::shared_ptr<QuantMatrix>> quant) {
+             std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
-                                                 all_reduce_fn, all_reduce_ctx, std::move(quant));
+                                                 all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
-          py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{},
+          py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("windows") = std::vector<int64_t>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

@@ -202,13 +202,15 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         for (int64_t k = t; k < tasks; k += n) {
           const int64_t i0 = k / hq * tile_rows, hh = k % hq;
           prefill_rows_any(att + i0 * hq * d, hq * d, qkv + i0 * qkv_out, qkv_out, std::min(tile_rows, R - i0),
-                           pos[0] + i0, hh, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[0] * width, bs, row,
+                           pos[0] + i0, w.window, hh, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[0] * width, bs, row,
                            g, d, sc, scores);
         }
       } else {
-        for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself: this thread's span of it
-          int64_t a, b;
-          share(pos[r] + 1, t, n, 1, a, b);
+        for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself (or its window's part of
+          int64_t a, b;                    // it): this thread's span of that
+          const int64_t lo = w.window > 0 ? std::max<int64_t>(0, pos[r] + 1 - w.window) : 0;
+          share(pos[r] + 1 - lo, t, n, 1, a, b);
+          a += lo, b += lo;
           float* pr = pm + r * pd;
           jobs[r] = SpanJob{qkv + r * qkv_out, a, b, pr, pr + hq, pr + 2 * hq};
         }

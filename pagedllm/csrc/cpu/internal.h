@@ -42,11 +42,11 @@ void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void
                       std::vector<float>& scores);
 
 // Query head h of up to prefill_tile_rows() consecutive prompt tokens of one request (the first at position p0, token
-// i attending [0, p0 + i], its keys and values already cached): paged_prefill's arithmetic, row for row (a row's
-// result depends on its query and its context alone). Token i's q|k|v row at q + i * qstride, its attention output
-// at out + i * ostride + h * d. scratch: the caller's, any size.
-void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0, int64_t h,
-                      const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
+// i attending [0, p0 + i], or its last `window` tokens when window > 0, its keys and values already cached):
+// paged_prefill's arithmetic, row for row (a row's result depends on its query and its context alone). Token i's
+// q|k|v row at q + i * qstride, its attention output at out + i * ostride + h * d. scratch: the caller's, any size.
+void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0,
+                      int64_t window, int64_t h, const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
                       int64_t g, int64_t d, float sc, std::vector<float>& scratch);
 int64_t prefill_tile_rows();
 

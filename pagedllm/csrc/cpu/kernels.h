@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 12
+#define PAGEDLLM_CPU_ABI 13
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -32,21 +32,23 @@ struct PagedCache {
 };
 
 // Single-query attention of n requests: out, q [n, q_heads, head_dim] contiguous; request i attends the first
-// seq_lens[i] tokens of its context, whose blocks are block_table[i * table_width ...].
+// seq_lens[i] tokens of its context, whose blocks are block_table[i * table_width ...]; with a sliding window
+// (window > 0) only the last `window` of them (a query at position p sees the keys at p - window + 1 .. p).
 struct PagedDecodeArgs {
   float* out;
   const float* q;
   PagedCache cache;
   const int64_t* block_table;
   const int64_t* seq_lens;
-  int64_t n, q_heads, table_width;
+  int64_t n, q_heads, table_width, window;
   float scale;
   int threads;
 };
 
 // Causal attention of each segment's query rows over its context and itself: segments[3 s .. 3 s + 2] = query start,
 // query length, context length; q rows are q_stride floats apart (heads contiguous within a row), out [tokens,
-// q_heads, head_dim] contiguous; rows outside every segment are left untouched.
+// q_heads, head_dim] contiguous; rows outside every segment are left untouched. window > 0: each row sees only the
+// last `window` tokens up to itself, as in PagedDecodeArgs.
 struct PagedPrefillArgs {
   float* out;
   const float* q;
@@ -54,7 +56,7 @@ struct PagedPrefillArgs {
   PagedCache cache;
   const int64_t* tables;
   const int64_t* segments;
-  int64_t num_segments, table_width;
+  int64_t num_segments, table_width, window;
   float scale;
   int threads;
 };
@@ -104,6 +106,7 @@ struct DecoderLayer {
   const uint32_t *qkv16, *o16, *gate_up16, *down16;
   const float* cos_sin;  // [max_position, rot]: cos | sin
   void *k_cache, *v_cache;  // of the spec's kv_dtype
+  int64_t window;           // sliding-window attention over the last `window` tokens; 0: the whole context
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).

@@ -17,12 +17,22 @@ from pagedllm.model.attention.backends.base import AttentionBackend
 
 class Attention(nn.Module):
     """`kv_cache` is bound by the worker after it allocates memory: a pair of tensors
-    [num_blocks, block_size, num_kv_heads, head_dim] for keys and values."""
+    [num_blocks, block_size, num_kv_heads, head_dim] for keys and values. `sliding_window` (0: none): a query at
+    position p attends only the keys at p - sliding_window + 1 .. p, as transformers' sliding-window layers do."""
 
     def __init__(
-        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 0:
+            raise ValueError(f"sliding_window must be positive (or None), got {sliding_window}")
+        self.sliding_window = int(sliding_window or 0)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads

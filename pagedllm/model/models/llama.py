@@ -41,8 +41,29 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), (params if kind != "default" else None)
 
 
+def layer_window(config: Any, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer` (None: full attention), as transformers reads the config:
+    `layer_types` where the config has them ("sliding_attention" layers take `sliding_window`), else
+    `sliding_window` on every layer unless `use_sliding_window` is false (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if types[layer] == "sliding_attention" else None
+    return None if getattr(config, "use_sliding_window", True) is False else int(window)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        bias: bool,
+        qk_norm: bool,
+        kernels: KernelDispatch,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
         hidden = config.hidden_size
@@ -60,7 +81,9 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling, ops=ops)
         scale = self.head_dim**-0.5
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, kernels.attention)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, scale, kernels.attention, sliding_window
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         eps = config.rms_norm_eps
@@ -99,10 +122,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch, index: int = 0
+    ) -> None:
         super().__init__()
         ops = kernels.cpu_for(dtype)
-        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm, kernels)
+        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm, kernels, layer_window(config, index))
         self.mlp = LlamaMLP(config, dtype, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
@@ -127,7 +152,7 @@ class LlamaModel(nn.Module):
             config.vocab_size, config.hidden_size, dtype, kernels.tp, kernels.cpu_for(dtype)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels, i) for i in range(config.num_hidden_layers)
         )
         # Every layer's rotary table is the same: one copy ([max_position, rot] floats, 2 MiB for SmolLM2).
         shared = self.layers[0].self_attn.rotary_emb.cos_sin_cache

@@ -29,6 +29,7 @@ class AttentionLayer(Protocol):
     head_dim: int
     num_kv_heads: int
     scale: float
+    sliding_window: int  # 0: full attention; else a query at p sees the keys at p - sliding_window + 1 .. p
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None  # [num_blocks, block_size, num_kv_heads, head_dim] each
 
 

@@ -66,14 +66,15 @@ class CpuNativeAttentionBackend(AttentionBackend):
         k_cache, v_cache = layer.kv_cache
         out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
+        window = getattr(layer, "sliding_window", 0) or 0  # a query sees only the last `window` keys (0: all)
         if nd:
             # The decodes are the first rows: the kernel writes straight into them.
             self.ops.paged_decode_attention(
                 out[:nd], q[:nd].contiguous(), k_cache, v_cache, metadata.decode_tables, metadata.decode_seq_lens,
-                layer.scale,
+                layer.scale, window,
             )  # fmt: skip
         if metadata.prefill_segments is not None:
             self.ops.paged_prefill_attention(
-                out, q, k_cache, v_cache, metadata.prefill_tables, metadata.prefill_segments, layer.scale
+                out, q, k_cache, v_cache, metadata.prefill_tables, metadata.prefill_segments, layer.scale, window
             )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

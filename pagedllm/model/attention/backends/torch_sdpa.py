@@ -5,6 +5,8 @@ Per layer, after the new keys and values are cached:
   small): each group's block tables gather its context into one padded tensor and a mask hides the padding;
 * each multi-token segment attends on its own: causal over its fresh keys when it has no context, otherwise over
   the context gathered from its blocks plus itself with a causal offset mask.
+A layer with a sliding window (`layer.sliding_window` > 0) masks, in both, the keys more than the window behind each
+query: a query at position p sees p - window + 1 .. p.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class DecodeGroup:
     block_table: torch.Tensor  # [n, max_blocks] int64
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend; None if no padding
     max_len: int = 0  # context length of the longest request in the group
+    lens: torch.Tensor | None = None  # [n] int64 context lengths (the new token's included)
 
 
 @dataclass(slots=True)
@@ -121,7 +124,8 @@ class TorchAttentionBackend(AttentionBackend):
             if lens[0] != max_len:
                 span = np.arange(table.shape[1] * bs)
                 mask = to_device(span[None, :] < lens[:, None], device).view(end - start, 1, 1, -1)
-            meta.decode_groups.append(DecodeGroup(start, end, to_device(table, device), mask, max_len))
+            group = DecodeGroup(start, end, to_device(table, device), mask, max_len, to_device(lens.copy(), device))
+            meta.decode_groups.append(group)
         for i in range(nd, common.num_reqs):
             ctx, q = int(common.context_lens[i]), int(common.query_start[i + 1] - common.query_start[i])
             seg = PrefillSegment(query_start=int(common.query_start[i]), query_len=q, context_len=ctx)
@@ -154,13 +158,19 @@ class TorchAttentionBackend(AttentionBackend):
         flat = group.block_table.view(-1)
         keys = self._gather(k_cache, flat, 0, q.dtype).view(n, -1, hkv, d)
         values = self._gather(v_cache, flat, 1, q.dtype).view(n, -1, hkv, d)
-        if group.mask is None:  # no padding in the gathered blocks: trim to the exact length
+        mask = group.mask
+        window = getattr(layer, "sliding_window", 0) or 0
+        if mask is None:  # no padding in the gathered blocks: trim to the exact length
             keys, values = keys[:, : group.max_len], values[:, : group.max_len]
+        if window and group.max_len > window:
+            span = torch.arange(keys.shape[1], device=q.device)
+            lens = group.lens.view(-1, 1)
+            mask = ((span < lens) & (span >= lens - window)).view(n, 1, 1, -1)
         o = F.scaled_dot_product_attention(
             q.view(n, 1, layer.num_heads, d).transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=group.mask,
+            attn_mask=mask,
             scale=layer.scale,
             enable_gqa=True,
         )
@@ -170,10 +180,19 @@ class TorchAttentionBackend(AttentionBackend):
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
     ) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        window = getattr(layer, "sliding_window", 0) or 0
+        mask = seg.mask
+        if window and seg.context_len + seg.query_len > window:
+            # query i (position context_len + i) sees keys j with context_len + i - window < j <= context_len + i
+            rows = torch.arange(seg.query_len, device=q.device).view(-1, 1) + seg.context_len
+            cols = torch.arange(seg.context_len + seg.query_len, device=q.device).view(1, -1)
+            mask = (cols <= rows) & (cols > rows - window)
         if seg.context_len == 0:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
+            )
         else:
             k_cache, v_cache = layer.kv_cache
             total = seg.context_len + seg.query_len
@@ -181,5 +200,5 @@ class TorchAttentionBackend(AttentionBackend):
             table = seg.block_table
             kh = self._gather(k_cache, table, 0, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             vh = self._gather(v_cache, table, 1, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, scale=layer.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
