@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     answers = []
     for llm in (stored, reference):
         completion = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
-        chat = llm.chat(question, greedy, use_tqdm=False)[0].outputs[0].text
+        try:
+            chat = llm.chat(question, greedy, use_tqdm=False)[0].outputs[0].text
+        except ValueError as e:  # a file without a chat template (Gemma 3 270M's)
+            chat = f"(no chat: {e})"
         answers.append((completion, chat))
     print(f"\n{os.path.basename(path)}: {len(top)} positions teacher-forced\n")
     print(

@@ -46,6 +46,7 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 _built: dict[str, str] = {}  # cache key -> folder
@@ -125,9 +126,12 @@ def make_tiny_model(
         return folder
 
     fields = {**_BASE_CONFIG, **overrides}
-    rope = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta", 10000.0))}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta", 10000.0))}
     if rope_scaling:
         rope.update(rope_scaling)
+    if arch == "Gemma3ForCausalLM":  # rope per layer kind: global layers take rope_theta (and the scaling)
+        local = {"rope_type": "default", "rope_theta": float(fields.pop("rope_local_base_freq", 10000.0))}
+        rope = {"full_attention": rope, "sliding_attention": local}
     config = AutoConfig.for_model(
         _MODEL_TYPES[arch],
         architectures=[arch],

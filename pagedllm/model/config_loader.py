@@ -143,6 +143,24 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    if arch == "gemma3":
+        # As llama.cpp runs a gemma3 file: every sixth layer global (the file's rope base and scaling), the others
+        # local over `attention.sliding_window` tokens with a rope base of 10,000; the attention scale 1/sqrt(head
+        # size); GELU(tanh) MLP; the head tied to the embedding unless the file has an output tensor.
+        layers = kwargs["num_hidden_layers"]
+        kwargs.update(
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+            sliding_window=int(get("attention.sliding_window", 512)),
+            query_pre_attn_scalar=kwargs["head_dim"],
+            hidden_activation="gelu_pytorch_tanh",
+        )
+        local = {"rope_type": "default", "rope_theta": 10000.0}
+        return GgufConfig(
+            **kwargs,
+            model_type=arch,
+            rope_theta=theta,
+            rope_parameters={"full_attention": rope, "sliding_attention": local},
+        )
     return GgufConfig(**kwargs, model_type=arch, rope_theta=theta, rope_parameters=rope)
 
 

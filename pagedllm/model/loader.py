@@ -51,16 +51,30 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's layer names differ: Gemma's norms around attention and the MLP (llama.cpp's ffn_norm is
+# its pre-feedforward norm there, not Llama's post-attention one).
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose norm weights llama.cpp's converter stores as 1 + w (Gemma's RMSNorm scales by 1 + w): the loader
+# gives the model w, as the HF checkpoint holds it.
+_GGUF_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """llama.cpp tensor name -> HF name; None for tensors the model does not use (e.g. rope_freqs)."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """llama.cpp tensor name -> HF name (of `arch`'s layers, where they differ from Llama's); None for tensors the
+    model does not use (e.g. rope_freqs)."""
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch or "", {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -86,7 +100,7 @@ def iterate_gguf(
     dequantized: set[str] = set()
     halves: set[str] = set()
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, arch)
         if name is None:
             continue
         heads = None
@@ -123,6 +137,8 @@ def iterate_gguf(
         w = np.asarray(w, dtype=np.float32).reshape(shape)
         if heads is not None:
             w = unpermute_rotary(w, heads)
+        if arch in _GGUF_NORM_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
         # dequantize may return a read-only view of the mapped file; torch needs a writable array.
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     if keep_quantized and dequantized:

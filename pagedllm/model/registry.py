@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # the front end reads this table without importing torch
     from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
@@ -17,6 +18,8 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 # GGUF `general.architecture` / HF `model_type` -> architecture name
 MODEL_TYPES: dict[str, str] = {
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

@@ -69,6 +69,8 @@ class CpuDecodeRunner:
 
     @staticmethod
     def _applies(model: nn.Module, world_size: int = 1) -> bool:
+        if not getattr(model, "fused_decoder", False):  # the model class says its layers are Llama-shaped
+            return False
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if inner is None or not layers or getattr(inner, "norm", None) is None:

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply: the gated activation of Llama-family MLPs, over a merged gate|up projection."""
+"""Gated activations over a merged gate|up projection: SiLU-and-multiply (Llama-family MLPs, a native kernel on the
+CPU) and GELU(tanh)-and-multiply (Gemma's `gelu_pytorch_tanh`, in torch)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ class SiluAndMul(nn.Module):
             ops.silu_and_mul(out, x)
             return out
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, approximate="tanh") * up over [.., 2 I] = gate | up: transformers' gelu_pytorch_tanh MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

@@ -174,6 +174,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     attention_bias = False
     qk_norm = False
+    model_cls: type[nn.Module] = LlamaModel  # the decoder stack (a subclass's own, e.g. Gemma 3's)
+    fused_decoder = True  # the layers are Llama's, which the fused native decoder runs (worker/cpu_decode_runner.py)
     # HF checkpoint names -> (our merged parameter, shard id)
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),
@@ -188,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = kernels or torch_dispatch()
         self.config = config
         bias = self.attention_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, dtype, bias, self.qk_norm, kernels)
+        self.model = self.model_cls(config, dtype, bias, self.qk_norm, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, kernels.cpu_for(dtype), kernels.tp)
         if self.tie_word_embeddings:
@@ -203,11 +205,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An HF checkpoint tensor as this model's parameter holds it (a subclass's hook; as is here)."""
+        return tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors through each parameter's weight_loader; returns the parameters loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            tensor = self.convert_weight(name, tensor)
             if "rotary_emb.inv_freq" in name:
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:

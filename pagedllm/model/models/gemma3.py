@@ -1,0 +1,150 @@
+"""Gemma 3 (text: Gemma3ForCausalLM, and the text model of a GGUF `gemma3` file) on the Llama layers.
+
+What differs from Llama, as transformers' modeling_gemma3 computes it:
+* RMSNorm scales by (1 + w): every norm weight is loaded as 1 + w (the checkpoint holds w), so the RMSNorm layer and
+  its kernels run unchanged; the products are the same float32 values.
+* norms around each block: input and post-attention norms around attention, pre- and post-feedforward norms around
+  the MLP, each block's output added to the residual after its post norm;
+* embeddings scaled by sqrt(hidden) (in float32), a tied head;
+* per-head RMSNorm on queries and keys before rotary, the attention scale query_pre_attn_scalar ** -0.5;
+* local (sliding-window) and global layers (`layer_types`), each kind with its own rope (`rope_parameters` per layer
+  type: a local base of 10,000, a global one of 1,000,000 with optional scaling);
+* a GELU(tanh)-gated MLP, and the optional final-logit soft-capping (logits = cap * tanh(logits / cap)).
+The fused decoder does not run these layers (q/k norms and four norms a layer): decode takes the layer path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.activation import GeluTanhAndMul
+from pagedllm.model.layers.embedding import VocabParallelEmbedding
+from pagedllm.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.model.models.llama import LlamaAttention, LlamaForCausalLM, layer_window
+
+
+def gemma3_layer_types(config: Any) -> list[str]:
+    """Each layer's kind: the config's `layer_types`, else every `sliding_window_pattern`-th layer (default 6)
+    global and the others local, as Gemma 3 checkpoints and llama.cpp lay them out."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    pattern = int(getattr(config, "sliding_window_pattern", None) or 6)
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config.num_hidden_layers)
+    ]
+
+
+def gemma3_rope(config: Any, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope base, scaling dict or None) of a layer kind: `rope_parameters[layer_type]` (transformers 5), else the
+    older top-level `rope_theta` / `rope_scaling` for global layers and `rope_local_base_freq` for local ones."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type in params and isinstance(params[layer_type], dict):
+        p = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        p = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    else:
+        p = dict(getattr(config, "rope_scaling", None) or {})
+        p.setdefault("rope_theta", getattr(config, "rope_theta", 1000000.0))
+    kind = p.get("rope_type") or p.get("type") or "default"
+    return float(p.get("rope_theta", 10000.0)), (p if kind != "default" else None)
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
+        super().__init__()
+        ops, tp = kernels.cpu_for(dtype), kernels.tp
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma 3 MLP activation {act!r} is not supported (gelu_pytorch_tanh is)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, dtype, ops, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, dtype, ops, tp)
+        self.act = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, index: int, kind: str) -> None:
+        super().__init__()
+        ops = kernels.cpu_for(dtype)
+        attn = LlamaAttention(config, dtype, False, True, kernels, layer_window(config, index))
+        theta, scaling = gemma3_rope(config, kind)
+        attn.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, ops=ops)
+        attn.attn.scale = float(getattr(config, "query_pre_attn_scalar", None) or attn.head_dim) ** -0.5
+        self.self_attn = attn
+        self.mlp = Gemma3MLP(config, dtype, kernels)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, ops)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
+        x = x + h
+        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + h
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("Gemma 3 with attention-logit soft-capping is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported here")
+        ops = kernels.cpu_for(dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
+        kinds = gemma3_layer_types(config)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers)
+        )
+        # Layers of one kind share one rotary table.
+        tables: list[torch.Tensor] = []
+        for layer in self.layers:
+            rope = layer.self_attn.rotary_emb
+            same = next((t for t in tables if torch.equal(t, rope.cos_sin_cache)), None)
+            if same is None:
+                tables.append(rope.cos_sin_cache)
+            else:
+                rope.cos_sin_cache = same
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.embed_scale = float(config.hidden_size) ** 0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        # transformers multiplies by sqrt(hidden) as a tensor of the embeddings' dtype
+        x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+    model_cls = Gemma3Model
+    fused_decoder = False
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
+        if not hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = True  # Gemma's head is its embedding
+        super().__init__(config, dtype, kernels)
+        self.softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by 1 + w: held as that sum, so the plain RMSNorm applies
+        return tensor + 1.0 if name.endswith("norm.weight") else tensor
