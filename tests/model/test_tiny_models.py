@@ -1,9 +1,10 @@
 """Model math against HF transformers: tiny random models of every supported architecture, float32 on CPU.
 
 Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transformers-5 `rope_parameters` form
-and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows shorter
-than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3 with
-q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers) must give, with batched requests of mixed lengths:
+and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
+shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
+with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers) must give, with batched
+requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
     that forces preemption (counted from the scheduler stats of every step);
