@@ -54,6 +54,15 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma's norms as llama.cpp names them (its ffn_norm is the pre-feedforward norm there).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# HF model_type -> GGUF general.architecture, where they differ
+_GGUF_ARCH = {"gemma3_text": "gemma3"}
 _quantized: dict[tuple[str, int, int], np.ndarray] = {}  # (folder/tensor, type, seed) -> bytes
 
 
@@ -102,7 +111,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -113,7 +122,8 @@ def gguf_name(hf_name: str) -> str | None:
     if parts[:2] != ["model", "layers"]:
         return None
     key = ".".join(parts[3:-1])
-    return f"blk.{parts[2]}.{_LAYER_NAMES[key]}.{parts[-1]}" if key in _LAYER_NAMES else None
+    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
+    return f"blk.{parts[2]}.{names[key]}.{parts[-1]}" if key in names else None
 
 
 def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | None = None) -> dict[str, int]:
@@ -124,7 +134,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
 
     with open(os.path.join(folder, "config.json")) as f:
         cfg: dict[str, Any] = json.load(f)
-    arch = cfg["model_type"]
+    arch = _GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
     weights: dict[str, np.ndarray] = {}
     for file in sorted(os.listdir(folder)):
         if file.endswith(".safetensors"):
@@ -134,6 +144,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     hidden = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's per-kind rope: the file holds the global layers' base
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(n_layers)
     w.add_context_length(int(cfg["max_position_embeddings"]))
@@ -148,12 +159,16 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
     w.add_vocab_size(int(cfg["vocab_size"]))
     w.add_uint32("tokenizer.ggml.bos_token_id", int(cfg.get("bos_token_id") or 1))
     w.add_uint32("tokenizer.ggml.eos_token_id", int(cfg.get("eos_token_id") or 2))
+    if arch == "gemma3":  # llama.cpp reads the window; its layers alternate five local, one global
+        w.add_sliding_window(int(cfg["sliding_window"]))
     types: dict[str, int] = {}
     for hf_name in sorted(weights):
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         if name is None or (tied and name == "output.weight"):
             continue
         t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # convert_hf_to_gguf stores Gemma's 1 + w
+            t = t + np.float32(1.0)
         if arch in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, heads)
         elif arch in ("llama", "mistral") and name.endswith(("attn_k.weight", "attn_k.bias")):
