@@ -36,6 +36,16 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 
 # What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# A layer's norms by role, where the model class does not name its own (`decoder_norms`): before attention, before
+# the MLP, and the post norms of their outputs (Gemma's; None: none).
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm", None, None)
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/kernels.h PagedllmDecoderAct
+
+
+def _norms(model: nn.Module, layer: nn.Module) -> list[Any]:
+    """The layer's four norm modules by role (None where it has none)."""
+    names = getattr(model, "decoder_norms", _LLAMA_NORMS)
+    return [None if n is None else getattr(layer, n) for n in names]
 MAX_ROWS = 256  # rows of one call (the model runner makes as many calls as a step needs)
 
 
@@ -87,7 +97,9 @@ class CpuDecodeRunner:
             rope = _get(layer, "self_attn.rotary_emb")
             if rope is None or rope.cos_sin_cache.dtype != torch.float32:
                 return False
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if any(n is None for n in _norms(model, layer)[:2]):
+                return False
+            norms = [n for n in _norms(model, layer) if n is not None]
             norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
             if any(n.eps != eps or n.weight.dtype != torch.float32 for n in norms):
                 return False
@@ -114,8 +126,8 @@ class CpuDecodeRunner:
         return True
 
     def _layer_weights(self) -> list[torch.Tensor]:
-        """Twelve tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
-        panels (empty where the layer is quantized), an empty tensor for an absent bias or q/k norm."""
+        """Fourteen tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
+        panels (empty where the layer is quantized), an empty tensor for an absent bias, q/k norm or post norm."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         for layer in self.model.model.layers:
@@ -132,11 +144,12 @@ class CpuDecodeRunner:
                     return lin.bf16_panels.data
                 return none if lin.panels is None else lin.panels.data
 
+            norm1, norm2, post_attn, post_mlp = _norms(self.model, layer)
             weights += [
-                layer.input_layernorm.weight, panels(attn.qkv_proj), bias(attn.qkv_proj),
+                norm1.weight, panels(attn.qkv_proj), bias(attn.qkv_proj),
                 norm(attn.q_norm), norm(attn.k_norm), panels(attn.o_proj), bias(attn.o_proj),
-                layer.post_attention_layernorm.weight, panels(mlp.gate_up_proj), bias(mlp.gate_up_proj),
-                panels(mlp.down_proj), bias(mlp.down_proj),
+                norm2.weight, panels(mlp.gate_up_proj), bias(mlp.gate_up_proj),
+                panels(mlp.down_proj), bias(mlp.down_proj), norm(post_attn), norm(post_mlp),
             ]  # fmt: skip
         return weights
 
@@ -156,6 +169,7 @@ class CpuDecodeRunner:
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
                 self._quant_weights(), [a.attn.sliding_window for a in attns],
+                _ACTS[getattr(self.model, "decoder_act", "silu")],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]
@@ -177,7 +191,11 @@ class CpuDecodeRunner:
         consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
         the layer-by-layer path computes prompt tokens."""
         decoder = self._decoder()
-        x = self.model.model.embed_tokens(input_ids).contiguous()
+        x = self.model.model.embed_tokens(input_ids)
+        scale = getattr(self.model.model, "embed_scale", None)
+        if scale is not None:  # Gemma: as its forward scales them
+            x = x * torch.tensor(scale, dtype=torch.float32)
+        x = x.contiguous()
         decoder(x, positions, slot_mapping, block_table, table_rows, prompt)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there

@@ -77,7 +77,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 # Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
-LAYER_PATH_ONLY = {"Gemma3ForCausalLM"}
+LAYER_PATH_ONLY: set[str] = set()
 
 MAX_TOKENS = 32
 ATOL = 1e-4

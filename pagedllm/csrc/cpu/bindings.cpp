@@ -457,21 +457,23 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
   return t.data_ptr<float>();
 }
 
-// The fused decoder (decoder.cpp) over one model's weights and caches: twelve tensors per layer in
-// layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b; the four linear
+// The fused decoder (decoder.cpp) over one model's weights and caches: fourteen tensors per layer in
+// layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b, post_attn_norm,
+// post_mlp_norm; the four linear
 // weights as float32 panels or bf16 pair panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
 // optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
 // panels are then ignored and may be empty), None on its panels; optionally each layer's sliding window in `windows`
 // (0: full attention). Everything is checked here once; a step passes only the token's few index tensors.
 class DecodeModel {
  public:
-  static constexpr int kPerLayer = 12, kLinears = 4;
+  static constexpr int kPerLayer = 14, kLinears = 4;
 
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows)
+              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
+    TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
     TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
@@ -548,6 +550,8 @@ class DecodeModel {
       L.norm2 = w[7].data_ptr<float>();
       L.gate_up_b = optional_ptr(w[9], 2 * s.inter, "gate_up bias");
       L.down_b = optional_ptr(w[11], s.hidden, "down bias");
+      L.post_attn_norm = optional_ptr(w[12], s.hidden, "post_attn_norm");
+      L.post_mlp_norm = optional_ptr(w[13], s.hidden, "post_mlp_norm");
       L.cos_sin = cos_sin[l].data_ptr<float>();
       L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
@@ -561,6 +565,7 @@ class DecodeModel {
     s.final_norm = final_norm.data_ptr<float>();
     s.scale = static_cast<float>(scale);
     s.eps = static_cast<float>(eps);
+    s.act = static_cast<int32_t>(act);
     // Tensor parallelism: a C function summing a vector over the ranks (e.g. the shared-memory all-reduce's hook),
     // called by one thread between barriers; 0 on one rank.
     s.all_reduce = reinterpret_cast<AllReduceFn>(all_reduce_fn);
@@ -736,14 +741,16 @@ PYBIND11_MODULE(_C, m) {
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-             std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows) {
+             std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
-                                                 all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows));
+                                                 all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
+                                                 act);
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("windows") = std::vector<int64_t>{},
+          py::arg("act") = 0,
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

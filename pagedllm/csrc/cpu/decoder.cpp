@@ -9,6 +9,8 @@
 //   a = attention(q, the cached keys and values of the request's blocks over its context) * scale
 //   residual += a Wo^T (+ b); h = rms_norm(residual) * norm2
 //   x = (silu(gate) * up)(h Wgu^T (+ b)) Wd^T (+ b)
+// Gemma's layers: the attention and MLP outputs are normalised (post_attn_norm, post_mlp_norm) before they join the
+// residual stream, and the gate's activation is GELU (tanh approximation).
 // and then x = rms_norm(residual + x) * final_norm: x [H] (each row of x [R, H]) enters as the token's embedding and leaves as the final
 // hidden state, exactly what the layer-by-layer path computes.
 //
@@ -143,6 +145,14 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     float* res = mine.data();  // this thread's copy of the residual stream of every token
     float* h = res + R * hidden;
     std::vector<float> scores;
+    // A row of a layer output as it joins the residual stream: itself, or normalised by a post norm (Gemma) into
+    // this thread's scratch.
+    std::vector<float> post(hidden);
+    auto joining = [&](const float* x, const float* norm) -> const float* {
+      if (norm == nullptr) return x;
+      rms_row(post.data(), x, norm, hidden, ep);
+      return post.data();
+    };
     std::vector<SpanJob> jobs(R);
     const int64_t tile_rows = prefill_tile_rows(), tasks = prompt ? (R + tile_rows - 1) / tile_rows * hq : 0;
     // This thread's quantized (or bf16) copy of the tokens' input to a quantized (bf16) layer.
@@ -174,12 +184,13 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     float* pm = part + t * R * pd;
     for (int64_t l = 0; l < layers; ++l) {
       const DecoderLayer& w = dec.layers[l];
+      const float* post_mlp = l > 0 ? dec.layers[l - 1].post_mlp_norm : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         if (l == 0) {
           std::copy(xp + r * hidden, xp + (r + 1) * hidden, res + r * hidden);
           rms_row(h + r * hidden, res + r * hidden, w.norm1, hidden, ep);
         } else {
-          add_rms_row(h + r * hidden, res + r * hidden, xp + r * hidden, w.norm1, hidden, ep);
+          add_rms_row(h + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), w.norm1, hidden, ep);
         }
       }
       quantize(w.qkv_q, w.qkv16, h, hidden);
@@ -250,15 +261,21 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         for (int64_t r = 0; r < R; ++r) add_bias(xp + r * hidden, w.o_b, ra, rb);  // each thread its rows; the
 #pragma omp barrier                                                                 // add_rms below reads all
       }
-      for (int64_t r = 0; r < R; ++r) add_rms_row(h + r * hidden, res + r * hidden, xp + r * hidden, w.norm2, hidden, ep);
+      for (int64_t r = 0; r < R; ++r)
+        add_rms_row(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, hidden, ep);
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, ia, ib);
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, inter + ia, inter + ib);
       for (int64_t r = 0; r < R; ++r) {
         const float* gr = gu + r * 2 * inter;
         float* ar = act + r * inter;
+        if (s.act == PDA_GELU_TANH) {
 #pragma omp simd
-        for (int64_t k = ia; k < ib; ++k) ar[k] = silu_mul(gr[k], gr[inter + k]);
+          for (int64_t k = ia; k < ib; ++k) ar[k] = gelu_tanh_mul(gr[k], gr[inter + k]);
+        } else {
+#pragma omp simd
+          for (int64_t k = ia; k < ib; ++k) ar[k] = silu_mul(gr[k], gr[inter + k]);
+        }
       }
 #pragma omp barrier
       quantize(w.down_q, w.down16, act, inter);
@@ -271,8 +288,11 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
 #pragma omp barrier
       }
     }
-    if (t == 0)
-      for (int64_t r = 0; r < R; ++r) add_rms_row(xp + r * hidden, res + r * hidden, xp + r * hidden, s.final_norm, hidden, ep);
+    if (t == 0) {
+      const float* post_mlp = dec.layers[layers - 1].post_mlp_norm;
+      for (int64_t r = 0; r < R; ++r)
+        add_rms_row(xp + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), s.final_norm, hidden, ep);
+    }
   }
 }
 

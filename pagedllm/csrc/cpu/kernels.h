@@ -100,8 +100,11 @@ struct QMatrix {
 // One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels), or quantized where
 // the layer's QMatrix has segments, or in bf16 pair panels where its *16 pointer is set (bf16_pack_panels; the
 // float32 panel pointer is then unused); a null bias or q/k norm means none.
+// post_attn_norm and post_mlp_norm (Gemma's norms of the attention and MLP outputs before they join the residual
+// stream) are null for Llama-shaped layers.
 struct DecoderLayer {
   const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
+  const float *post_attn_norm, *post_mlp_norm;
   QMatrix qkv_q, o_q, gate_up_q, down_q;
   const uint32_t *qkv16, *o16, *gate_up16, *down16;
   const float* cos_sin;  // [max_position, rot]: cos | sin
@@ -112,6 +115,8 @@ struct DecoderLayer {
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
 typedef void (*AllReduceFn)(float* data, int64_t n, void* ctx);
 
+enum PagedllmDecoderAct { PDA_SILU = 0, PDA_GELU_TANH = 1 };
+
 struct DecoderSpec {
   const DecoderLayer* layers;
   int64_t num_layers;
@@ -119,6 +124,7 @@ struct DecoderSpec {
   int64_t num_blocks, block_size, kv_heads, head_dim, q_heads, hidden, inter, rot, max_position;
   float scale, eps;
   int32_t kv_dtype;  // PagedllmKvDtype of every layer's cache
+  int32_t act;       // the MLP's gate activation: PDA_SILU or PDA_GELU_TANH
   // Tensor parallelism: the partial sums of the attention output projection and of the MLP down projection are
   // all-reduced through this hook (null: one rank), and their biases are added after the reduction.
   AllReduceFn all_reduce;

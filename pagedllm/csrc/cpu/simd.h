@@ -244,6 +244,13 @@ static inline float exp_into(const float* x, float* out, int64_t n, float mx) {
 static inline float exp_in_place(float* s, int64_t n, float mx) { return exp_into(s, s, n, mx); }
 
 static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+// gelu(g, tanh approximation) * u: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) u, tanh(z) as 1 - 2 / (e^2z + 1)
+// (vectorised through expf; saturates to +-1 for large |z|).
+static inline float gelu_tanh_mul(float g, float u) {
+  const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const float t = 1.f - 2.f / (expf(2.f * z) + 1.f);
+  return 0.5f * g * (1.f + t) * u;
+}
 
 // out = x * rsqrt(mean(x^2) + eps) * w over one row of h (out may be x).
 static inline void rms_row(float* out, const float* x, const float* w, int64_t h, float eps) {

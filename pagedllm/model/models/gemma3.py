@@ -10,7 +10,7 @@ What differs from Llama, as transformers' modeling_gemma3 computes it:
 * local (sliding-window) and global layers (`layer_types`), each kind with its own rope (`rope_parameters` per layer
   type: a local base of 10,000, a global one of 1,000,000 with optional scaling);
 * a GELU(tanh)-gated MLP, and the optional final-logit soft-capping (logits = cap * tanh(logits / cap)).
-The fused decoder does not run these layers (q/k norms and four norms a layer): decode takes the layer path.
+The fused decoder runs these layers from the description below (`decoder_norms`, `decoder_act`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,15 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
     model_cls = Gemma3Model
-    fused_decoder = False
+    # The fused decoder's description of these layers (worker/cpu_decode_runner.py): the norms by role (before
+    # attention, before the MLP, after attention, after the MLP) and the gate's activation.
+    decoder_norms = (
+        "input_layernorm",
+        "pre_feedforward_layernorm",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+    )
+    decoder_act = "gelu_tanh"
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
         if not hasattr(config, "tie_word_embeddings"):
