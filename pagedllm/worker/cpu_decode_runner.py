@@ -46,6 +46,8 @@ def _norms(model: nn.Module, layer: nn.Module) -> list[Any]:
     """The layer's four norm modules by role (None where it has none)."""
     names = getattr(model, "decoder_norms", _LLAMA_NORMS)
     return [None if n is None else getattr(layer, n) for n in names]
+
+
 MAX_ROWS = 256  # rows of one call (the model runner makes as many calls as a step needs)
 
 
