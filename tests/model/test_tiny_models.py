@@ -3,8 +3,8 @@
 Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transformers-5 `rope_parameters` form
 and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
-with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers) must give, with batched
-requests of mixed lengths:
+with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
+rope, Granite with its four multipliers) must give, with batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
     that forces preemption (counted from the scheduler stats of every step);
@@ -75,9 +75,22 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             query_pre_attn_scalar=24,
         ),
     ),
+    # SmolLM3: layers 1 and 3 without rotary embedding (no_rope_layers 0)
+    "smollm3-no-rope": ("SmolLM3ForCausalLM", dict(seed=11, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0])),
+    # Granite: embedding, residual, attention and logits multipliers away from 1
+    "granite-multipliers": (
+        "GraniteForCausalLM",
+        dict(
+            seed=12,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=0.5,
+        ),
+    ),
 }
 # Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
-LAYER_PATH_ONLY: set[str] = set()
+LAYER_PATH_ONLY: set[str] = {"GraniteForCausalLM"}
 
 MAX_TOKENS = 32
 ATOL = 1e-4

@@ -42,16 +42,16 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 def layer_window(config: Any, layer: int) -> int | None:
-    """The sliding window of decoder layer `layer` (None: full attention), as transformers reads the config:
-    `layer_types` where the config has them ("sliding_attention" layers take `sliding_window`), else
-    `sliding_window` on every layer unless `use_sliding_window` is false (Mistral)."""
+    """The sliding window of decoder layer `layer` (None: full attention), as transformers reads the config: none
+    where `use_sliding_window` is false (Qwen2, SmolLM3); else `layer_types` where the config has them
+    ("sliding_attention" layers take `sliding_window`), else `sliding_window` on every layer (Mistral)."""
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     types = getattr(config, "layer_types", None)
     if types is not None:
         return int(window) if types[layer] == "sliding_attention" else None
-    return None if getattr(config, "use_sliding_window", True) is False else int(window)
+    return int(window)
 
 
 class LlamaAttention(nn.Module):

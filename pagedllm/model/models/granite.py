@@ -1,0 +1,65 @@
+"""Granite (IBM Granite 3.x dense): the Llama decoder with four multipliers from its config, as transformers'
+modeling_granite applies them: embeddings times `embedding_multiplier`; each attention and MLP output times
+`residual_multiplier` before it joins the residual stream; the attention scale `attention_multiplier` (instead of
+head_dim ** -0.5); logits divided by `logits_scaling`. The fused decoder does not run these layers (the residual
+multiplier): decode takes the layer path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class GraniteModel(LlamaModel):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+        super().__init__(config, dtype, bias, qk_norm, kernels)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        scale = float(getattr(config, "attention_multiplier", 0.0) or 0.0)
+        for layer in self.layers:
+            if scale:
+                layer.self_attn.attn.scale = scale
+
+    def _layer(
+        self,
+        layer: LlamaDecoderLayer,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rm = self.residual_multiplier
+        if residual is None:
+            residual = x
+            x = layer.input_layernorm(x)
+        else:
+            x, residual = layer.input_layernorm(x, residual)
+        x = layer.self_attn(positions, x, meta) * rm
+        x, residual = layer.post_attention_layernorm(x, residual)
+        return layer.mlp(x) * rm, residual
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embedding_multiplier
+        residual = None
+        for layer in self.layers:
+            x, residual = self._layer(layer, positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_cls = GraniteModel
+    fused_decoder = False
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
+        super().__init__(config, dtype, kernels)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
