@@ -4,7 +4,8 @@ Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transform
 and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
-rope, Granite with its four multipliers) must give, with batched requests of mixed lengths:
+rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling) must give, with batched requests of mixed
+lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
     that forces preemption (counted from the scheduler stats of every step);
@@ -61,6 +62,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(seed=9, use_sliding_window=True, sliding_window=20, max_window_layers=1),
     ),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", dict(seed=6)),
+    # YaRN over an original context shorter than the prompts (Qwen2.5's long-context setting)
+    "qwen2-yarn": (
+        "Qwen2ForCausalLM",
+        dict(
+            seed=13,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            rope_theta=1e6,
+        ),
+    ),
     "qwen3-qk-norm-tied": ("Qwen3ForCausalLM", dict(seed=7, tie_word_embeddings=True, head_dim=32)),
     # Gemma 3: local layers with a 12-token window and their own rope base around a global one, (1 + w) norms,
     # q/k norms, query_pre_attn_scalar apart from head_dim, GELU(tanh) MLP, scaled embeddings; tied as released.

@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF "rotate half" layout), with the default and llama3/linear scalings.
+"""Rotary position embedding (HF "rotate half" layout), with the default, llama3, linear and yarn scalings.
 
 The cos/sin table is computed once for every position up to max_position, in float32, and indexed by
 each token's position, so a batch can hold tokens of any positions (chunks, decodes) in any order.
@@ -11,6 +11,44 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, params: dict[str, Any], base: float, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5/Qwen3 long context, DeepSeek) as transformers' `_compute_yarn_parameters` computes it: each
+    frequency blended between itself (extrapolation, fast rotations) and itself / factor (interpolation, slow ones)
+    by a linear ramp over the dimensions whose rotations over the original context fall between beta_slow and
+    beta_fast; cos and sin scaled by the attention factor (0.1 ln(factor) + 1 unless the config gives it or
+    mscale / mscale_all_dim)."""
+    dim = 2 * inv_freq.numel()
+    original = float(params.get("original_max_position_embeddings") or max_position)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    blended = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return blended, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -44,16 +82,19 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
         rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
+        attention_factor = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
         elif rope_type == "linear":
             inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rope_scaling, base, max_position)  # type: ignore[arg-type]
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # [max_position, rotary_dim]: cos | sin halves, kept in float32 for accuracy.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        # [max_position, rotary_dim]: cos | sin halves (YaRN scales both by its attention factor), kept in float32.
+        cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
