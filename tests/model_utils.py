@@ -49,6 +49,7 @@ _MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 
 _built: dict[str, str] = {}  # cache key -> folder

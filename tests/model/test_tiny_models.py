@@ -4,8 +4,8 @@ Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transform
 and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
-rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling) must give, with batched requests of mixed
-lengths:
+rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms) must give, with
+batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
     that forces preemption (counted from the scheduler stats of every step);
@@ -98,9 +98,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=0.5,
         ),
     ),
+    # OLMo 2: post norms only, q/k norms over the whole projection
+    "olmo2": ("Olmo2ForCausalLM", dict(seed=14)),
 }
 # Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
-LAYER_PATH_ONLY: set[str] = {"GraniteForCausalLM"}
+LAYER_PATH_ONLY: set[str] = {"GraniteForCausalLM", "Olmo2ForCausalLM"}
 
 MAX_TOKENS = 32
 ATOL = 1e-4
