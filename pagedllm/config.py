@@ -196,6 +196,7 @@ class ModelConfig:
     # "gguf": a GGUF file's quantized tensors run as stored (where the native kernels run them); None: every weight
     # in `dtype` (an HF folder, or a GGUF de-quantized at load with --quantization none).
     quantization: str | None = None
+    chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,6 +32,8 @@ def get_tokenizer(model_config: ModelConfig) -> Any:
     """The model's tokenizer: from its folder, or from its GGUF file through the conversion cache."""
     start = time.perf_counter()
     tokenizer, source = _load_tokenizer(model_config)
+    if model_config.chat_template is not None:  # --chat-template replaces the model's own
+        tokenizer.chat_template = model_config.chat_template
     logger.info("startup: tokenizer %.2f s (%s)", time.perf_counter() - start, source)
     return tokenizer
 

@@ -58,6 +58,18 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def resolve_chat_template(value: str) -> str:
+    """--chat-template: the text of a Jinja file, or the value itself where it is a template (it holds "{{" or
+    "{%"); ValueError naming the value otherwise (a path that does not exist)."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+
+
 def _arg(default: Any, help: str, *, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
     """A field of EngineArgs with what its flag needs beyond its name, type and default."""
     return field(default=default, metadata={"help": help, "aliases": aliases, "argparse": argparse_kwargs})
@@ -74,6 +86,11 @@ class EngineArgs:
     )
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
+    chat_template: str | None = _arg(
+        None,
+        "the chat template: a Jinja file, or the template itself (default: the model's, from its folder or GGUF "
+        "metadata)",
+    )
     dtype: str = _arg(
         "auto",
         "weights and activations; auto is float32. bfloat16 on the native CPU kernels: bf16 weights and products, "
@@ -260,6 +277,8 @@ class EngineArgs:
             quantization=self.quantization,
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
+        if self.chat_template is not None:
+            model_config = dataclasses.replace(model_config, chat_template=resolve_chat_template(self.chat_template))
         return model_config
 
     def for_engine_core(self) -> EngineArgs:

@@ -204,3 +204,23 @@ def test_speculative_config_flag(model_dir):
     ]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(model=str(model_dir), speculative_config=bad).create_engine_config()
+
+
+def test_chat_template_from_a_file_or_inline(tiny_model_dir, tmp_path) -> None:
+    """--chat-template: a Jinja file's text or an inline template replaces the model's; anything else is a
+    ValueError naming it. LLM.chat renders with it."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.arg_utils import resolve_chat_template
+    from tests.model_utils import make_tiny_model
+
+    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+    file = tmp_path / "template.jinja"
+    file.write_text(inline)
+    assert resolve_chat_template(str(file)) == inline
+    assert resolve_chat_template(inline) == inline
+    with pytest.raises(ValueError, match="no-such-template.jinja"):
+        resolve_chat_template("no-such-template.jinja")
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=1)
+    with LLM(folder, chat_template=str(file), engine_client="inproc", kv_cache_memory_bytes="8MiB") as llm:
+        out = llm.chat([{"role": "user", "content": "t5 t6"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert out.prompt == "[user] t5 t6 "
