@@ -122,7 +122,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     if parts[:2] != ["model", "layers"]:
         return None
     key = ".".join(parts[3:-1])
-    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     return f"blk.{parts[2]}.{names[key]}.{parts[-1]}" if key in names else None
 
 
@@ -167,7 +167,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         if name is None or (tied and name == "output.weight"):
             continue
         t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):  # convert_hf_to_gguf stores Gemma's 1 + w
+        if arch in ("gemma", "gemma3") and name.endswith("norm.weight"):  # convert_hf_to_gguf stores Gemma's 1 + w
             t = t + np.float32(1.0)
         if arch in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, heads)

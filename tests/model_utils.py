@@ -50,6 +50,7 @@ _MODEL_TYPES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "GemmaForCausalLM": "gemma",
 }
 
 _built: dict[str, str] = {}  # cache key -> folder

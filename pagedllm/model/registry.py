@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # the front end reads this table without importing torch
 
 _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
@@ -21,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 # GGUF `general.architecture` / HF `model_type` -> architecture name
 MODEL_TYPES: dict[str, str] = {
+    "gemma": "GemmaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",

@@ -4,7 +4,7 @@ Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transform
 and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
-rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms) must give, with
+rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms, Gemma) must give, with
 batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
@@ -98,6 +98,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=0.5,
         ),
     ),
+    # Gemma (1): Llama layers with (1 + w) norms, scaled embeddings, a GELU(tanh) gate; tied
+    "gemma": ("GemmaForCausalLM", dict(seed=15, tie_word_embeddings=True)),
     # OLMo 2: post norms only, q/k norms over the whole projection
     "olmo2": ("Olmo2ForCausalLM", dict(seed=14)),
 }

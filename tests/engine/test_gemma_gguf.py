@@ -1,6 +1,7 @@
-"""Gemma 3 from GGUF files: llama.cpp's `gemma3` tensor names, its norms stored as 1 + w, five local layers to one
-global (the window read from the file), each kind with its rope base. A tiny random Gemma 3 (six layers, a 12-token
-window) written by the tests' GGUF writer in llama.cpp's Q4_K_M layout (tests/gguf_utils.py), then run:
+"""Gemma 3 and Gemma from GGUF files: llama.cpp's `gemma3` and `gemma` tensor names, their norms stored as 1 + w,
+and for Gemma 3 five local layers to one global (the window read from the file), each kind with its rope base. A tiny
+random model of each (Gemma 3: six layers, a 12-token window) written by the tests' GGUF writer in llama.cpp's Q4_K_M
+layout (tests/gguf_utils.py), then run:
   - de-quantized (`quantization="none"`): greedy tokens identical to HF transformers running the same de-quantized
     weights (the file read back by the gguf package, norms less 1, loaded into the HF model of the folder's config),
     on prompts several windows long;
@@ -20,7 +21,7 @@ from tests.engine.test_gguf_matrix import _sharpen
 from tests.gguf_utils import gguf_name, write_gguf
 from tests.model_utils import make_tiny_model, random_prompts
 
-CONFIG = dict(
+GEMMA3 = dict(
     seed=31,
     tie_word_embeddings=True,
     num_hidden_layers=6,
@@ -29,22 +30,28 @@ CONFIG = dict(
     layer_types=["sliding_attention"] * 5 + ["full_attention"],
     query_pre_attn_scalar=16,  # llama.cpp's scale for Gemma 3 below 27B: 1 / sqrt(head size)
 )
+# architecture -> (make_tiny_model kwargs, GGUF architecture)
+CASES = {
+    "Gemma3ForCausalLM": (GEMMA3, "gemma3"),
+    "GemmaForCausalLM": (dict(seed=32, tie_word_embeddings=True), "gemma"),
+}
 ENGINE = dict(engine_client="inproc", num_threads=1, max_model_len=256, kv_cache_memory_bytes="16MiB")
 N = 24
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir, tmp_path_factory) -> tuple[str, str]:
+@pytest.fixture(scope="module", params=list(CASES))
+def model(request, tiny_model_dir, tmp_path_factory) -> tuple[str, str, str]:
+    kwargs, arch = CASES[request.param]
     # the head (the tied embedding) scaled as test_gguf_matrix does: a trained model's confident logits, where a
     # random head leaves near ties that any rounding swaps
-    folder = _sharpen(make_tiny_model(tiny_model_dir, "Gemma3ForCausalLM", **CONFIG))
-    path = str(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3-q4_k_m.gguf")
+    folder = _sharpen(make_tiny_model(tiny_model_dir, request.param, **kwargs))
+    path = str(tmp_path_factory.mktemp(arch) / f"tiny-{arch}-q4_k_m.gguf")
     types = write_gguf(folder, path, "Q4_K_M")
     assert len(set(types.values())) >= 2, types  # a mix of types, as a real Q4_K_M holds
-    return folder, path
+    return folder, path, arch
 
 
-def _hf_on_dequantized(folder: str, path: str):
+def _hf_on_dequantized(folder: str, path: str, arch: str):
     """The HF model of the folder's config holding the file's de-quantized weights."""
     import gguf
     from transformers import AutoModelForCausalLM
@@ -53,7 +60,7 @@ def _hf_on_dequantized(folder: str, path: str):
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     state = {}
     for name, param in hf.state_dict().items():
-        gname = gguf_name(name, "gemma3")
+        gname = gguf_name(name, arch)
         if gname is None or gname not in tensors:
             continue
         t = tensors[gname]
@@ -69,8 +76,8 @@ def _hf_on_dequantized(folder: str, path: str):
 
 
 def test_dequantized_gguf_matches_hf(model) -> None:
-    folder, path = model
-    hf = _hf_on_dequantized(folder, path)
+    folder, path, arch = model
+    hf = _hf_on_dequantized(folder, path, arch)
     prompts = random_prompts([5, 40, 90], seed=3)
     expected = []
     for p in prompts:
@@ -81,13 +88,14 @@ def test_dequantized_gguf_matches_hf(model) -> None:
     with LLM(path, tokenizer=folder, quantization="none", **ENGINE) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         cfg = llm.engine_core.engine_core.executor.worker.model_runner.model.config
-    assert cfg.layer_types == CONFIG["layer_types"] and cfg.sliding_window == 12
+    if arch == "gemma3":
+        assert cfg.layer_types == GEMMA3["layer_types"] and cfg.sliding_window == 12
     for p, o, ref in zip(prompts, outs, expected, strict=True):
         assert list(o.outputs[0].token_ids) == ref, f"prompt of {len(p)} tokens"
 
 
 def test_as_stored_agrees_with_dequantized(model) -> None:
-    folder, path = model
+    folder, path, arch = model
     ids = random_prompts([200], seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     tops = []
@@ -104,6 +112,6 @@ def test_as_stored_agrees_with_dequantized(model) -> None:
         tops.append(([next(t for t, lp in d.items() if lp.rank == 1) for d in out.prompt_logprobs[1:]], firsts))
     (stored, s_first), (ref, r_first) = tops
     agreement = sum(a == b for a, b in zip(stored, ref, strict=True)) / len(ref)
-    print(f"\ntiny Gemma 3 Q4_K_M as stored: teacher-forced top-1 {agreement:.3f}")
+    print(f"\ntiny {arch} Q4_K_M as stored: teacher-forced top-1 {agreement:.3f}")
     assert agreement >= 0.97
     assert s_first == r_first
