@@ -51,6 +51,9 @@ _MODEL_TYPES = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "GemmaForCausalLM": "gemma",
+    "Starcoder2ForCausalLM": "starcoder2",
+    "StableLmForCausalLM": "stablelm",
+    "PhiForCausalLM": "phi",
 }
 
 _built: dict[str, str] = {}  # cache key -> folder

@@ -15,9 +15,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
 }
 
 # GGUF `general.architecture` / HF `model_type` -> architecture name
@@ -29,9 +32,12 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi": "PhiForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
 }
 
 

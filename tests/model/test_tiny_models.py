@@ -4,7 +4,8 @@ Each variant (Llama untied/tied, Llama with llama3 rope scaling in the transform
 and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral and Qwen2 with sliding windows
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
-rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms, Gemma) must give, with
+rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms, Gemma, and the LayerNorm
+models Starcoder2, StableLM and Phi-2) must give, with
 batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
@@ -100,11 +101,27 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Gemma (1): Llama layers with (1 + w) norms, scaled embeddings, a GELU(tanh) gate; tied
     "gemma": ("GemmaForCausalLM", dict(seed=15, tie_word_embeddings=True)),
+    # LayerNorm with biases: Starcoder2 (plain GELU MLP, biases everywhere, a window shorter than the prompts),
+    # StableLM (partial rotary, q/k/v biases; sequential and parallel residual), Phi-2 (parallel attention and MLP,
+    # partial rotary, a head with a bias)
+    "starcoder2": ("Starcoder2ForCausalLM", dict(seed=16, tie_word_embeddings=True, sliding_window=20)),
+    "stablelm": ("StableLmForCausalLM", dict(seed=17, partial_rotary_factor=0.25, use_qkv_bias=True)),
+    "stablelm-parallel": (
+        "StableLmForCausalLM",
+        dict(seed=18, partial_rotary_factor=0.5, use_parallel_residual=True, num_hidden_layers=2),
+    ),
+    "phi2": ("PhiForCausalLM", dict(seed=19, partial_rotary_factor=0.4)),
     # OLMo 2: post norms only, q/k norms over the whole projection
     "olmo2": ("Olmo2ForCausalLM", dict(seed=14)),
 }
 # Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
-LAYER_PATH_ONLY: set[str] = {"GraniteForCausalLM", "Olmo2ForCausalLM"}
+LAYER_PATH_ONLY: set[str] = {
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "Starcoder2ForCausalLM",
+    "StableLmForCausalLM",
+    "PhiForCausalLM",
+}
 
 MAX_TOKENS = 32
 ATOL = 1e-4

@@ -31,3 +31,10 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+class GeluTanh(nn.Module):
+    """gelu(x, approximate="tanh"): transformers' gelu_pytorch_tanh and gelu_new, for MLPs without a gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (one pass instead of two).
+"""RMSNorm, optionally fused with the residual add that precedes it (one pass instead of two); LayerNorm (with its
+bias) for the models that use it (Starcoder2, StableLM, Phi), in torch.
 
 With the native CPU ops (given when the layer is built, for float32 on the CPU) both forms are one C++ pass, and the
 fused form works in place as vLLM's does: `x` becomes the normalised sum and `residual` the sum, so callers must own
@@ -47,3 +48,16 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """torch's layer norm with a weight and a bias (HF's nn.LayerNorm parameters, replicated on every rank)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)

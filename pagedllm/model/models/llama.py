@@ -63,6 +63,7 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         kernels: KernelDispatch,
         sliding_window: int | None = None,
+        o_bias: bool | None = None,
     ) -> None:
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
@@ -75,7 +76,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v biases do not. Its input rows are the
         # attention output of this rank's query heads.
-        o_bias = bool(getattr(config, "attention_bias", False))
+        if o_bias is None:  # the config's attention_bias (Starcoder2 and Phi say it themselves)
+            o_bias = bool(getattr(config, "attention_bias", False))
         o_rows = Shard(heads.first_head * self.head_dim, heads.num_heads * self.head_dim)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, dtype, ops, tp, o_rows)
         theta, scaling = rope_settings(config)
@@ -176,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     model_cls: type[nn.Module] = LlamaModel  # the decoder stack (a subclass's own, e.g. Gemma 3's)
     fused_decoder = True  # the layers are Llama's, which the fused native decoder runs (worker/cpu_decode_runner.py)
+    hf_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name parts -> ours (e.g. Phi's ".dense." -> ".o_proj.")
     # HF checkpoint names -> (our merged parameter, shard id)
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),
@@ -214,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            for theirs, ours in self.hf_renames:
+                name = name.replace(theirs, ours)
             tensor = self.convert_weight(name, tensor)
             if "rotary_emb.inv_freq" in name:
                 continue

@@ -1,0 +1,71 @@
+"""What Starcoder2, StableLM and Phi (Phi-2) share beside the Llama layers: LayerNorm with a bias instead of RMSNorm,
+rotary embedding over the first `partial_rotary_factor` of each head, and (Starcoder2, Phi) an MLP without a gate.
+Each architecture's own file composes these; decode takes the layer path (the fused decoder runs RMSNorm layers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.activation import GeluTanh
+from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.model.models.llama import LlamaAttention, rope_settings
+
+
+def partial_rotary_attention(
+    config: Any,
+    dtype: torch.dtype,
+    bias: bool,
+    kernels: KernelDispatch,
+    window: int | None = None,
+    o_bias: bool = False,
+) -> LlamaAttention:
+    """Llama's attention with q/k/v and output biases as given and rotary embedding over the first
+    partial_rotary_factor of each head (the config's top level, or its rope parameters as transformers 5 writes
+    them)."""
+    attn = LlamaAttention(config, dtype, bias, False, kernels, window, o_bias)
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    rot = int(attn.head_dim * float(factor))
+    if rot != attn.head_dim:
+        theta, scaling = rope_settings(config)
+        attn.rotary_emb = RotaryEmbedding(
+            attn.head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=rot, ops=kernels.cpu_for(dtype)
+        )
+    return attn
+
+
+class PlainMLP(nn.Module):
+    """up (with bias) -> GELU(tanh) -> down (with bias), under the checkpoint's names for the two."""
+
+    def __init__(
+        self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, names: tuple[str, str], bias: bool = True
+    ) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh"):
+            raise ValueError(f"MLP activation {act!r} is not supported (gelu_pytorch_tanh and gelu_new are)")
+        ops, tp = kernels.cpu_for(dtype), kernels.tp
+        self.names = names
+        up = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias, dtype, ops, tp)
+        down = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype, ops, tp)
+        self.add_module(names[0], up)
+        self.add_module(names[1], down)
+        self.act = GeluTanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = (getattr(self, n) for n in self.names)
+        return down(self.act(up(x)))
+
+
+def share_rotary_tables(layers: nn.ModuleList) -> None:
+    """Layers with equal rotary tables hold one copy."""
+    shared = layers[0].self_attn.rotary_emb.cos_sin_cache
+    for layer in layers[1:]:
+        rope = layer.self_attn.rotary_emb
+        if torch.equal(rope.cos_sin_cache, shared):
+            rope.cos_sin_cache = shared

@@ -1,0 +1,62 @@
+"""Phi (PhiForCausalLM: Phi-1.5, Phi-2): one LayerNorm (with bias) feeding attention and the MLP in parallel, both
+outputs added to the residual; q/k/v and the output projection (`dense`) with biases; rotary over the first
+`partial_rotary_factor` of each head; a GELU(tanh) MLP without a gate (fc1, fc2); the final `final_layernorm`; a head
+with a bias. Per-head q/k LayerNorm (`qk_layernorm`) is not supported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.embedding import VocabParallelEmbedding
+from pagedllm.model.layers.norm import LayerNorm
+from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention, share_rotary_tables
+from pagedllm.model.models.llama import LlamaForCausalLM
+
+
+class PhiDecoderLayer(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
+        super().__init__()
+        self.self_attn = partial_rotary_attention(config, dtype, True, kernels, o_bias=True)
+        self.mlp = PlainMLP(config, dtype, kernels, ("fc1", "fc2"))
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        return self.self_attn(positions, h, meta) + self.mlp(h) + x
+
+
+class PhiModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+        super().__init__()
+        if getattr(config, "qk_layernorm", False):
+            raise ValueError("Phi with qk_layernorm (per-head query/key LayerNorm) is not supported")
+        ops = kernels.cpu_for(dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
+        self.layers = nn.ModuleList(PhiDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
+        share_rotary_tables(self.layers)
+        self.final_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.final_layernorm(x)
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    model_cls = PhiModel
+    fused_decoder = False
+    hf_renames = ((".self_attn.dense.", ".self_attn.o_proj."),)
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
+        super().__init__(config, dtype, kernels)
+        # the head's bias: the full vocabulary on every rank (the logits are gathered before it is added)
+        self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size, dtype=dtype), requires_grad=False)
+        self.hf_renames = (*self.hf_renames, ("lm_head.bias", "lm_head_bias"))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden) + self.lm_head_bias
