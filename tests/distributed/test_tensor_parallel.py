@@ -1,7 +1,7 @@
 """Tensor parallelism: the head and row splits, and TP=2 / TP=3 engines (one worker process per rank, gloo on
 127.0.0.1) giving the greedy tokens of TP=1 and of HF transformers on tiny random models (KV heads that divide,
 fewer KV heads than ranks, uneven KV groups, qkv bias, q/k norm, sliding windows shorter than the prompts, Gemma 3's
-local and global layers) and on the real SmolLM2 at TP=3; a killed rank
+local and global layers, LayerNorm models with biases and partial rotary) and on the real SmolLM2 at TP=3; a killed rank
 surfaces as EngineDeadError with no process left; a split the model cannot take is a clear error."""
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "qwen2-qkv-bias-kv-replicated-tp2": ("Qwen2ForCausalLM", dict(seed=15, num_key_value_heads=1), 2),
     "qwen3-qk-norm-tp2": ("Qwen3ForCausalLM", dict(seed=16, head_dim=32, intermediate_size=96), 2),
     "mistral-window-tp2": ("MistralForCausalLM", dict(seed=17, sliding_window=10), 2),
+    "starcoder2-biases-tp2": ("Starcoder2ForCausalLM", dict(seed=19, tie_word_embeddings=True, sliding_window=16), 2),
+    "phi2-partial-rotary-tp2": ("PhiForCausalLM", dict(seed=20, partial_rotary_factor=0.4), 2),
     "gemma3-local-global-tp2": (
         "Gemma3ForCausalLM",
         dict(
