@@ -22,11 +22,10 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.activation import GeluTanhAndMul
-from pagedllm.model.layers.embedding import VocabParallelEmbedding
 from pagedllm.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.model.models.llama import LlamaAttention, LlamaForCausalLM, layer_window
+from pagedllm.model.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, layer_window
 
 
 def gemma3_layer_types(config: Any) -> list[str]:
@@ -95,37 +94,17 @@ class Gemma3DecoderLayer(nn.Module):
         return x + h
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(LayerStack):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__()
         if getattr(config, "attn_logit_softcapping", None):
             raise ValueError("Gemma 3 with attention-logit soft-capping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported here")
-        ops = kernels.cpu_for(dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
         kinds = gemma3_layer_types(config)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers)
-        )
-        # Layers of one kind share one rotary table.
-        tables: list[torch.Tensor] = []
-        for layer in self.layers:
-            rope = layer.self_attn.rotary_emb
-            same = next((t for t in tables if torch.equal(t, rope.cos_sin_cache)), None)
-            if same is None:
-                tables.append(rope.cos_sin_cache)
-            else:
-                rope.cos_sin_cache = same
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.embed_scale = float(config.hidden_size) ** 0.5
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        # transformers multiplies by sqrt(hidden) as a tensor of the embeddings' dtype
-        x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        layers = (Gemma3DecoderLayer(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers))
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
+        super().__init__(config, dtype, kernels, layers, norm)  # layers of one kind share one rotary table
+        self.embed_scale = float(config.hidden_size) ** 0.5  # in float32, as transformers scales them
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -60,12 +60,3 @@ class PlainMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, down = (getattr(self, n) for n in self.names)
         return down(self.act(up(x)))
-
-
-def share_rotary_tables(layers: nn.ModuleList) -> None:
-    """Layers with equal rotary tables hold one copy."""
-    shared = layers[0].self_attn.rotary_emb.cos_sin_cache
-    for layer in layers[1:]:
-        rope = layer.self_attn.rotary_emb
-        if torch.equal(rope.cos_sin_cache, shared):
-            rope.cos_sin_cache = shared

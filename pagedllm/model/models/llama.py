@@ -173,6 +173,39 @@ class LlamaModel(nn.Module):
         return x
 
 
+class LayerStack(nn.Module):
+    """A decoder stack whose layers map (positions, x, meta) to x, residual stream included (Gemma 3, OLMo 2, the
+    LayerNorm models): the embeddings (times `embed_scale` in float32 when set), every layer, the final `norm`.
+    Layers with equal rotary tables share one copy."""
+
+    embed_scale: float | None = None
+
+    def __init__(
+        self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, layers: Iterable[nn.Module], norm: nn.Module
+    ) -> None:
+        super().__init__()
+        ops = kernels.cpu_for(dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
+        self.layers = nn.ModuleList(layers)
+        tables: list[torch.Tensor] = []
+        for layer in self.layers:
+            rope = layer.self_attn.rotary_emb
+            same = next((t for t in tables if torch.equal(t, rope.cos_sin_cache)), None)
+            if same is None:
+                tables.append(rope.cos_sin_cache)
+            else:
+                rope.cos_sin_cache = same
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
 class LlamaForCausalLM(nn.Module):
     attention_bias = False
     qk_norm = False

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from pagedllm.model.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class Olmo2Attention(LlamaAttention):
@@ -51,28 +51,15 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(LlamaModel):
+class Olmo2Model(LayerStack):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        if kernels is not None and kernels.tp.world_size > 1:
+        if kernels.tp.world_size > 1:
             raise ValueError(
                 "OLMo 2 runs on one rank only: its query/key norms span every head (tensor_parallel_size must be 1)"
             )
-        nn.Module.__init__(self)
-        ops = kernels.cpu_for(dtype)
-        from pagedllm.model.layers.embedding import VocabParallelEmbedding
-
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
-        shared = self.layers[0].self_attn.rotary_emb.cos_sin_cache
-        for layer in self.layers[1:]:
-            layer.self_attn.rotary_emb.cos_sin_cache = shared
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        layers = (Olmo2DecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
+        super().__init__(config, dtype, kernels, layers, norm)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
-from pagedllm.model.layers.embedding import VocabParallelEmbedding
 from pagedllm.model.layers.norm import LayerNorm
-from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention, share_rotary_tables
-from pagedllm.model.models.llama import LlamaForCausalLM
+from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
+from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM
 
 
 class PhiDecoderLayer(nn.Module):
@@ -29,28 +28,19 @@ class PhiDecoderLayer(nn.Module):
         return self.self_attn(positions, h, meta) + self.mlp(h) + x
 
 
-class PhiModel(nn.Module):
+class PhiModel(LayerStack):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__()
         if getattr(config, "qk_layernorm", False):
             raise ValueError("Phi with qk_layernorm (per-head query/key LayerNorm) is not supported")
-        ops = kernels.cpu_for(dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
-        self.layers = nn.ModuleList(PhiDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
-        share_rotary_tables(self.layers)
-        self.final_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.final_layernorm(x)
+        layers = (PhiDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
+        # the checkpoint's model.final_layernorm loads as this norm (PhiForCausalLM.hf_renames)
+        super().__init__(config, dtype, kernels, layers, LayerNorm(config.hidden_size, config.layer_norm_eps, dtype))
 
 
 class PhiForCausalLM(LlamaForCausalLM):
     model_cls = PhiModel
     fused_decoder = False
-    hf_renames = ((".self_attn.dense.", ".self_attn.o_proj."),)
+    hf_renames = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."))
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
         super().__init__(config, dtype, kernels)

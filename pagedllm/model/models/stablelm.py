@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
-from pagedllm.model.layers.embedding import VocabParallelEmbedding
 from pagedllm.model.layers.norm import LayerNorm
-from pagedllm.model.models.layernorm_family import partial_rotary_attention, share_rotary_tables
-from pagedllm.model.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.model.models.layernorm_family import partial_rotary_attention
+from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM, LlamaMLP
 
 
 class StableLmDecoderLayer(nn.Module):
@@ -36,26 +35,14 @@ class StableLmDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class StableLmModel(nn.Module):
+class StableLmModel(LayerStack):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__()
         if getattr(config, "qk_layernorm", False):
             raise ValueError("StableLM with qk_layernorm (per-head query/key LayerNorm) is not supported")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"StableLM MLP activation {config.hidden_act!r} is not supported (silu is)")
-        ops = kernels.cpu_for(dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
-        self.layers = nn.ModuleList(
-            StableLmDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers)
-        )
-        share_rotary_tables(self.layers)
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        layers = (StableLmDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
+        super().__init__(config, dtype, kernels, layers, LayerNorm(config.hidden_size, config.layer_norm_eps, dtype))
 
 
 class StableLmForCausalLM(LlamaForCausalLM):

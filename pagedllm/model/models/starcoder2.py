@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
-from pagedllm.model.layers.embedding import VocabParallelEmbedding
 from pagedllm.model.layers.norm import LayerNorm
-from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention, share_rotary_tables
-from pagedllm.model.models.llama import LlamaForCausalLM, layer_window
+from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
+from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM, layer_window
 
 
 class Starcoder2DecoderLayer(nn.Module):
@@ -29,22 +28,10 @@ class Starcoder2DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Starcoder2Model(nn.Module):
+class Starcoder2Model(LayerStack):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__()
-        ops = kernels.cpu_for(dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
-        self.layers = nn.ModuleList(
-            Starcoder2DecoderLayer(config, dtype, kernels, i) for i in range(config.num_hidden_layers)
-        )
-        share_rotary_tables(self.layers)
-        self.norm = LayerNorm(config.hidden_size, config.norm_epsilon, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        layers = (Starcoder2DecoderLayer(config, dtype, kernels, i) for i in range(config.num_hidden_layers))
+        super().__init__(config, dtype, kernels, layers, LayerNorm(config.hidden_size, config.norm_epsilon, dtype))
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
