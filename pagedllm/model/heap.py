@@ -10,7 +10,10 @@ Why: glibc maps each block above its mmap threshold (at most 32 MiB) by itself a
 chunk's large activations are that size (gate|up of 2,048 tokens of Qwen2.5-0.5B: 80 MB, 40 MB after SiLU), so every
 layer of every chunk paid for faulting in and zeroing those pages: 64 prompts of 128 tokens took 14.3 s to prefill
 on an Intel Xeon (2 cores), 8.4 s with freed memory reused (bench/RESULTS.md). The price is that the process keeps
-the largest activations of a step resident between steps, as a GPU engine's caching allocator does.
+the largest activations of a step resident between steps, as a GPU engine's caching allocator does, and a few copies
+of them at first: torch allocates with posix_memalign, which asks for a little more than the block, so a freed block
+that did not merge into the heap's top cannot serve the next equal one; the heap grows a few times (five at most in
+tests/model/test_heap.py) before its free blocks coalesce and every allocation reuses them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's
 MB = 1 << 20
 SIZE = 96 * MB  # above glibc's largest mmap threshold (32 MiB): without reuse, a mapping of its own each time
 
-SCRIPT = f"""
+ROUNDS = 16
+SCRIPT = f"""ROUNDS = {ROUNDS}
 import resource, sys, torch
 from pagedllm.model.heap import reuse_freed_memory
 took = reuse_freed_memory() if sys.argv[1] == "reuse" else None
@@ -25,13 +26,14 @@ def faults_of_one():
     t.fill_(1.0)
     del t
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_one(), faults_of_one()  # the first times, every page is new either way
-print(took, *(faults_of_one() for _ in range(6)))
+faults_of_one()  # the first time, every page is new either way
+print(took, *(faults_of_one() for _ in range(ROUNDS)))
 """
 
 
 def _faults(mode: str) -> tuple[str, list[int]]:
-    """What reuse_freed_memory returned (None: not called), and the page faults of 6 allocations after warm-up."""
+    """What reuse_freed_memory returned (None: not called), and the page faults of ROUNDS allocations after the
+    first."""
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split()
@@ -50,8 +52,11 @@ def test_freed_memory_is_reused_without_faults() -> None:
     pages = SIZE // 4096
     took, reused = _faults("reuse")
     assert took == "True"
-    # The heap may place a block after the freed one once in a while (then one allocation faults in anew)
-    assert sum(n < pages // 20 for n in reused) >= 5, f"page faults of a reused {SIZE // MB} MiB tensor: {reused}"
+    # torch allocates with posix_memalign, which asks glibc for a little more than the block: a freed block that did
+    # not merge into the heap's top cannot serve the next one, so the heap grows a few times before its free blocks
+    # coalesce; after that every allocation reuses them. Without the setting every one faults in anew.
+    assert sum(reused) < 0.6 * pages * ROUNDS, f"page faults of a reused {SIZE // MB} MiB tensor: {reused}"
+    assert reused[-1] < pages // 20, reused
     # The control: glibc's default maps and unmaps such a block each time, so its pages fault in again (unless
     # transparent huge pages are "always", which backs the mapping with few large pages).
     took, fresh = _faults("default")
