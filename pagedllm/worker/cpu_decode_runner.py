@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.models.llama import embed
 
 # What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -193,11 +194,7 @@ class CpuDecodeRunner:
         consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
         the layer-by-layer path computes prompt tokens."""
         decoder = self._decoder()
-        x = self.model.model.embed_tokens(input_ids)
-        scale = getattr(self.model.model, "embed_scale", None)
-        if scale is not None:  # Gemma: as its forward scales them
-            x = x * torch.tensor(scale, dtype=torch.float32)
-        x = x.contiguous()
+        x = embed(self.model.model, input_ids).contiguous()  # as the model's forward (Gemma's scale included)
         decoder(x, positions, slot_mapping, block_table, table_rows, prompt)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there

@@ -25,14 +25,6 @@ class GemmaModel(LlamaModel):
             layer.mlp.act = GeluTanhAndMul()
         self.embed_scale = float(config.hidden_size) ** 0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
-
 
 class GemmaForCausalLM(LlamaForCausalLM):
     model_cls = GemmaModel

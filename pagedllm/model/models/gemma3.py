@@ -25,7 +25,8 @@ from pagedllm.model.layers.activation import GeluTanhAndMul
 from pagedllm.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.model.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, layer_window
+from pagedllm.model.models.gemma import GemmaForCausalLM
+from pagedllm.model.models.llama import LayerStack, LlamaAttention, layer_window
 
 
 def gemma3_layer_types(config: Any) -> list[str]:
@@ -107,7 +108,7 @@ class Gemma3Model(LayerStack):
         self.embed_scale = float(config.hidden_size) ** 0.5  # in float32, as transformers scales them
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(GemmaForCausalLM):  # its (1 + w) norms held as the sum (convert_weight)
     qk_norm = True
     model_cls = Gemma3Model
     # The fused decoder's description of these layers (worker/cpu_decode_runner.py): the norms by role (before
@@ -121,9 +122,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder_act = "gelu_tanh"
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
-        if not hasattr(config, "tie_word_embeddings"):
-            config.tie_word_embeddings = True  # Gemma's head is its embedding
-        super().__init__(config, dtype, kernels)
+        super().__init__(config, dtype, kernels)  # Gemma's: tied by default
         self.softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,7 +130,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        # Gemma's RMSNorm multiplies by 1 + w: held as that sum, so the plain RMSNorm applies
-        return tensor + 1.0 if name.endswith("norm.weight") else tensor

@@ -147,7 +147,30 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def share_rotary_tables(layers: Iterable[nn.Module]) -> None:
+    """Layers whose rotary tables are equal hold one copy ([max_position, rot] floats, 2 MiB for SmolLM2; Gemma 3's
+    local and global layers keep one each)."""
+    tables: list[torch.Tensor] = []
+    for layer in layers:
+        rope = layer.self_attn.rotary_emb
+        same = next((t for t in tables if torch.equal(t, rope.cos_sin_cache)), None)
+        if same is None:
+            tables.append(rope.cos_sin_cache)
+        else:
+            rope.cos_sin_cache = same
+
+
+def embed(stack: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """A decoder stack's input embeddings, times its `embed_scale` where it has one (Gemma: sqrt(hidden), a float32
+    tensor as transformers multiplies)."""
+    x = stack.embed_tokens(input_ids)
+    scale = getattr(stack, "embed_scale", None)
+    return x if scale is None else x * torch.tensor(scale, dtype=torch.float32)
+
+
 class LlamaModel(nn.Module):
+    embed_scale: float | None = None  # embeddings times this (Gemma's sqrt(hidden)); None: as looked up
+
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -156,16 +179,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels, i) for i in range(config.num_hidden_layers)
         )
-        # Every layer's rotary table is the same: one copy ([max_position, rot] floats, 2 MiB for SmolLM2).
-        shared = self.layers[0].self_attn.rotary_emb.cos_sin_cache
-        for layer in self.layers[1:]:
-            rope = layer.self_attn.rotary_emb
-            if torch.equal(rope.cos_sin_cache, shared):
-                rope.cos_sin_cache = shared
+        share_rotary_tables(self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = embed(self, input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -187,20 +205,11 @@ class LayerStack(nn.Module):
         ops = kernels.cpu_for(dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
         self.layers = nn.ModuleList(layers)
-        tables: list[torch.Tensor] = []
-        for layer in self.layers:
-            rope = layer.self_attn.rotary_emb
-            same = next((t for t in tables if torch.equal(t, rope.cos_sin_cache)), None)
-            if same is None:
-                tables.append(rope.cos_sin_cache)
-            else:
-                rope.cos_sin_cache = same
+        share_rotary_tables(self.layers)
         self.norm = norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=torch.float32)
+        x = embed(self, input_ids)
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)
