@@ -54,7 +54,20 @@ _MODEL_TYPES = {
     "Starcoder2ForCausalLM": "starcoder2",
     "StableLmForCausalLM": "stablelm",
     "PhiForCausalLM": "phi",
+    "Phi3ForCausalLM": "phi3",
 }
+
+# Phi-3 LongRoPE over the first half of each head (4 frequencies), original context 256 of 512
+PHI3_LONGROPE: dict[str, Any] = dict(
+    partial_rotary_factor=0.5,
+    original_max_position_embeddings=256,  # Phi3Config's own field, which transformers copies into the rope dict
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.3, 2.1, 3.7],
+        "long_factor": [1.5, 4.0, 9.0, 20.0],
+        "original_max_position_embeddings": 256,
+    },
+)
 
 _built: dict[str, str] = {}  # cache key -> folder
 _hf_models: dict[str, Any] = {}  # folder -> loaded HF model

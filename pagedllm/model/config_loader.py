@@ -165,7 +165,14 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
 
 
 def _max_len(hf_config: Any, requested: int | None) -> int:
+    """The engine's max_model_len: `requested`, at most the model's limit (its max_position_embeddings, or that
+    times the factor of a dynamic NTK rope scaling, which transformers stretches past it); the limit by default."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if (rope.get("rope_type") or rope.get("type")) == "dynamic" and rope.get("factor"):
+        if requested is None:
+            return limit  # the unscaled context by default: identical to transformers there
+        limit = int(limit * float(rope["factor"]))
     if requested is None:
         return limit
     if requested < 1 or requested > limit:

@@ -12,6 +12,7 @@ expects: whole rows move, so a quantized tensor is un-permuted exactly.
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import os
@@ -172,8 +173,12 @@ def load_model(
     weights onto `device`."""
     start = time.perf_counter()
     cls = get_model_class(model_config.architecture)
+    # The model reads the engine's max_model_len from its config (models/llama.py served_len: the rotary tables'
+    # length, longrope's factors, the dynamic NTK base); a copy carries it, the ModelConfig's own stays as read.
+    hf_config = copy.copy(model_config.hf_config)
+    hf_config.max_model_len = model_config.max_model_len
     with torch.device(device):
-        model = cls(model_config.hf_config, dtype=model_config.torch_dtype, kernels=kernels)
+        model = cls(hf_config, dtype=model_config.torch_dtype, kernels=kernels)
     path = model_config.model
     if path.endswith(".gguf"):
         native = kernels is not None and kernels.cpu_for(model_config.torch_dtype) is not None

@@ -1,8 +1,9 @@
 """Tensor parallelism: the head and row splits, and TP=2 / TP=3 engines (one worker process per rank, gloo on
 127.0.0.1) giving the greedy tokens of TP=1 and of HF transformers on tiny random models (KV heads that divide,
 fewer KV heads than ranks, uneven KV groups, qkv bias, q/k norm, sliding windows shorter than the prompts, Gemma 3's
-local and global layers, LayerNorm models with biases and partial rotary) and on the real SmolLM2 at TP=3; a killed rank
-surfaces as EngineDeadError with no process left; a split the model cannot take is a clear error."""
+local and global layers, LayerNorm models with biases and partial rotary, Phi-3's fused projections and LongRoPE) and
+on the real SmolLM2 at TP=3; a killed rank surfaces as EngineDeadError with no process left; a split the model cannot
+take is a clear error."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pagedllm.distributed.parallel_state import (
     even_shard,
 )
 from pagedllm.engine.exceptions import EngineDeadError
-from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
+from tests.model_utils import PHI3_LONGROPE, hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 12
 LOGPROB_NOISE = 0.25  # nat: TP=3 against TP=1 on the GGUF as stored (quantized activations; ~0.11 measured)
@@ -108,6 +109,9 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "mistral-window-tp2": ("MistralForCausalLM", dict(seed=17, sliding_window=10), 2),
     "starcoder2-biases-tp2": ("Starcoder2ForCausalLM", dict(seed=19, tie_word_embeddings=True, sliding_window=16), 2),
     "phi2-partial-rotary-tp2": ("PhiForCausalLM", dict(seed=20, partial_rotary_factor=0.4), 2),
+    # Phi-3's fused qkv_proj and gate_up_proj split into each rank's heads and rows; with LongRoPE over half a head
+    "phi3-fused-tp2": ("Phi3ForCausalLM", dict(seed=21), 2),
+    "phi3-longrope-partial-tp2": ("Phi3ForCausalLM", dict(seed=22, **PHI3_LONGROPE), 2),
     "gemma3-local-global-tp2": (
         "Gemma3ForCausalLM",
         dict(
@@ -134,11 +138,13 @@ def test_tensor_parallel_matches_tp1_and_hf(case: str, tiny_model_dir: Path) -> 
     arch, kwargs, tp = TP_CASES[case]
     folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
     prompts = random_prompts([3, 17, 40, 9], seed=len(case))
-    single = LLM(model=folder, engine_client="inproc", **ENGINE)
+    # 256 tokens: within the LongRoPE cases' original context, where transformers picks the same (short) factors
+    engine = ENGINE | {"max_model_len": 256}
+    single = LLM(model=folder, engine_client="inproc", **engine)
     want = _greedy(single, prompts)
     del single
     assert want == hf_greedy(folder, prompts, MAX_TOKENS)
-    llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(model=folder, tensor_parallel_size=tp, **engine)
     try:
         assert len(llm.engine_core.call_utility("collective_rpc", "process_id")) == tp
         assert _greedy(llm, prompts) == want

@@ -5,7 +5,8 @@ and in the legacy top-level `rope_theta` + `rope_scaling` form, Mistral, Mistral
 shorter than the prompts (every layer, and the layers from max_window_layers on), Qwen2 with q/k/v biases, Qwen3
 with q/k RMSNorm and head_dim != hidden/heads, Gemma 3 with local and global layers, SmolLM3 with layers without
 rope, Granite with its four multipliers, Qwen2 with YaRN rope scaling, OLMo 2's post norms, Gemma, and the LayerNorm
-models Starcoder2, StableLM and Phi-2) must give, with
+models Starcoder2, StableLM and Phi-2, Phi-3 with fused projections, plain and with LongRoPE over part of each head)
+must give, with
 batched requests of mixed lengths:
   - greedy tokens identical to HF `generate`, for one big batch, for chunked prefill (16-token budget) with
     prefix caching off and on (prompts sharing a long prefix, across two calls), and under KV-cache pressure
@@ -30,6 +31,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model.kernels import available_isas
 from pagedllm.outputs import Logprob, RequestOutput
 from tests.model_utils import (
+    PHI3_LONGROPE,
     PreemptionCounter,
     check_fused_rows_are_lone_tokens,
     hf_greedy,
@@ -114,6 +116,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi2": ("PhiForCausalLM", dict(seed=19, partial_rotary_factor=0.4)),
     # OLMo 2: post norms only, q/k norms over the whole projection
     "olmo2": ("Olmo2ForCausalLM", dict(seed=14)),
+    # Phi-3: fused qkv_proj and gate_up_proj (split at load); with LongRoPE (short factors: the engine's 256 tokens
+    # are within the original context, where transformers picks them too; an attention factor from 512 / 256) over
+    # half of each head, as Phi-4-mini's partial rotary
+    "phi3": ("Phi3ForCausalLM", dict(seed=21)),
+    "phi3-longrope-partial": ("Phi3ForCausalLM", dict(seed=22, **PHI3_LONGROPE)),
 }
 # Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
 LAYER_PATH_ONLY: set[str] = {
@@ -152,6 +159,8 @@ BREADTH_ONLY = {
     "stablelm-parallel",
     "phi2",
     "olmo2",
+    "phi3",
+    "phi3-longrope-partial",
 }
 
 

@@ -1,7 +1,26 @@
-"""Rotary position embedding (HF "rotate half" layout), with the default, llama3, linear and yarn scalings.
+"""Rotary position embedding (HF "rotate half" layout), with the default, linear, llama3, yarn, longrope and dynamic
+(NTK) scalings.
 
-The cos/sin table is computed once for every position up to max_position, in float32, and indexed by
-each token's position, so a batch can hold tokens of any positions (chunks, decodes) in any order.
+The cos/sin table is computed once for every position the engine can reach (the model's max_position_embeddings, or
+the engine's max_model_len where that is longer: dynamic NTK), in float32, and indexed by each token's position, so a
+batch can hold tokens of any positions (chunks, decodes) in any order. A key is rotated once, when it enters the paged
+KV cache, so a table is fixed for the engine's life: the two scalings that transformers re-evaluates from the current
+sequence length are evaluated once, at the engine's max_model_len, instead:
+  - longrope (Phi-3/3.5/4-mini): transformers divides the frequencies by `long_factor` while the sequence is longer
+    than original_max_position_embeddings and by `short_factor` otherwise (switching mid-generation, with the keys
+    already cached rotated the other way). As vLLM's Phi3LongRoPEScaledRotaryEmbedding, the factors are chosen once:
+    long where max_model_len > original_max_position_embeddings, short otherwise. Both scale cos and sin by the
+    attention factor (the config's, else sqrt(1 + ln(factor) / ln(original)) with factor = the config's, else
+    max_position_embeddings / original). Identical to transformers wherever both pick the same factors: every
+    sequence when max_model_len <= original, sequences longer than the original context otherwise.
+  - dynamic (dynamic NTK): transformers raises the base for sequences longer than max_position_embeddings, by its
+    current length. Here its rule is evaluated at max_model_len: at or below max_position_embeddings the frequencies
+    are the unscaled ones, identical to transformers at every length; beyond it, the base for max_model_len
+    (base * (factor * max_model_len / max_position - (factor - 1)) ** (dim / (dim - 2))) for every position, fixed as
+    vLLM's DynamicNTKScalingRotaryEmbedding fixes its table (whose base, evaluated at max_position * factor, reduces
+    to the unscaled one).
+Without a max_model_len (a model built outside the engine) both take max_position_embeddings, vLLM's default.
+An unknown scaling type is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -66,6 +85,65 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(
+    inv_freq: torch.Tensor, params: dict[str, Any], max_position: int, max_model_len: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE as transformers' `_compute_longrope_parameters` computes it, its long or short factors chosen once by
+    max_model_len (see the module docstring)."""
+    original = int(params["original_max_position_embeddings"])
+    long = max_model_len > original
+    factors = params["long_factor" if long else "short_factor"]
+    if len(factors) != inv_freq.numel():
+        kind = "long_factor" if long else "short_factor"
+        raise ValueError(f"longrope {kind} has {len(factors)} entries for {inv_freq.numel()} rotary frequencies")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / torch.tensor(factors, dtype=torch.float64), float(attention_factor)
+
+
+def _dynamic_ntk_base(base: float, dim: int, params: dict[str, Any], max_position: int, max_model_len: int) -> float:
+    """transformers' `_compute_dynamic_ntk_parameters` base at sequence length max_model_len (max_position_embeddings
+    is the original context there; shorter lengths keep the base)."""
+    factor = float(params["factor"])
+    seq_len = max(max_model_len, max_position)
+    return base * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
+
+
+def rope_inv_freq(
+    rotary_dim: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None,
+    max_position: int,
+    max_model_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2] in float64, the factor cos and sin are scaled by) of a scaling dict as
+    transformers writes it (`rope_type` or `type`), for an engine serving up to `max_model_len` tokens (None:
+    max_position)."""
+    params = rope_scaling or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    served = max_model_len or max_position
+    if rope_type == "dynamic":
+        base = _dynamic_ntk_base(base, rotary_dim, params, max_position, served)
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    attention_factor = 1.0
+    if rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(inv_freq, params, base, max_position)
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope_inv_freq(inv_freq, params, max_position, served)
+    elif rope_type not in ("default", "dynamic"):
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn, longrope, dynamic)"
+        )
+    return inv_freq, attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -75,25 +153,19 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
         rotary_dim: int | None = None,
         ops: Any = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_position`: the model's max_position_embeddings; `max_model_len`: the engine's (None: the same),
+        which fixes the longrope and dynamic scalings and, where longer, the table's length."""
         super().__init__()
         self.ops = ops  # the native CPU ops (rotate_heads_ in place), or None
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
-        rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
-        attention_factor = 1.0
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
-        elif rope_type == "linear":
-            inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
-        elif rope_type == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rope_scaling, base, max_position)  # type: ignore[arg-type]
-        elif rope_type != "default":
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
-        t = torch.arange(max_position, dtype=torch.float64)
+        inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, base, rope_scaling, max_position, max_model_len)
+        t = torch.arange(max(max_position, max_model_len or 0), dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # [max_position, rotary_dim]: cos | sin halves (YaRN scales both by its attention factor), kept in float32.
+        # [positions, rotary_dim]: cos | sin halves (YaRN and LongRoPE scale both by their attention factor), kept in
+        # float32.
         cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

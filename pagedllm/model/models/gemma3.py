@@ -26,7 +26,7 @@ from pagedllm.model.layers.linear import MergedColumnParallelLinear, RowParallel
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.gemma import GemmaForCausalLM
-from pagedllm.model.models.llama import LayerStack, LlamaAttention, layer_window
+from pagedllm.model.models.llama import LayerStack, LlamaAttention, layer_window, served_len
 
 
 def gemma3_layer_types(config: Any) -> list[str]:
@@ -78,7 +78,9 @@ class Gemma3DecoderLayer(nn.Module):
         ops = kernels.cpu_for(dtype)
         attn = LlamaAttention(config, dtype, False, True, kernels, layer_window(config, index))
         theta, scaling = gemma3_rope(config, kind)
-        attn.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, ops=ops)
+        attn.rotary_emb = RotaryEmbedding(
+            attn.head_dim, config.max_position_embeddings, theta, scaling, ops=ops, max_model_len=served_len(config)
+        )
         attn.attn.scale = float(getattr(config, "query_pre_attn_scalar", None) or attn.head_dim) ** -0.5
         self.self_attn = attn
         self.mlp = Gemma3MLP(config, dtype, kernels)

@@ -12,8 +12,7 @@ from torch import nn
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.activation import GeluTanh
 from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.model.models.llama import LlamaAttention, rope_settings
+from pagedllm.model.models.llama import LlamaAttention
 
 
 def partial_rotary_attention(
@@ -27,16 +26,17 @@ def partial_rotary_attention(
     """Llama's attention with q/k/v and output biases as given and rotary embedding over the first
     partial_rotary_factor of each head (the config's top level, or its rope parameters as transformers 5 writes
     them)."""
-    attn = LlamaAttention(config, dtype, bias, False, kernels, window, o_bias)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    rot = partial_rotary_dim(config, getattr(config, "head_dim", None) or hidden // heads)
+    return LlamaAttention(config, dtype, bias, False, kernels, window, o_bias, rotary_dim=rot)
+
+
+def partial_rotary_dim(config: Any, head_dim: int) -> int:
+    """The rotary dims of each head: the first partial_rotary_factor of it (the config's top level, or its rope
+    parameters as transformers 5 writes them)."""
     params = getattr(config, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-    rot = int(attn.head_dim * float(factor))
-    if rot != attn.head_dim:
-        theta, scaling = rope_settings(config)
-        attn.rotary_emb = RotaryEmbedding(
-            attn.head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=rot, ops=kernels.cpu_for(dtype)
-        )
-    return attn
+    return int(head_dim * float(factor))
 
 
 class PlainMLP(nn.Module):

@@ -11,7 +11,7 @@ class:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +41,12 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), (params if kind != "default" else None)
 
 
+def served_len(config: Any) -> int | None:
+    """The engine's max_model_len, which the loader sets on the config it builds a model from (rotary tables and the
+    longrope and dynamic scalings depend on it); None for a model built outside the engine."""
+    return getattr(config, "max_model_len", None)
+
+
 def layer_window(config: Any, layer: int) -> int | None:
     """The sliding window of decoder layer `layer` (None: full attention), as transformers reads the config: none
     where `use_sliding_window` is false (Qwen2, SmolLM3); else `layer_types` where the config has them
@@ -64,7 +70,9 @@ class LlamaAttention(nn.Module):
         kernels: KernelDispatch,
         sliding_window: int | None = None,
         o_bias: bool | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
+        """`rotary_dim`: rotary embedding over the first rotary_dim of each head (None: all of it)."""
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
         hidden = config.hidden_size
@@ -81,7 +89,9 @@ class LlamaAttention(nn.Module):
         o_rows = Shard(heads.first_head * self.head_dim, heads.num_heads * self.head_dim)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, dtype, ops, tp, o_rows)
         theta, scaling = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling, ops=ops)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, theta, scaling, rotary_dim, ops, served_len(config)
+        )
         scale = self.head_dim**-0.5
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, scale, kernels.attention, sliding_window
@@ -125,11 +135,19 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch, index: int = 0
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        bias: bool,
+        qk_norm: bool,
+        kernels: KernelDispatch,
+        index: int = 0,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         ops = kernels.cpu_for(dtype)
-        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm, kernels, layer_window(config, index))
+        window = layer_window(config, index)
+        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm, kernels, window, rotary_dim=rotary_dim)
         self.mlp = LlamaMLP(config, dtype, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
@@ -176,11 +194,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype, kernels.tp, kernels.cpu_for(dtype)
         )
+        rot = self.rotary_dim(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels, i, rot) for i in range(config.num_hidden_layers)
         )
         share_rotary_tables(self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
+
+    def rotary_dim(self, config: Any) -> int | None:
+        """The rotary dims of each head (None: the whole head; Phi-3's partial rotary says otherwise)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         x = embed(self, input_ids)
@@ -254,13 +277,50 @@ class LlamaForCausalLM(nn.Module):
         """An HF checkpoint tensor as this model's parameter holds it (a subclass's hook; as is here)."""
         return tensor
 
+    def unfuse(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """A fused checkpoint tensor as the HF tensors it stacks, so that each reaches its shard of the merged
+        parameter (and each rank its rows of that shard): `self_attn.qkv_proj` (Phi-3; a GGUF file's attn_qkv) as
+        q_proj, k_proj, v_proj, and `mlp.gate_up_proj` (Phi-3; a phi3 file's fused ffn_up) as gate_proj, up_proj, rows
+        [q | k | v] and [gate | up], weights and biases alike, float or still quantized (whole rows). Any other tensor
+        as it is."""
+        if ".self_attn.qkv_proj." in name:
+            cfg = self.config
+            heads = cfg.num_attention_heads
+            kv = getattr(cfg, "num_key_value_heads", None) or heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            fused, parts = ".self_attn.qkv_proj.", {".self_attn.q_proj.": heads, ".self_attn.k_proj.": kv}
+            parts = {k: n * head_dim for k, n in parts.items()} | {".self_attn.v_proj.": kv * head_dim}
+        elif ".mlp.gate_up_proj." in name:
+            half = tensor.shape[0] // 2
+            fused, parts = ".mlp.gate_up_proj.", {".mlp.gate_proj.": half, ".mlp.up_proj.": half}
+        else:
+            yield name, tensor
+            return
+        if tensor.shape[0] != sum(parts.values()):
+            raise ValueError(f"fused tensor {name!r} has {tensor.shape[0]} rows, not {sum(parts.values())}")
+        start = 0
+        for part, rows in parts.items():
+            yield name.replace(fused, part), tensor.narrow(0, start, rows)
+            start += rows
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors through each parameter's weight_loader; returns the parameters loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for fused_name, fused in weights:
             for theirs, ours in self.hf_renames:
-                name = name.replace(theirs, ours)
+                fused_name = fused_name.replace(theirs, ours)
+            self._load_one(params, loaded, self.unfuse(fused_name, fused))
+        missing = set(params) - loaded
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
+        return loaded
+
+    def _load_one(self, params: dict[str, nn.Parameter], loaded: set[str], tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load HF-named tensors (one checkpoint tensor, unfused) into `params`, adding the names loaded."""
+        for name, tensor in tensors:
             tensor = self.convert_weight(name, tensor)
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -282,9 +342,3 @@ class LlamaForCausalLM(nn.Module):
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, tensor.to(param.dtype))
                 loaded.add(name)
-        missing = set(params) - loaded
-        if self.tie_word_embeddings:
-            missing.discard("lm_head.weight")
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
-        return loaded
