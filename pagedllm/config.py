@@ -214,6 +214,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    # Sliding-window layers keep only the blocks their window sees (core/kv_cache_layout.py); False: every block.
+    hybrid_kv_cache: bool = True
     # Element type of the KV cache (KV_CACHE_DTYPES): "auto" follows the model's --dtype, except that a GGUF run as
     # stored keeps a bfloat16 cache (see kv_dtype).
     cache_dtype: str = "auto"

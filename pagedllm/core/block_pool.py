@@ -1,7 +1,9 @@
 """Block pool: ownership, reference counts, LRU eviction and the prefix-cache hash map of KV blocks.
 
 Contract:
-- The pool owns `num_blocks` physical KV-cache blocks, ids 0..num_blocks-1, all usable (no null block).
+- The pool owns `num_blocks` physical KV-cache blocks, ids 0..num_blocks-1, all usable, unless it was made with
+  `null_block=True`: then block 0 is the null block, which stands in a window group's block list for the blocks
+  its window no longer sees. It is never free, never cached, and counts neither as used nor as free.
 - Every block is in exactly one state:
     * free-uncached: ref_cnt == 0, in the free queue, block_hash is None;
     * free-cached:   ref_cnt == 0, in the free queue, block_hash set and the hash map points at it
@@ -133,15 +135,24 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All KV blocks, their free queue and the prefix-cache map `block hash -> block`."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool, null_block: bool = False) -> None:
+        if num_blocks <= int(null_block):
+            raise ValueError(f"num_blocks must be positive, got {num_blocks - int(null_block)}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
-        # Initially in id order, so a fresh pool hands out 0, 1, 2, ...
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # The null block (block 0) is held forever by the pool itself: one reference, never in the free queue.
+        self.null_block: KVCacheBlock | None = self.blocks[0] if null_block else None
+        if self.null_block is not None:
+            self.null_block.ref_cnt = 1
+        # Initially in id order, so a fresh pool hands out 0, 1, 2, ... (1, 2, ... with a null block)
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(null_block) :])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all of them but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free queue, evicting their cached content."""
@@ -163,6 +174,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; a free cached block leaves the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -174,6 +187,8 @@ class BlockPool:
         """
         released = []
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
@@ -198,6 +213,8 @@ class BlockPool:
             )
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = request_blocks[i], block_hashes[i]
+            if block is self.null_block:  # a window group's block the window no longer sees: nothing to keep
+                continue
             if block.block_hash is not None:
                 # A prefix-cache hit the request took over: already registered under this same hash.
                 assert block.block_hash == block_hash, f"block {block.block_id} cached under another hash"
@@ -214,12 +231,12 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free), in [0, 1]."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content. Refused (False) while any block is in use, since a running
         request's blocks must stay consistent with what other requests may have hit."""
-        if self.free_block_queue.num_free_blocks != self.num_blocks:
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:

@@ -2,8 +2,9 @@
 
 A request is sent in full once (`NewRequestData`), the first time it is scheduled; afterwards only diffs
 travel (`CachedRequestData`): new block ids and the computed-token count. A request resumed after
-preemption lost its blocks, so its block list is replaced rather than extended. The worker keeps the
-token ids it needs itself (it appends what it samples), so the scheduler never resends them.
+preemption lost its blocks, so its block list is replaced rather than extended. Block ids come one list per KV
+cache group (core/kv_cache_layout.py); a window group's list holds the null block where its window dropped one.
+The worker keeps the token ids it needs itself (it appends what it samples), so the scheduler never resends them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: list[list[int]]  # [num_kv_groups][blocks]
     num_computed_tokens: int
 
 
@@ -28,7 +29,8 @@ class NewRequestData:
 class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)  # [num_cached] replace blocks if True
-    new_block_ids: list[list[int]] = field(default_factory=list)  # [num_cached] blocks appended this step
+    # [num_cached][num_kv_groups] blocks appended this step to each KV cache group's list (all of them when resumed)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # [num_cached]
 
 

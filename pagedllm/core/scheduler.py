@@ -71,7 +71,9 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_windows: tuple[int, ...] = (0,),
     ) -> None:
+        """kv_windows: the sliding window of each KV cache group (0: full attention), from the worker's layout."""
         self.config = scheduler_config
         self.draft_policy = DraftPolicy(speculative_config) if speculative_config is not None else None
         self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
@@ -83,7 +85,9 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, tuple(kv_windows)
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -216,7 +220,7 @@ class Scheduler:
                 continue  # req itself was preempted; self.running[i] is now the next request
             cached.req_ids.append(req.request_id)
             cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.new_block_ids.append([[b.block_id for b in blocks] for blocks in new_blocks])
             cached.num_computed_tokens.append(req.num_computed_tokens)
             if drafts:
                 spec_tokens[req.request_id] = drafts
@@ -241,7 +245,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.append(req)
-            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+            block_ids = self.kv_cache_manager.get_group_block_ids(req.request_id)
             if resumed:
                 cached.req_ids.append(req.request_id)
                 cached.resumed_from_preemption.append(True)

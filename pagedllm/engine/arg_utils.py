@@ -128,6 +128,11 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of identical prompt prefixes")
     num_gpu_blocks_override: int | None = _arg(None, "exact number of KV cache blocks (overrides the budget)")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "keep every block of every layer, as full attention, also for sliding-window layers (their kernels still "
+        "mask the window)",
+    )
     max_num_batched_tokens: int | None = _arg(
         None, f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
@@ -233,6 +238,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=self.kv_cache_dtype,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if batched is None else batched,

@@ -41,6 +41,7 @@ class EngineCore:
         self.executor = Executor.get_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
+        kv_windows = tuple(self.executor.collective_rpc("kv_cache_windows")[0])
         self.structured_output_manager = StructuredOutputManager(
             config.model_config, reasoning_parser=config.reasoning_parser
         )
@@ -50,6 +51,7 @@ class EngineCore:
             self.num_blocks,
             self.structured_output_manager,
             config.speculative_config,
+            kv_windows,
         )
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)

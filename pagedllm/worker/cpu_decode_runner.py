@@ -3,18 +3,18 @@
 Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
 Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
-None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes
-the final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft
-tokens (speculative decoding: consecutive positions), at most `max_rows` rows a call (the model runner makes as
-many calls as a step's decoding rows need, whole requests in each); row r belongs to the request
-whose block table is row table_rows[r] of block_table [B, W] and attends to its positions up to its own. It writes
-their keys and values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for
-the step's other requests, long prompt chunks, and for every other model). Each of the R tokens is computed exactly
-as it would be alone, so a request's decode tokens do not depend on what shares its steps. With `prompt=True` the
-rows are a short prompt chunk of one request (where `runs_prompts()`: the model runner sends a chunk of up to 64
-tokens when no other request of its step has prompt tokens), computed bit for bit as the layer-by-layer path
-computes prompt tokens: a prefix-cache hit's uncached tail costs 8.5 ms there instead of 11.1 on the default GGUF
-(Zen 5).
+None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes the
+final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft tokens
+(speculative decoding: consecutive positions), at most `max_rows` rows a call (the model runner makes as many calls
+as a step's decoding rows need, whole requests in each); row r belongs to the request whose block table is row
+table_rows[r] of block_table [G, B, W] in each of the G KV cache groups (its slots are slot_mapping [G, R]; a layer
+reads its group's) and attends to its positions up to its own (or its window's part). It writes their keys and
+values into every layer's cache, as the model's layer-by-layer forward does (which stays the path for the step's
+other requests, long prompt chunks, and for every other model). Each of the R tokens is computed exactly as it would
+be alone, so a request's decode tokens do not depend on what shares its steps. With `prompt=True` the rows are a
+short prompt chunk of one request (where `runs_prompts()`: the model runner sends a chunk of up to 64 tokens when no
+other request of its step has prompt tokens), computed bit for bit as the layer-by-layer path computes prompt
+tokens: a prefix-cache hit's uncached tail costs 8.5 ms there instead of 11.1 on the default GGUF (Zen 5).
 
 Why: a decode step of one request is bound by reading the weights, and one of a few requests by the products; in
 both, dispatching some twelve ops per layer from Python (each a fork and join of the thread team) cost a large share
@@ -172,7 +172,7 @@ class CpuDecodeRunner:
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
                 self._quant_weights(), [a.attn.sliding_window for a in attns],
-                _ACTS[getattr(self.model, "decoder_act", "silu")],
+                _ACTS[getattr(self.model, "decoder_act", "silu")], [a.attn.kv_group for a in attns],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]
@@ -189,7 +189,8 @@ class CpuDecodeRunner:
         table_rows: torch.Tensor,
         prompt: bool = False,
     ) -> torch.Tensor:
-        """input_ids, positions, slot_mapping, table_rows [R] (int64); block_table [B, blocks] -> hidden [R, hidden].
+        """input_ids, positions, table_rows [R]; slot_mapping [G, R]; block_table [G, B, blocks] (int64, G KV cache
+        groups) -> hidden [R, hidden].
         A request's rows are consecutive (its context is then read once for all of them). prompt: the rows are
         consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
         the layer-by-layer path computes prompt tokens."""

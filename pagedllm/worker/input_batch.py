@@ -3,7 +3,8 @@
 Each request the worker knows keeps a `CachedRequestState` (its tokens and sampling settings) until
 it finishes. Requests in the running set also own a row of the CPU-side arrays, written once when the
 request takes the row (new, or resumed after preemption) and then only extended:
-- token ids and block table: the block table gains the step's new block ids, the token row each sampled token
+- token ids and block tables (one per KV cache group, core/kv_cache_layout.py): each table gains the step's new
+  block ids of its group, the token row each sampled token
   (and, for the step that verifies them, the draft tokens after the known ones);
 - sampling state (temperature, top-k/top-p/min-p, penalties, logprobs, seed, logit bias,
   min_tokens, a reference to the output-token history that penalties read): filled from the request's
@@ -36,7 +37,6 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prompt positions whose logprobs were already reported (a recompute after preemption repeats none).
     num_prompt_logprobs_done: int = 0
@@ -48,15 +48,17 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)  # [rows, max_model_len]
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)  # [rows, max_blocks]
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks), dtype=np.int64)  # [groups, rows, blocks]
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)  # [groups, rows]
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -213,7 +215,7 @@ class InputBatch:
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
         )
 
-    def _take_row(self, state: CachedRequestState, block_ids: list[int]) -> None:
+    def _take_row(self, state: CachedRequestState, block_ids: list[list[int]]) -> None:
         if state.row < 0:
             state.row = self.free_rows.pop()
         row = state.row
@@ -222,9 +224,9 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(prompt)
         if state.output_token_ids:
             self.token_ids[row, len(prompt) : state.num_tokens] = state.output_token_ids
-        state.block_ids = list(block_ids)
-        self.block_table[row, : len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+        for g, ids in enumerate(block_ids):
+            self.block_table[g, row, : len(ids)] = ids
+            self.num_blocks[g, row] = len(ids)
         self._set_sampling_row(state)
 
     def _set_sampling_row(self, state: CachedRequestState) -> None:
@@ -262,14 +264,13 @@ class InputBatch:
             and row not in self.min_tokens
         )
 
-    def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
+    def _append_blocks(self, state: CachedRequestState, block_ids: list[list[int]]) -> None:
         row = state.row
-        start = int(self.num_blocks[row])
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
-        state.block_ids.extend(block_ids)
+        for g, ids in enumerate(block_ids):
+            if ids:
+                start = int(self.num_blocks[g, row])
+                self.block_table[g, row, start : start + len(ids)] = ids
+                self.num_blocks[g, row] = start + len(ids)
 
     def _release_row(self, state: CachedRequestState) -> None:
         row = state.row

@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.model import hugepages
-from pagedllm.model.attention.backends.base import CommonAttentionMetadata, table_rows
+from pagedllm.model.attention.backends.base import CommonAttentionMetadata
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
 from pagedllm.model.layers.linear import int8_inputs
@@ -80,6 +81,7 @@ class ModelRunner:
         )
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
         self.model = load_model(model_config, device, kernels)
+        self.kv_layout = self._kv_layout(config.cache_config.hybrid_kv_cache)
         self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
@@ -105,7 +107,9 @@ class ModelRunner:
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.rejection_sampler = RejectionSampler(cpu_ops)
-        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device)
+        self.input_batch = InputBatch(
+            config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device, self.kv_layout.num_groups
+        )
         self._pending: _PendingSample | None = None
 
     def _cpu_ops(self, dtype: torch.dtype):
@@ -124,23 +128,45 @@ class ModelRunner:
 
     # ---- KV cache ----------------------------------------------------------------------------------
 
+    def _kv_layout(self, hybrid: bool) -> KVCacheLayout:
+        """The KV cache groups of the model's attention layers (core/kv_cache_layout.py); each layer learns its
+        group (`kv_group`: the block table it reads). Layers whose keys differ in shape share no tensors: one group
+        of them all, full attention in its block accounting."""
+        layers = self.model.attention_layers()
+        uniform = len({(a.num_kv_heads, a.head_dim) for a in layers}) == 1
+        layout = kv_cache_layout([a.sliding_window for a in layers], hybrid and uniform)
+        for attn, group in zip(layers, layout.layer_group):
+            attn.kv_group = group
+        if layout.hybrid:
+            logger.info(
+                "KV cache groups: %s (window 0: full attention), %d layers a block",
+                ", ".join(f"{layout.layer_group.count(g)} layers window {w}" for g, w in enumerate(layout.windows)),
+                layout.slots,
+            )
+        return layout
+
     def kv_cache_bytes_per_block(self) -> int:
-        per_token = 0
-        for attn in self.model.attention_layers():
-            per_token += 2 * attn.num_kv_heads * attn.head_dim
+        """Bytes of one block id: every layer's block, or, with KV cache groups, `slots` layers' blocks."""
+        layers = self.model.attention_layers()
+        per_layer = [2 * attn.num_kv_heads * attn.head_dim for attn in layers]
+        per_token = sum(per_layer) if self.kv_layout.slots == len(layers) else per_layer[0] * self.kv_layout.slots
         return per_token * self.block_size * torch.finfo(self.kv_dtype).bits // 8
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.kv_dtype
-        for attn in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            # A fresh mapping, untouched until a block is first written, of normal pages: where THP defrag is
-            # "madvise", huge pages faulted in mid-run stalled on compaction (1.9 s of a 20 s batched run, against
-            # 0.5 s with normal pages), and decode attention was no faster on them (bench/RESULTS.md).
-            attn.kv_cache = (
-                hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
-                hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
-            )
+        layout = self.kv_layout
+        tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for attn, slot in zip(self.model.attention_layers(), layout.layer_slot):
+            if slot not in tensors:  # cache tensor `slot` serves that layer of every group (the same shapes)
+                shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+                # A fresh mapping, untouched until a block is first written, of normal pages: where THP defrag is
+                # "madvise", huge pages faulted in mid-run stalled on compaction (1.9 s of a 20 s batched run,
+                # against 0.5 s with normal pages), and decode attention was no faster on them (bench/RESULTS.md).
+                tensors[slot] = (
+                    hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
+                    hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
+                )
+            attn.kv_cache = tensors[slot]
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -181,7 +207,8 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], n_tok) + np.repeat(starts, n_tok)
         tok_rows = rows[req_idx]
         input_ids = batch.token_ids[tok_rows, positions]
-        slots = batch.block_table[tok_rows, positions // self.block_size] * self.block_size + (
+        # [groups, tokens]: each token's cache slot in every KV cache group's blocks
+        slots = batch.block_table[:, tok_rows, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
         # Generated tokens' rows (decode tokens, drafts, recomputed output) run quantized weights on int8 inputs;
@@ -194,8 +221,10 @@ class ModelRunner:
         def fused(a: int, b: int, prompt: bool = False) -> torch.Tensor:
             """The hidden states of requests a .. b - 1 of `order`, one call of the fused decoder."""
             t0, t1 = int(cu[a]), int(cu[b])
-            tables = table_rows(batch.block_table, rows[a:b], int((starts[a:b] + n_tok[a:b]).max()), self.block_size)
-            args = [self._t(v) for v in (input_ids[t0:t1], positions[t0:t1], slots[t0:t1], tables, req_idx[t0:t1] - a)]
+            width = -(-int((starts[a:b] + n_tok[a:b]).max()) // self.block_size)
+            tables = np.ascontiguousarray(batch.block_table[:, rows[a:b], :width])  # [groups, b - a, width]
+            step_slots = np.ascontiguousarray(slots[:, t0:t1])  # [groups, t1 - t0]
+            args = [self._t(v) for v in (input_ids[t0:t1], positions[t0:t1], step_slots, tables, req_idx[t0:t1] - a)]
             return self.decode_runner(*args, prompt=True) if prompt else self.decode_runner(*args)
 
         # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
@@ -213,10 +242,12 @@ class ModelRunner:
         if k < len(order):
             t = int(cu[k])
             num_decodes = int(np.count_nonzero(n_tok[k:] == 1))  # the rest keeps its decodes first
-            common = CommonAttentionMetadata(
-                num_decodes, cu[k:] - t, starts[k:], slots[t:], batch.block_table, rows[k:], self.block_size
-            )
-            meta = self.attn_backend.build_metadata(common, self.device)
+            commons = [
+                CommonAttentionMetadata(num_decodes, cu[k:] - t, starts[k:], slot, table, rows[k:], self.block_size)
+                for slot, table in zip(slots[:, t:], batch.block_table)
+            ]  # an attention layer reads its KV cache group's (layers/attention.py)
+            metas = [self.attn_backend.build_metadata(common, self.device) for common in commons]
+            meta = metas[0] if len(metas) == 1 else metas
             with int8_inputs(generated[t:]):
                 parts.append(self.model(self._t(input_ids[t:]), self._t(positions[t:]), meta))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig, heap_reuse_enabled
+from pagedllm.core.kv_cache_layout import blocks_for_tokens
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.heap import reuse_freed_memory
@@ -53,22 +54,35 @@ class Worker:
             num_blocks = cache.num_gpu_blocks_override
             source = f"num_gpu_blocks_override={num_blocks}"
         max_len = self.config.model_config.max_model_len
-        # A request of max_model_len tokens must fit alone, or it could never be scheduled.
-        if num_blocks * cache.block_size < max_len:
+        # A request of max_model_len tokens must fit alone, or it could never be scheduled (the null block besides,
+        # where a window group has one).
+        layout = self.model_runner.kv_layout
+        chunk = self.config.scheduler_config.max_num_batched_tokens
+        need = sum(blocks_for_tokens(w, max_len, chunk, cache.block_size) for w in layout.windows) + layout.hybrid
+        if num_blocks < need:
             raise ValueError(
-                f"{source} gives {num_blocks} KV blocks ({num_blocks * cache.block_size} tokens), fewer than "
-                f"max_model_len={max_len}; raise the KV cache memory or lower max_model_len"
+                f"{source} gives {num_blocks} KV blocks ({num_blocks * cache.block_size} tokens), fewer than the "
+                f"{need} one request of max_model_len={max_len} tokens holds; raise the KV cache memory or lower "
+                "max_model_len"
             )
         return num_blocks
 
+    def kv_cache_windows(self) -> list[int]:
+        """The sliding window of each KV cache group (0: full attention), for the scheduler's KV cache manager."""
+        return list(self.model_runner.kv_layout.windows)
+
     def initialize_cache(self, num_blocks: int) -> None:
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        layout = self.model_runner.kv_layout
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens%s)",
             num_blocks,
             self.config.cache_config.block_size,
             num_blocks * per_block / 2**30,
             num_blocks * self.config.cache_config.block_size,
+            ""
+            if layout.num_groups == 1 and not layout.hybrid
+            else f" in {layout.num_groups} groups of {layout.slots} layers; windows {sorted(set(layout.windows))}",
         )
         start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)

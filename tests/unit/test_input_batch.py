@@ -25,7 +25,7 @@ def make_batch(max_reqs: int = 8) -> InputBatch:
 
 
 def new(rid: str, prompt: list[int], params: SamplingParams, eos: int | None = EOS) -> NewRequestData:
-    return NewRequestData(rid, prompt, params, eos, block_ids=[len(prompt)], num_computed_tokens=0)
+    return NewRequestData(rid, prompt, params, eos, block_ids=[[len(prompt)]], num_computed_tokens=0)
 
 
 def diff(
@@ -40,7 +40,7 @@ def diff(
     for rid in resumed:
         cached.req_ids.append(rid)
         cached.resumed_from_preemption.append(True)
-        cached.new_block_ids.append([9])
+        cached.new_block_ids.append([[9]])
         cached.num_computed_tokens.append(0)
     counts = {n.req_id: 1 for n in new_reqs} | {r: 1 for r in resumed}
     return SchedulerOutput(new_reqs, cached, counts, len(counts), finished or set(), preempted or set())

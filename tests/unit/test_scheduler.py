@@ -119,8 +119,8 @@ def test_same_step_siblings_share_prompt_blocks():
     s.add_request(req("b", 9))
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 9, "b": 1}
-    a_blocks = out.scheduled_new_reqs[0].block_ids
-    b_blocks = out.scheduled_new_reqs[1].block_ids
+    (a_blocks,) = out.scheduled_new_reqs[0].block_ids
+    (b_blocks,) = out.scheduled_new_reqs[1].block_ids
     assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
 
 

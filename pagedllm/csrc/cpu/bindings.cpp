@@ -471,11 +471,18 @@ class DecodeModel {
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act)
+              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
+              std::vector<int64_t> groups)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
     TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
+    TORCH_CHECK(groups.empty() || groups.size() == layers, "groups: none, or one KV cache group per layer");
+    num_groups_ = 1;
+    for (int64_t g : groups) {
+      TORCH_CHECK(g >= 0, "KV cache groups must be >= 0, got ", g);
+      num_groups_ = std::max(num_groups_, g + 1);
+    }
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
                     cos_sin.size() == layers,
                 kPerLayer, " weights, two caches and a rotary table per layer");
@@ -557,6 +564,7 @@ class DecodeModel {
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
       L.window = windows.empty() ? 0 : windows[l];
+      L.group = groups.empty() ? 0 : groups[l];
       TORCH_CHECK(L.window >= 0, "layer ", l, ": window must be 0 (none) or positive");
       layers_.push_back(L);
     }
@@ -581,8 +589,9 @@ class DecodeModel {
   DecodeModel(const DecodeModel&) = delete;
   DecodeModel& operator=(const DecodeModel&) = delete;
 
-  // x [R, H] in place: the step's tokens, row r at position positions[r] with cache slot slot_mapping[r], of the
-  // request whose block table is row table_rows[r] of block_table [B, W]; it attends to that request's positions
+  // x [R, H] in place: the step's tokens, row r at position positions[r] with cache slot slot_mapping[g, r], of the
+  // request whose block table is row table_rows[r] of block_table [g, B, W], in a layer of KV cache group g (one
+  // group: slot_mapping [R] and block_table [B, W] will do); it attends to that request's positions
   // 0 .. positions[r], whose keys and values are cached or written by the step's rows (a decode token and its
   // drafts). Consecutive rows of one request read their context together.
   // prompt: the rows are consecutive prompt tokens of one request, computed as the layer-by-layer path computes
@@ -596,27 +605,34 @@ class DecodeModel {
       TORCH_CHECK(t->numel() >= 1, "empty index tensor");
     }
     const int64_t rows = x.size(0);
-    TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows && table_rows.numel() == rows,
-                "positions, slot_mapping and table_rows must have ", rows, " entries, one per row of x");
-    TORCH_CHECK(block_table.dim() == 2, "block_table must be [B, W]");
+    TORCH_CHECK(positions.numel() == rows && table_rows.numel() == rows,
+                "positions and table_rows must have ", rows, " entries, one per row of x");
+    TORCH_CHECK(slot_mapping.numel() == num_groups_ * rows, "slot_mapping must be [", num_groups_, ", ", rows,
+                "]: a slot per row in each KV cache group");
+    const int64_t ng = num_groups_;
+    TORCH_CHECK(block_table.dim() == 3 ? block_table.size(0) == ng : block_table.dim() == 2 && ng == 1,
+                "block_table must be [B, W], or [groups, B, W] with ", ng, " KV cache groups");
     const int64_t* pp = positions.data_ptr<int64_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* of = table_rows.data_ptr<int64_t>();
-    const int64_t reqs = block_table.size(0), width = block_table.size(1), bs = spec_.block_size;
+    const int64_t reqs = block_table.size(-2), width = block_table.size(-1), bs = spec_.block_size;
     const int64_t* table = block_table.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r) {
       TORCH_CHECK(of[r] >= 0 && of[r] < reqs, "table row ", of[r], " of row ", r, " outside 0..", reqs - 1);
-      TORCH_CHECK(slots[r] >= 0 && slots[r] < spec_.num_blocks * bs, "slot ", slots[r], " out of range");
       TORCH_CHECK(pp[r] >= 0 && pp[r] < spec_.max_position, "position ", pp[r], " out of the rotary table's range");
       TORCH_CHECK(pp[r] < width * bs, "position ", pp[r], " past the block table's ", width * bs, " tokens");
-      check_block_ids(table + of[r] * width, pp[r] / bs + 1, spec_.num_blocks);
+      for (int64_t g = 0; g < ng; ++g) {
+        const int64_t slot = slots[g * rows + r];
+        TORCH_CHECK(slot >= 0 && slot < spec_.num_blocks * bs, "slot ", slot, " out of range");
+        check_block_ids(table + (g * reqs + of[r]) * width, pp[r] / bs + 1, spec_.num_blocks);
+      }
     }
     if (prompt) {
       TORCH_CHECK(t_->bf16_native() != 0, "prompt rows run in the fused decoder only where the CPU has AVX512-BF16");
       for (int64_t r = 1; r < rows; ++r)
         TORCH_CHECK(pp[r] == pp[0] + r && of[r] == of[0], "prompt rows must be consecutive tokens of one request");
     }
-    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, width, of, prompt ? 1 : 0,
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, prompt ? 1 : 0,
                     at::get_num_threads());
   }
 
@@ -624,6 +640,7 @@ class DecodeModel {
   std::shared_ptr<CpuOps> ops_;
   const PagedllmCpuOps* t_;
   DecoderSpec spec_{};
+  int64_t num_groups_ = 1;  // KV cache groups: slot_mapping and block_table have one of each per group
   std::vector<DecoderLayer> layers_;
   std::vector<torch::Tensor> keep_;
   std::vector<std::shared_ptr<QuantMatrix>> quant_;  // kept alive with their tensors
@@ -741,16 +758,17 @@ PYBIND11_MODULE(_C, m) {
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
-             std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act) {
+             std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
+             std::vector<int64_t> groups) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
-                                                 act);
+                                                 act, std::move(groups));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("windows") = std::vector<int64_t>{},
-          py::arg("act") = 0,
+          py::arg("act") = 0, py::arg("groups") = std::vector<int64_t>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

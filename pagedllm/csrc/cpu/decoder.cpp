@@ -119,8 +119,9 @@ void* decoder_create(const DecoderSpec* spec) {
 
 void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
-void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* pos, const int64_t* slots,
-                 const int64_t* tables, int64_t width, const int64_t* table_of, int32_t prompt, int threads) {
+void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* pos, const int64_t* slot_groups,
+                 const int64_t* table_groups, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,
+                 int threads) {
   const Decoder& dec = *static_cast<const Decoder*>(decoder);
   const DecoderSpec& s = dec.spec;
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
@@ -184,6 +185,8 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     float* pm = part + t * R * pd;
     for (int64_t l = 0; l < layers; ++l) {
       const DecoderLayer& w = dec.layers[l];
+      const int64_t* slots = slot_groups + w.group * R;  // the layer's KV cache group's slots and block tables
+      const int64_t* tables = table_groups + w.group * reqs * width;
       const float* post_mlp = l > 0 ? dec.layers[l - 1].post_mlp_norm : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         if (l == 0) {

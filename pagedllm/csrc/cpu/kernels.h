@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 13
+#define PAGEDLLM_CPU_ABI 14
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -110,6 +110,7 @@ struct DecoderLayer {
   const float* cos_sin;  // [max_position, rot]: cos | sin
   void *k_cache, *v_cache;  // of the spec's kv_dtype
   int64_t window;           // sliding-window attention over the last `window` tokens; 0: the whole context
+  int64_t group;            // the KV cache group whose slots and block tables the layer reads (see decoder_run)
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
@@ -156,15 +157,16 @@ struct PagedllmCpuOps {
   void (*paged_decode)(const PagedDecodeArgs* args);
   void (*paged_prefill)(const PagedPrefillArgs* args);
   // The fused decoder: built once per weights and caches, run per step on x [rows, hidden] in place: row r a token
-  // at position pos[r] with cache slot slots[r] of the request whose block table is row table_of[r] of tables
-  // [*, width], attending to that request's positions 0 .. pos[r] (its own key and value included, and those of
+  // at position pos[r] with cache slot slots[g * rows + r] of the request whose block table is row table_of[r] of
+  // tables [g][reqs, width] in a layer of KV cache group g (DecoderLayer::group), attending to that request's positions 0 .. pos[r] (its own key and value included, and those of
   // its earlier rows in the step: a decode token and its draft tokens). A run of consecutive rows of one request
   // reads its context once.
   void* (*decoder_create)(const DecoderSpec* spec);
   // prompt != 0: the rows are consecutive prompt tokens of one request (positions pos[0], pos[0] + 1, ...), computed
   // as the layer-by-layer path computes prompt tokens (bf16 panels for quantized weights: AVX512-BF16 builds only).
   void (*decoder_run)(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
-                      const int64_t* tables, int64_t width, const int64_t* table_of, int32_t prompt, int threads);
+                      const int64_t* tables, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,
+                      int threads);
   void (*decoder_destroy)(void* decoder);
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.

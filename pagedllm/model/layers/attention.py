@@ -18,7 +18,9 @@ from pagedllm.model.attention.backends.base import AttentionBackend
 class Attention(nn.Module):
     """`kv_cache` is bound by the worker after it allocates memory: a pair of tensors
     [num_blocks, block_size, num_kv_heads, head_dim] for keys and values. `sliding_window` (0: none): a query at
-    position p attends only the keys at p - sliding_window + 1 .. p, as transformers' sliding-window layers do."""
+    position p attends only the keys at p - sliding_window + 1 .. p, as transformers' sliding-window layers do.
+    `kv_group` (set by the worker, core/kv_cache_layout.py): the KV cache group whose block tables this layer reads;
+    a step's metadata is one object, or a list with one per group."""
 
     def __init__(
         self,
@@ -40,7 +42,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
+        if isinstance(metadata, list):
+            metadata = metadata[self.kv_group]
         return self.backend.forward(self, q, k, v, metadata)
