@@ -11,12 +11,19 @@ in the first and last eighths of the layers and every third in between (`use_mor
 where a row is not a whole number of 256-weight blocks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K /
 IQ4_XS -> IQ4_NL. That is how a 0.5B Qwen2.5's Q4_K_M holds Q5_0, Q8_0, Q4_K, Q6_K and F32 tensors at once.
 Norms and biases stay F32. Quantized bytes are cached per (tensor, type) for the process, so layouts that share a
-type for a large tensor (the embedding, the head) quantize it once.
+type for a large tensor (the embedding, the head) quantize it once. Layout "F32" writes every matrix in float32.
+
+Granite, OLMo 2, SmolLM3, StableLM, Starcoder2, Phi-2 (`phi2`) and Phi-3 take their tensor names from gguf-py's own
+HF -> GGUF map (the one convert_hf_to_gguf.py uses; Phi-3's fused attn_qkv and ffn_up as they are, its LongRoPE
+factors as the rope_factors_long / rope_factors_short tensors) and the metadata keys convert_hf_to_gguf.py writes
+for each (_ARCH_METADATA); q/k rows are permuted for the architectures whose converter permutes them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from typing import Any
 
@@ -39,6 +46,7 @@ from tests.quant_utils import (
 )
 
 LAYOUTS = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q8_0", "IQ4_XS")
+F32 = 0
 _BASE = {"Q4_K_M": Q4_K, "Q5_K_M": Q5_K, "Q3_K_M": Q3_K, "Q2_K": Q2_K, "Q8_0": Q8_0, "IQ4_XS": IQ4_XS}
 _FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0, Q2_K: IQ4_NL, Q3_K: IQ4_NL, IQ4_XS: IQ4_NL}
 _LAYER_NAMES = {
@@ -62,7 +70,12 @@ _GEMMA_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # HF model_type -> GGUF general.architecture, where they differ
-_GGUF_ARCH = {"gemma3_text": "gemma3"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "phi": "phi2"}
+# Architectures whose tensor names come from gguf-py's own HF -> GGUF name map (the one convert_hf_to_gguf.py uses):
+# the writer then names them as llama.cpp's converter does, independently of the loader's tables.
+_NAME_MAPPED = ("granite", "olmo2", "smollm3", "stablelm", "starcoder2", "phi2", "phi3")
+# Architectures whose q/k rows convert_hf_to_gguf.py permutes (LlamaModel and its subclasses)
+_PERMUTED = ("llama", "mistral", "granite", "smollm3")
 _quantized: dict[tuple[str, int, int], np.ndarray] = {}  # (folder/tensor, type, seed) -> bytes
 
 
@@ -71,9 +84,12 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 def tensor_type(layout: str, name: str, cols: int, n_layers: int, tied: bool) -> int:
-    """The GGML type llama.cpp's `layout` gives the matrix `name` (llama.cpp's name) whose rows are `cols` long."""
+    """The GGML type llama.cpp's `layout` gives the matrix `name` (llama.cpp's name) whose rows are `cols` long
+    ("F32": every matrix in float32, as convert_hf_to_gguf.py --outtype f32 writes them)."""
+    if layout == "F32":
+        return F32
     if layout not in _BASE:
-        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS} or F32")
     base = _BASE[layout]
     qtype = base
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -100,6 +116,8 @@ def tensor_type(layout: str, name: str, cols: int, n_layers: int, tied: bool) ->
         }[layout]
     elif ".attn_output." in name:
         qtype = {"Q3_K_M": Q4_K, "Q2_K": Q3_K}.get(layout, base)
+    elif ".attn_qkv." in name:  # a fused q/k/v (Phi)
+        qtype = {"Q3_K_M": Q4_K, "Q4_K_M": Q5_K, "Q5_K_M": Q6_K}.get(layout, base)
     if cols % block_size(qtype)[0]:
         qtype = _FALLBACK[qtype]
     return qtype
@@ -111,7 +129,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+@functools.cache
+def _name_map(arch: str) -> Any:
+    import gguf
+
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    return gguf.get_tensor_name_map(kind, 64)
+
+
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    if arch in _NAME_MAPPED:
+        return _name_map(arch).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -124,6 +152,87 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     key = ".".join(parts[3:-1])
     names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     return f"blk.{parts[2]}.{names[key]}.{parts[-1]}" if key in names else None
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def _rotary_fraction(cfg: dict[str, Any], rope: dict[str, Any]) -> float:
+    return float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+
+
+def _llama_like(w: Any, cfg: dict[str, Any], rope: dict[str, Any], head_dim: bool = True) -> None:
+    """What convert_hf_to_gguf.py's TextModel and LlamaModel write beside the common keys."""
+    if head_dim:
+        w.add_key_length(_head_dim(cfg))
+        w.add_value_length(_head_dim(cfg))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+
+
+def _granite(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    _llama_like(w, cfg, rope, head_dim=False)  # its converter drops head_dim
+    w.add_rope_dimension_count(_head_dim(cfg))
+    if cfg.get("attention_multiplier"):  # the converter's names, written where set
+        w.add_attention_scale(float(cfg["attention_multiplier"]))
+    if cfg.get("embedding_multiplier"):
+        w.add_embedding_scale(float(cfg["embedding_multiplier"]))
+    if cfg.get("residual_multiplier"):
+        w.add_residual_scale(float(cfg["residual_multiplier"]))
+    if cfg.get("logits_scaling"):
+        w.add_logit_scale(float(cfg["logits_scaling"]))
+
+
+def _smollm3(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    _llama_like(w, cfg, rope)  # no key for its layers without rope: llama.cpp takes every fourth
+    w.add_rope_dimension_count(_head_dim(cfg))
+
+
+def _stablelm(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    # StableLMModel.set_gguf_parameters: no rope base (llama.cpp's default 10,000), no head size keys
+    w.add_rope_dimension_count(int(_rotary_fraction(cfg, rope) * _head_dim(cfg)))
+    w.add_parallel_residual(bool(cfg.get("use_parallel_residual", True)))
+    w.add_layer_norm_eps(float(cfg["layer_norm_eps"]))
+
+
+def _starcoder2(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    w.add_key_length(_head_dim(cfg))
+    w.add_value_length(_head_dim(cfg))
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_eps(float(cfg["norm_epsilon"]))
+
+
+def _phi2(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    # Phi2Model.set_gguf_parameters: its rope dims from the hidden size, no rope base
+    heads = int(cfg["num_attention_heads"])
+    w.add_rope_dimension_count(int(_rotary_fraction(cfg, rope) * int(cfg["hidden_size"])) // heads)
+    w.add_layer_norm_eps(float(cfg["layer_norm_eps"]))
+
+
+def _phi3(w: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    original = int(rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_rope_dimension_count(int(_rotary_fraction(cfg, rope) * hidden) // heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    if rope.get("long_factor"):
+        scale = int(cfg["max_position_embeddings"]) / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+# GGUF architecture -> what convert_hf_to_gguf.py writes for it beside the common keys (the others: Llama's)
+_ARCH_METADATA = {
+    "granite": _granite,
+    "olmo2": _llama_like,
+    "smollm3": _smollm3,
+    "stablelm": _stablelm,
+    "starcoder2": _starcoder2,
+    "phi2": _phi2,
+    "phi3": _phi3,
+}
 
 
 def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | None = None) -> dict[str, int]:
@@ -149,18 +258,25 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
     w.add_block_count(n_layers)
     w.add_context_length(int(cfg["max_position_embeddings"]))
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    # Phi2Model.set_gguf_parameters writes 4 * hidden (Phi-2's width) whatever the config says
+    w.add_feed_forward_length(4 * hidden if arch == "phi2" else int(cfg["intermediate_size"]))
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(int(cfg.get("head_dim") or hidden // heads))
-    w.add_value_length(int(cfg.get("head_dim") or hidden // heads))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_vocab_size(int(cfg["vocab_size"]))
     w.add_uint32("tokenizer.ggml.bos_token_id", int(cfg.get("bos_token_id") or 1))
     w.add_uint32("tokenizer.ggml.eos_token_id", int(cfg.get("eos_token_id") or 2))
+    if arch in _ARCH_METADATA:
+        _ARCH_METADATA[arch](w, cfg, rope)
+    else:
+        w.add_key_length(int(cfg.get("head_dim") or hidden // heads))
+        w.add_value_length(int(cfg.get("head_dim") or hidden // heads))
+        w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+        w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if arch == "gemma3":  # llama.cpp reads the window; its layers alternate five local, one global
         w.add_sliding_window(int(cfg["sliding_window"]))
+    if arch == "phi3" and rope.get("long_factor"):  # the LongRoPE factors are tensors of their own
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     types: dict[str, int] = {}
     for hf_name in sorted(weights):
         name = gguf_name(hf_name, arch)
@@ -169,9 +285,9 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
         if arch in ("gemma", "gemma3") and name.endswith("norm.weight"):  # convert_hf_to_gguf stores Gemma's 1 + w
             t = t + np.float32(1.0)
-        if arch in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch in _PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, heads)
-        elif arch in ("llama", "mistral") and name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch in _PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, kv_heads)
         if t.ndim == 1:
             w.add_tensor(name, t)

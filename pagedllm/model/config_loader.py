@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from pagedllm.config import ModelConfig, cache_dir, dtype_name
+from pagedllm.model.gguf_arch import ARCH_FIELDS, phi3_rope
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.packaged import PACKAGED_MODELS, packaged_model
 from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
@@ -24,11 +25,14 @@ from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported
 logger = logging.getLogger(__name__)
 QUANTIZATIONS = (None, "gguf", "none")
 # Bumped when what the config cache holds changes.
-_CONFIG_CACHE_FORMAT = 1
+_CONFIG_CACHE_FORMAT = 2
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """Scalar and string metadata of a GGUF file (token lists are skipped: they are large)."""
+    """Scalar and string metadata of a GGUF file (token lists are skipped: they are large), its tensor names, and the
+    values of its rope factor tensors where it has them."""
+    import numpy as np
+
     reader = open_gguf(path)
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
@@ -45,6 +49,10 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
         except Exception:  # unusual field types are not needed for the config
             continue
     meta["__tensor_names__"] = [t.name for t in reader.tensors]
+    # Phi-3's LongRoPE factors are tensors, not metadata: a few dozen floats each, kept with the config
+    factors = {t.name.split("_")[2].split(".")[0]: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        meta["__rope_factors__"] = {k: [float(x) for x in np.asarray(t.data).reshape(-1)] for k, t in factors.items()}
     return meta
 
 
@@ -58,7 +66,10 @@ def _config_metadata(meta: dict[str, Any]) -> dict[str, Any]:
         if key in keep or (arch and key.startswith(f"{arch}.")):
             if isinstance(value, (str, int, float, bool)) or value is None:
                 out[key] = value
-    out["__tensor_names__"] = [n for n in meta["__tensor_names__"] if n == "output.weight"]
+    # the head (tied or not), and the first layer's tensors (which biases and norms the layers have)
+    out["__tensor_names__"] = [n for n in meta["__tensor_names__"] if n == "output.weight" or n.startswith("blk.0.")]
+    if "__rope_factors__" in meta:
+        out["__rope_factors__"] = meta["__rope_factors__"]
     return out
 
 
@@ -143,6 +154,10 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    if arch in ARCH_FIELDS:  # what llama.cpp's hyper-parameters of this architecture say beyond Llama's
+        kwargs.update(ARCH_FIELDS[arch](get, set(meta["__tensor_names__"]), kwargs))
+    if arch == "phi3":
+        rope = phi3_rope(get, meta.get("__rope_factors__"), rope)
     if arch == "gemma3":
         # As llama.cpp runs a gemma3 file: every sixth layer global (the file's rope base and scaling), the others
         # local over `attention.sliding_window` tokens with a rope base of 10,000; the attention scale 1/sqrt(head

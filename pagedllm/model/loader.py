@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",  # LayerNorm models (StableLM, Starcoder2, Phi-2)
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi-2's head
 }
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -53,14 +55,22 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Where an architecture's layer names differ: Gemma's norms around attention and the MLP (llama.cpp's ffn_norm is
-# its pre-feedforward norm there, not Llama's post-attention one).
+# its pre-feedforward norm there, not Llama's post-attention one), OLMo 2's post norms, the MLPs without a gate, and
+# the fused q/k/v (phi2 may store it; phi3 does) and gate/up (phi3's ffn_up) that the model splits at load.
 _GGUF_ARCH_LAYER_NAMES = {
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "phi2": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
+# Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rotary (LlamaModel and its
+# subclasses); the others (OLMo 2, StableLM, Starcoder2, Phi) keep HF's rotate-half rows.
+_GGUF_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 # Architectures whose norm weights llama.cpp's converter stores as 1 + w (Gemma's RMSNorm scales by 1 + w): the loader
 # gives the model w, as the HF checkpoint holds it.
 _GGUF_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
@@ -105,7 +115,7 @@ def iterate_gguf(
         if name is None:
             continue
         heads = None
-        if arch in ("llama", "mistral"):
+        if arch in _GGUF_PERMUTED_QK:
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 heads = n_head
             elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
