@@ -274,23 +274,26 @@ def check_fused_rows_are_lone_tokens(llm: Any, requests: list[tuple[int, int]]) 
     block = runner.block_size
     caches = [layer.self_attn.attn.kv_cache for layer in layers]
     saved = [(k.clone(), v.clone()) for k, v in caches]
-    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own, from block 3 on.
+    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own in each KV cache group,
+    # from block 3 on.
+    groups = runner.kv_layout.num_groups
     width = max(-(-(first + rows) // block) for first, rows in requests)
-    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    table = torch.zeros(groups, len(requests), width, dtype=torch.int64)
     next_block = 3
-    for i, (first, rows) in enumerate(requests):
-        n = -(-(first + rows) // block)
-        table[i, :n] = torch.arange(next_block, next_block + n)
-        next_block += n
+    for grp in range(groups):
+        for i, (first, rows) in enumerate(requests):
+            n = -(-(first + rows) // block)
+            table[grp, i, :n] = torch.arange(next_block, next_block + n)
+            next_block += n
     g = torch.Generator().manual_seed(5)
-    for k, v in caches:  # a context to attend to in the blocks used (restored at the end)
+    for k, v in {id(c[0]): c for c in caches}.values():  # a context to attend to in the blocks used (restored)
         for blk in range(3, next_block):
             k[blk].copy_(torch.randn(k[blk].shape, generator=g))
             v[blk].copy_(torch.randn(v[blk].shape, generator=g))
     context = [(k.clone(), v.clone()) for k, v in caches]
     positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
     table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
-    slots = table[table_rows, positions // block] * block + positions % block
+    slots = table[:, table_rows, positions // block] * block + positions % block  # [groups, R]
     ids = torch.randint(runner.vocab_size, (positions.numel(),), generator=g)
     try:
         together = decoder(ids, positions, slots, table, table_rows)
@@ -300,7 +303,13 @@ def check_fused_rows_are_lone_tokens(llm: Any, requests: list[tuple[int, int]]) 
             v.copy_(v0)
         one = torch.tensor([0])
         alone = [
-            decoder(ids[r : r + 1], positions[r : r + 1], slots[r : r + 1], table[table_rows[r]][None], one)
+            decoder(
+                ids[r : r + 1],
+                positions[r : r + 1],
+                slots[:, r : r + 1].contiguous(),
+                table[:, table_rows[r]][:, None].contiguous(),
+                one,
+            )  # fmt: skip
             for r in range(positions.numel())
         ]
         assert torch.equal(together, torch.cat(alone))

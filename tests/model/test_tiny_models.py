@@ -18,6 +18,7 @@ architectures (BREADTH_ONLY) skip the chunked-prefix and preemption runs, which 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Iterator
@@ -47,7 +48,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
-
 # id -> (architecture, make_tiny_model kwargs). Distinct seeds: same-shaped variants get different weights.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", dict(seed=1)),
@@ -351,9 +351,20 @@ def test_chunked_prefill_shared_prefix_matches_hf(full_model_dir: str, prefix_ca
         assert cached == [0] * len(second)
 
 
+def full_blocks_bytes(model_dir: str, blocks: int, block_size: int) -> int:
+    """The float32 KV cache memory of `blocks` blocks of every layer (with sliding-window layers in KV cache groups of
+    their own, it holds more, smaller blocks: core/kv_cache_layout.py)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return blocks * block_size * config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
 def test_preemption_matches_hf(full_model_dir: str, prefix_caching: bool) -> None:
-    """13 blocks of 8 tokens for six requests of up to 92 tokens (12 blocks): the scheduler must preempt."""
+    """The memory of 13 blocks of 8 tokens for six requests of up to 92 tokens (12 blocks): the scheduler must
+    preempt."""
     prefix, *rest = random_prompts([24, 7, 16, 20, 31, 40, 60], seed=30)
     prompts = [prefix + rest[0], rest[2], prefix + rest[1], rest[3], prefix + rest[4], rest[5]]
     assert max(len(p) for p in prompts) + MAX_TOKENS <= 96
@@ -362,7 +373,7 @@ def test_preemption_matches_hf(full_model_dir: str, prefix_caching: bool) -> Non
         **ENGINE,
         max_model_len=96,
         block_size=8,
-        num_gpu_blocks_override=13,
+        kv_cache_memory_bytes=full_blocks_bytes(full_model_dir, 13, 8),
         max_num_batched_tokens=32,
         enable_prefix_caching=prefix_caching,
     ) as llm:
@@ -430,6 +441,49 @@ def test_logprobs_match_hf(model_dir: str, budget: int | None) -> None:
         check_sample_logprobs(ref, prompt, out, k=5)
 
 
+WINDOWED = ["mistral-window", "qwen2-window", "gemma3", "starcoder2"]
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "all-blocks"])
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_window_layers_hold_only_their_window(tiny_model_dir: Path, variant: str, hybrid: bool) -> None:
+    """A 150-token prompt and 32 decode steps on a model with sliding-window layers: at every step the request holds,
+    in each window KV cache group, only the blocks its next token sees (the rest dropped to the null block), all its
+    blocks in full-attention groups; the tokens are HF's. `--disable-hybrid-kv-cache-manager`: every block kept."""
+    arch, kwargs = VARIANTS[variant]
+    folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
+    prompt = random_prompts([150], seed=61)
+    engine = dict(ENGINE, engine_client="inproc", block_size=8, max_model_len=256, max_num_batched_tokens=64)
+    with LLM(folder, **engine, disable_hybrid_kv_cache_manager=not hybrid) as llm:
+        scheduler = llm.engine_core.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        assert any(manager.windows) == hybrid
+        held: list[tuple[int, int]] = []  # (tokens computed before the step, blocks held) of each step
+        original = scheduler.schedule
+
+        def schedule() -> Any:
+            out = original()
+            for req in scheduler.running:
+                held.append((req.num_computed_tokens - out.num_scheduled_tokens.get(req.request_id, 0),
+                             manager.num_held_blocks(req.request_id)))  # fmt: skip
+            return out
+
+        scheduler.schedule = schedule
+        outs = generate(llm, prompt, greedy())
+        assert_idle(llm)
+    assert_matches_hf(folder, prompt, outs)
+    decode_steps = [(c, n) for c, n in held if c >= 150]
+    assert len(decode_steps) >= MAX_TOKENS - 1
+    for computed, n in decode_steps:  # the step computes the token at `computed`
+        expected = 0
+        for window in manager.windows:
+            end = computed // 8 + 1  # the blocks up to the token's own
+            expected += end - (0 if window == 0 else max(0, computed - window + 1) // 8)
+        assert n == expected, (computed, n, expected, manager.windows)
+    if hybrid:
+        assert n < len(manager.windows) * (computed // 8 + 1)
+
+
 def test_logprobs_under_preemption_match_hf(full_model_dir: str) -> None:
     """A preempted request is recomputed: its prompt logprobs must still be one per prompt position."""
     prompts = random_prompts([30, 41, 52, 60], seed=50)
@@ -438,7 +492,7 @@ def test_logprobs_under_preemption_match_hf(full_model_dir: str) -> None:
         **ENGINE,
         max_model_len=96,
         block_size=8,
-        num_gpu_blocks_override=13,
+        kv_cache_memory_bytes=full_blocks_bytes(full_model_dir, 13, 8),
         max_num_batched_tokens=32,
     ) as llm:
         with PreemptionCounter(llm) as counter:
