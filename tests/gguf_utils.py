@@ -150,7 +150,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     if parts[:2] != ["model", "layers"]:
         return None
     key = ".".join(parts[3:-1])
-    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     return f"blk.{parts[2]}.{names[key]}.{parts[-1]}" if key in names else None
 
 
@@ -272,8 +272,11 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         w.add_value_length(int(cfg.get("head_dim") or hidden // heads))
         w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    if arch == "gemma3":  # llama.cpp reads the window; its layers alternate five local, one global
-        w.add_sliding_window(int(cfg["sliding_window"]))
+    if arch in ("gemma2", "gemma3"):  # llama.cpp reads the window; its layers alternate (gemma3: five local, one
+        w.add_sliding_window(int(cfg["sliding_window"]))  # global; gemma2: one and one)
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters writes both caps
+        w.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
+        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
     if arch == "phi3" and rope.get("long_factor"):  # the LongRoPE factors are tensors of their own
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
@@ -283,7 +286,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         if name is None or (tied and name == "output.weight"):
             continue
         t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
-        if arch in ("gemma", "gemma3") and name.endswith("norm.weight"):  # convert_hf_to_gguf stores Gemma's 1 + w
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # the converter stores 1 + w
             t = t + np.float32(1.0)
         if arch in _PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, heads)

@@ -176,6 +176,20 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
             rope_theta=theta,
             rope_parameters={"full_attention": rope, "sliding_attention": local},
         )
+    if arch == "gemma2":
+        # As llama.cpp runs a gemma2 file: even layers local over `attention.sliding_window` tokens, odd ones global,
+        # one rope; the soft-caps from the file (llama.cpp's defaults 50 and 30 where it has none); the attention
+        # scale 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 27B (46 layers), as llama.cpp scales it.
+        layers = kwargs["num_hidden_layers"]
+        scalar = hidden // heads if layers == 46 else kwargs["head_dim"]
+        kwargs.update(
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            sliding_window=int(get("attention.sliding_window", 4096)),
+            query_pre_attn_scalar=scalar,
+            attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
+            final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+            hidden_activation="gelu_pytorch_tanh",
+        )
     return GgufConfig(**kwargs, model_type=arch, rope_theta=theta, rope_parameters=rope)
 
 

@@ -57,12 +57,14 @@ _GGUF_LAYER_NAMES = {
 # Where an architecture's layer names differ: Gemma's norms around attention and the MLP (llama.cpp's ffn_norm is
 # its pre-feedforward norm there, not Llama's post-attention one), OLMo 2's post norms, the MLPs without a gate, and
 # the fused q/k/v (phi2 may store it; phi3 does) and gate/up (phi3's ffn_up) that the model splits at load.
+_GEMMA_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_ARCH_LAYER_NAMES = {
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma3": _GEMMA_NORMS,
+    "gemma2": _GEMMA_NORMS,
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "phi2": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},

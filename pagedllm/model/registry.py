@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # the front end reads this table without importing torch
     from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
@@ -27,6 +28,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 # GGUF `general.architecture` / HF `model_type` -> architecture name
 MODEL_TYPES: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",

@@ -173,6 +173,7 @@ class CpuDecodeRunner:
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
                 self._quant_weights(), [a.attn.sliding_window for a in attns],
                 _ACTS[getattr(self.model, "decoder_act", "silu")], [a.attn.kv_group for a in attns],
+                [a.attn.logit_softcap for a in attns],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

@@ -123,6 +123,14 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
         ),
         2,
     ),
+    # Gemma 2: soft-capped attention on each rank's heads, alternating local and global layers
+    "gemma2-softcap-tp2": (
+        "Gemma2ForCausalLM",
+        dict(
+            seed=24, tie_word_embeddings=True, sliding_window=10, query_pre_attn_scalar=24, attn_logit_softcapping=10.0
+        ),
+        2,
+    ),
 }
 
 

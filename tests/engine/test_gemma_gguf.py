@@ -1,5 +1,6 @@
-"""Gemma 3 and Gemma from GGUF files: llama.cpp's `gemma3` and `gemma` tensor names, their norms stored as 1 + w,
-and for Gemma 3 five local layers to one global (the window read from the file), each kind with its rope base. A tiny
+"""Gemma 3, Gemma 2 and Gemma from GGUF files: llama.cpp's `gemma3`, `gemma2` and `gemma` tensor names, their norms
+stored as 1 + w, for Gemma 3 five local layers to one global (the window read from the file), each kind with its
+rope base, for Gemma 2 one and one and the soft-caps read from the file. A tiny
 random model of each (Gemma 3: six layers, a 12-token window) written by the tests' GGUF writer in llama.cpp's Q4_K_M
 layout (tests/gguf_utils.py), then run:
   - de-quantized (`quantization="none"`): greedy tokens identical to HF transformers running the same de-quantized
@@ -30,9 +31,21 @@ GEMMA3 = dict(
     layer_types=["sliding_attention"] * 5 + ["full_attention"],
     query_pre_attn_scalar=16,  # llama.cpp's scale for Gemma 3 below 27B: 1 / sqrt(head size)
 )
+# Gemma 2: local and global layers alternating (as llama.cpp lays out a gemma2 file), soft-caps that matter
+GEMMA2 = dict(
+    seed=33,
+    tie_word_embeddings=True,
+    num_hidden_layers=4,
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    query_pre_attn_scalar=16,  # llama.cpp's scale below 27B: 1 / sqrt(head size)
+    attn_logit_softcapping=10.0,
+    final_logit_softcapping=30.0,  # the released models' (a smaller one ties the sharpened head's top logits)
+)
 # architecture -> (make_tiny_model kwargs, GGUF architecture)
 CASES = {
     "Gemma3ForCausalLM": (GEMMA3, "gemma3"),
+    "Gemma2ForCausalLM": (GEMMA2, "gemma2"),
     "GemmaForCausalLM": (dict(seed=32, tie_word_embeddings=True), "gemma"),
 }
 ENGINE = dict(engine_client="inproc", num_threads=1, max_model_len=256, kv_cache_memory_bytes="16MiB")
@@ -88,8 +101,11 @@ def test_dequantized_gguf_matches_hf(model) -> None:
     with LLM(path, tokenizer=folder, quantization="none", **ENGINE) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         cfg = llm.engine_core.engine_core.executor.worker.model_runner.model.config
-    if arch == "gemma3":
-        assert cfg.layer_types == GEMMA3["layer_types"] and cfg.sliding_window == 12
+    if arch in ("gemma2", "gemma3"):
+        kwargs = GEMMA3 if arch == "gemma3" else GEMMA2
+        assert cfg.layer_types == kwargs["layer_types"] and cfg.sliding_window == 12
+    if arch == "gemma2":
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (10.0, 30.0)
     for p, o, ref in zip(prompts, outs, expected, strict=True):
         assert list(o.outputs[0].token_ids) == ref, f"prompt of {len(p)} tokens"
 

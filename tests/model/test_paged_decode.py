@@ -131,3 +131,40 @@ def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
         q = q.double()
     with pytest.raises(RuntimeError):
         op(torch.empty_like(q), q, k_cache, v_cache, table, lens, scale)
+
+
+def capped_reference(q, k_cache, v_cache, table, lens, scale, window: int, cap: float):
+    """Soft-capped attention written out (as transformers' Gemma 2): scores scaled, cap * tanh(s / cap), softmax."""
+    out = []
+    hq = q.shape[1]
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        lo = max(0, n - window) if window else 0
+        keys = k_cache[table[i]].flatten(0, 1)[lo:n].transpose(0, 1)  # [Hkv, n - lo, D]
+        values = v_cache[table[i]].flatten(0, 1)[lo:n].transpose(0, 1)
+        g = hq // keys.shape[0]
+        keys, values = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
+        scores = torch.einsum("hd,hld->hl", q[i], keys) * scale
+        p = torch.softmax(torch.tanh(scores / cap) * cap, dim=-1)
+        out.append(torch.einsum("hl,hld->hd", p, values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "n, width, hq, hkv, d, block", [(5, 7, 9, 3, 64, 16), (3, 4, 8, 2, 128, 8), (7, 5, 6, 2, 16, 4)]
+)
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_logit_softcap(
+    isa_ops, n: int, width: int, hq: int, hkv: int, d: int, block: int, window: int, kv_dtype: torch.dtype
+) -> None:
+    """Attention-logit soft-capping (Gemma 2), with and without a window, in the tiles and the generic path: scores
+    large enough (queries x 4, cap 2) that the cap changes the result."""
+    q, k_cache, v_cache, table, lens, scale = make_case(n * 17 + d, n, width, hq, hkv, d, block)
+    q = q * 4
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    out = torch.full_like(q, float("nan"))
+    isa_ops.paged_decode_attention(out, q, k_cache, v_cache, table, lens, scale, window, 2.0)
+    expected = capped_reference(q, k_cache.float(), v_cache.float(), table, lens, scale, window, 2.0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, reference(q, k_cache.float(), v_cache.float(), table, lens, scale, window))

@@ -128,3 +128,44 @@ def test_kernel_refuses_bad_input(isa_ops, bad: str) -> None:
         out = torch.empty(q.shape[0], q.shape[1] + 1, q.shape[2])
     with pytest.raises(RuntimeError):
         module.paged_prefill_attention(out, q, k_cache, v_cache, tables, segments, scale)
+
+
+def capped_reference(q, k_cache, v_cache, tables, segments, scale, window: int, cap: float):
+    """Soft-capped causal attention written out (transformers' Gemma 2): cap * tanh(s / cap), then the mask."""
+    out = torch.full_like(q, float("nan"))
+    hq = q.shape[1]
+    for (start, length, ctx), table in zip(segments.tolist(), tables):
+        total = ctx + length
+        keys = k_cache[table].flatten(0, 1)[:total].transpose(0, 1)  # [Hkv, total, D]
+        values = v_cache[table].flatten(0, 1)[:total].transpose(0, 1)
+        g = hq // keys.shape[0]
+        keys, values = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
+        mask = torch.ones(length, total, dtype=torch.bool).tril(diagonal=ctx)
+        if window:
+            mask &= torch.ones(length, total, dtype=torch.bool).triu(diagonal=ctx - window + 1)
+        qs = q[start : start + length].transpose(0, 1)  # [Hq, length, D]
+        scores = torch.tanh(torch.einsum("hqd,hkd->hqk", qs, keys) * scale / cap) * cap
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[start : start + length] = torch.einsum("hqk,hkd->hqd", p, values).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "segs, hq, hkv, d, block",
+    [([(7, 0), (33, 40), (1 + 16, 100)], 9, 3, 64, 16), ([(20, 0), (18, 9)], 8, 2, 128, 8), ([(21, 0)], 6, 2, 16, 4)],
+)
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_logit_softcap(isa_ops, segs, hq: int, hkv: int, d: int, block: int, window: int, kv_dtype) -> None:
+    """Attention-logit soft-capping (Gemma 2) in the prefill tiles, capped before the causal and window masks; scores
+    large enough (queries x 4, cap 2) that the cap changes the result."""
+    q, k_cache, v_cache, tables, segments, scale = make_case(len(segs) * 29 + window, segs, hq, hkv, d, block)
+    q = q * 4
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    out = torch.full_like(q, float("nan")).contiguous()
+    isa_ops.paged_prefill_attention(out, q, k_cache, v_cache, tables, segments, scale, window, 2.0)
+    ref = capped_reference(q, k_cache.float(), v_cache.float(), tables, segments, scale, window, 2.0)
+    rows = torch.cat([torch.arange(s, s + n) for s, n, _ in segments.tolist()])
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    plain = reference(q, k_cache.float(), v_cache.float(), tables, segments, scale, window)
+    assert not torch.allclose(out[rows], plain[rows])

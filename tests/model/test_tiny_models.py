@@ -37,6 +37,7 @@ from tests.model_utils import (
     check_fused_rows_are_lone_tokens,
     hf_greedy,
     hf_logprobs,
+    load_hf_model,
     make_tiny_model,
     random_prompts,
 )
@@ -87,6 +88,19 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=12,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             query_pre_attn_scalar=24,
+        ),
+    ),
+    # Gemma 2: Gemma 3's layers without q/k norms, local and global layers alternating, soft-capped attention
+    # logits and final logits (caps small enough to matter: test_gemma2_caps_matter)
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        dict(
+            seed=23,
+            tie_word_embeddings=True,
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=10.0,
+            final_logit_softcapping=3.0,
         ),
     ),
     # SmolLM3: layers 1 and 3 without rotary embedding (no_rope_layers 0)
@@ -150,6 +164,7 @@ def _one_torch_thread() -> Iterator[None]:
 # test but chunked prefill with prefix caching and preemption, which the other variants run for them (the suite
 # stays within CI's time on two cores).
 BREADTH_ONLY = {
+    "gemma2",
     "llama3-rope-legacy-keys",
     "qwen2-yarn",
     "smollm3-no-rope",
@@ -439,6 +454,36 @@ def test_logprobs_match_hf(model_dir: str, budget: int | None) -> None:
         ref = hf_logprobs(model_dir, prompt + list(out.outputs[0].token_ids))
         check_prompt_logprobs(ref, prompt, out, k=5)
         check_sample_logprobs(ref, prompt, out, k=5)
+
+
+def test_gemma2_caps_matter(tiny_model_dir: Path) -> None:
+    """The gemma2 variant's soft-caps matter, so its HF-exact tests check the engine's: HF's greedy tokens without the
+    attention cap differ from its tokens with it, and its log-probabilities without the final cap (a monotonic map of
+    the logits, so the same tokens) differ by far more than the logprob tests' tolerance."""
+    import copy
+
+    arch, kwargs = VARIANTS["gemma2"]
+    folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
+    prompt = random_prompts([40], seed=62)[0]
+    model = load_hf_model(folder)
+    ids = torch.tensor([prompt])
+
+    def greedy_tokens(m: Any) -> list[int]:
+        with torch.inference_mode():
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    uncapped = copy.deepcopy(model)
+    uncapped.config.attn_logit_softcapping = None
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert greedy_tokens(uncapped) != greedy_tokens(model)
+    uncapped = copy.deepcopy(model)
+    uncapped.config.final_logit_softcapping = None
+    with torch.inference_mode():
+        a, b = (torch.log_softmax(m(ids).logits[0], -1) for m in (model, uncapped))
+    assert float((a - b).abs().max()) > 100 * ATOL
 
 
 WINDOWED = ["mistral-window", "qwen2-window", "gemma3", "starcoder2"]

@@ -182,7 +182,7 @@ static inline void scores_tile(const float* q, SpanVec::V scv, const KV* const* 
 // prefetcher (into L1, or only one tile ahead, it read more slowly: bench/RESULTS.md).
 template <int D, typename KV>
 static void attend_spans_tiled(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
-                                int64_t bs, int64_t row, int64_t hq, int64_t g, float sc, std::vector<float>& scores) {
+                                int64_t bs, int64_t row, int64_t hq, int64_t g, ScoreScale sc, std::vector<float>& scores) {
   constexpr int T = SpanVec::W, kAhead = 2;
   // Query heads whose accumulators share the registers (pass 3), and that share one pass over a tile's keys (1).
   constexpr int RB = std::max(1, std::min(4, SpanVec::kAcc / kSpanChunk<D>)), GB = RB;
@@ -299,6 +299,7 @@ static void attend_spans_tiled(const SpanJob* jobs, int64_t R, const KV* kc, con
     if (span <= 0) continue;
     for (int64_t r = 0; r < hq; ++r) {
       float* sr = scores.data() + off[j] + r * stride[j];
+      sc.cap_scores(sr, span);
       const float mr = max_of(sr, span);
       jb.m[r] = mr;
       jb.lsum[r] = exp_in_place(sr, span, mr);
@@ -349,7 +350,7 @@ static void attend_spans_tiled(const SpanJob* jobs, int64_t R, const KV* kc, con
 template <int D, typename KV>
 static void attend_span(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
                         const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
-                        int64_t g, int64_t d_rt, float sc, std::vector<float>& scores) {
+                        int64_t g, int64_t d_rt, ScoreScale sc, std::vector<float>& scores) {
   const int64_t d = D > 0 ? D : d_rt, span = l1 - l0;
   std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
   std::fill(lsum, lsum + hq, 0.f);
@@ -366,7 +367,7 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
   float* s = scores.data();
   for_each_token(kc, table, l0, l1, bs, row, [&](const KV* kt, int64_t l) {
     for (int64_t r = 0; r < hq; ++r) {
-      const float v = dot_kv(q + r * d, kt + (r / g) * d, d) * sc;
+      const float v = sc.capped(dot_kv(q + r * d, kt + (r / g) * d, d) * sc);
       s[r * span + l - l0] = v;
       m[r] = std::max(m[r], v);
     }
@@ -391,7 +392,7 @@ static void attend_span(float* m, float* lsum, float* acc, const float* q, const
 template <int D, typename KV>
 static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, const int64_t* table,
                         int64_t len, int64_t window, int64_t bs, int64_t row, int64_t kv0, int64_t rows, int64_t g,
-                        int64_t d_rt, float sc, AttendScratch& s) {
+                        int64_t d_rt, ScoreScale sc, AttendScratch& s) {
   const int64_t d = D > 0 ? D : d_rt;
   s.mx.resize(rows);
   s.sum.resize(rows);
@@ -413,7 +414,7 @@ static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, 
 template <int D, typename KV>
 static void decode_loop(float* op, const float* qp, const KV* kp, const KV* vp, const int64_t* tp,
                         const int64_t* lp, int64_t window, int64_t n, int64_t hq, int64_t hkv, int64_t bs,
-                        int64_t width, int64_t d, float sc, int threads) {
+                        int64_t width, int64_t d, ScoreScale sc, int threads) {
   const int64_t g = hq / hkv;
   const int64_t row = hkv * d;  // elements between consecutive tokens of one block
   const int64_t hs = n >= 4 * threads ? hkv : 1;
@@ -459,7 +460,7 @@ static inline void widen_tile(const KV* const* rows, float* __restrict out) {
 template <int D, typename KV>
 static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t nrows, int64_t p0, int64_t window,
                          const KV* kc, const KV* vc, const int64_t* table, int64_t bs, int64_t row, float* ot,
-                         int64_t d_rt) {
+                         int64_t d_rt, ScoreScale sc) {
   constexpr int R = kPrefillRows, C = kPrefillKeys;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   const int64_t d = D > 0 ? D : d_rt, klen = p0 + nrows;
@@ -494,6 +495,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
         for (int i = 0; i < R; ++i) s[c][i] += kv * qx[i];
       }
     }
+    if (sc.cap > 0.f) sc.cap_scores(&s[0][0], C * R);  // before the masks below
     if (j0 + C - 1 > p0 || nc < C) {  // the tile reaches past some row's position: mask
       for (int c = 0; c < C; ++c)
         for (int i = 0; i < R; ++i)
@@ -557,7 +559,7 @@ struct PrefillTask {
 template <typename KV>
 static void attend_span_typed(float* m, float* lsum, float* acc, const float* q, const KV* kc, const KV* vc,
                               const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row, int64_t hq,
-                              int64_t g, int64_t d, float sc, std::vector<float>& scores) {
+                              int64_t g, int64_t d, ScoreScale sc, std::vector<float>& scores) {
   if (d == 64) attend_span<64, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
   else if (d == 128) attend_span<128, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
   else attend_span<0, KV>(m, lsum, acc, q, kc, vc, table, l0, l1, bs, row, hq, g, d, sc, scores);
@@ -572,15 +574,15 @@ static void decode_typed(const PagedDecodeArgs* a) {
   switch (d) {
     case 64:
       decode_loop<64, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                          c.block_size, a->table_width, 64, a->scale, a->threads);
+                          c.block_size, a->table_width, 64, ScoreScale(a->scale, a->softcap), a->threads);
       break;
     case 128:
       decode_loop<128, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                           c.block_size, a->table_width, 128, a->scale, a->threads);
+                           c.block_size, a->table_width, 128, ScoreScale(a->scale, a->softcap), a->threads);
       break;
     default:
       decode_loop<0, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                         c.block_size, a->table_width, d, a->scale, a->threads);
+                         c.block_size, a->table_width, d, ScoreScale(a->scale, a->softcap), a->threads);
   }
 }
 
@@ -610,7 +612,7 @@ static void prefill_all(const PagedPrefillArgs* a) {
       const int64_t start = sp[3 * task.seg] + task.i0, len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
       prefill_rows_any(a->out + start * hq * d, hq * d, a->q + start * qstride, qstride,
                        std::min<int64_t>(R, len - task.i0), ctx + task.i0, a->window, task.h, c.k, c.v, c.kv_dtype,
-                       tp + task.seg * width, c.block_size, row, g, d, a->scale, scratch);
+                       tp + task.seg * width, c.block_size, row, g, d, ScoreScale(a->scale, a->softcap), scratch);
     }
   }
 }
@@ -620,7 +622,7 @@ int64_t prefill_tile_rows() { return kPrefillRows; }
 
 void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0,
                       int64_t window, int64_t h, const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
-                      int64_t g, int64_t d, float sc, std::vector<float>& scratch) {
+                      int64_t g, int64_t d, ScoreScale sc, std::vector<float>& scratch) {
   constexpr int R = kPrefillRows;
   scratch.resize(2 * d * R);
   float* qt = scratch.data();
@@ -633,9 +635,9 @@ void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstri
   auto run = [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     switch (d) {
-      case 64: prefill_tile<64, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d); break;
-      case 128: prefill_tile<128, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d); break;
-      default: prefill_tile<0, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d);
+      case 64: prefill_tile<64, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d, sc); break;
+      case 128: prefill_tile<128, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d, sc); break;
+      default: prefill_tile<0, KV>(orow, ostride, qt, n, p0, window, kp + kv, vp + kv, table, bs, row, ot, d, sc);
     }
   };
   if (kv_dtype == PKV_BF16) run(static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc));
@@ -644,7 +646,7 @@ void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstri
 
 void attend_span_any(float* m, float* lsum, float* acc, const float* q, const void* kc, const void* vc,
                      int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
-                     int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores) {
+                     int64_t hq, int64_t g, int64_t d, ScoreScale sc, std::vector<float>& scores) {
   if (kv_dtype == PKV_BF16)
     attend_span_typed(m, lsum, acc, q, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), table, l0,
                       l1, bs, row, hq, g, d, sc, scores);
@@ -656,7 +658,7 @@ void attend_span_any(float* m, float* lsum, float* acc, const float* q, const vo
 // attend_span for R query tokens of one context (SpanJob: internal.h), each token's result as it would be alone.
 template <typename KV>
 static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, const KV* vc, const int64_t* table,
-                               int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                               int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, ScoreScale sc,
                                std::vector<float>& scores) {
 #if defined(PAGEDLLM_SPAN_TILES)
   if (kSpanTiles<KV> && (d == 64 || d == 128)) {  // all the tokens together (empty spans keep these initial results)
@@ -678,7 +680,7 @@ static void attend_spans_typed(const SpanJob* jobs, int64_t R, const KV* kc, con
 }
 
 void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void* vc, int32_t kv_dtype,
-                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, ScoreScale sc,
                       std::vector<float>& scores) {
   if (kv_dtype == PKV_BF16)
     attend_spans_typed(jobs, R, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), table, bs, row,

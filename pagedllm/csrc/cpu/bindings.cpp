@@ -314,7 +314,7 @@ class CpuOps {
 
   void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                              int64_t window) const {
+                              int64_t window, double softcap) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
@@ -330,14 +330,15 @@ class CpuOps {
       check_block_ids(tp + i * width, (lp[i] + bs - 1) / bs, c.num_blocks);
     }
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, got ", softcap);
     const PagedDecodeArgs args{out.data_ptr<float>(), q.data_ptr<float>(), c, tp, lp, n, q.size(1), width, window,
-                               static_cast<float>(scale), at::get_num_threads()};
+                               static_cast<float>(scale), at::get_num_threads(), static_cast<float>(softcap)};
     t_->paged_decode(&args);
   }
 
   void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor segments, double scale,
-                               int64_t window) const {
+                               int64_t window, double softcap) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     check_index(block_tables, "block_tables");
@@ -357,8 +358,10 @@ class CpuOps {
       check_block_ids(tp + s * width, (ctx + len + bs - 1) / bs, c.num_blocks);
     }
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, got ", softcap);
     const PagedPrefillArgs args{out.data_ptr<float>(), q.data_ptr<float>(), q.stride(0), tokens, q.size(1), c, tp,
-                                sp, nseg, width, window, static_cast<float>(scale), at::get_num_threads()};
+                                sp, nseg, width, window, static_cast<float>(scale), at::get_num_threads(),
+                                static_cast<float>(softcap)};
     t_->paged_prefill(&args);
   }
 
@@ -472,12 +475,13 @@ class DecodeModel {
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
-              std::vector<int64_t> groups)
+              std::vector<int64_t> groups, std::vector<double> softcaps)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
     TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
     TORCH_CHECK(groups.empty() || groups.size() == layers, "groups: none, or one KV cache group per layer");
+    TORCH_CHECK(softcaps.empty() || softcaps.size() == layers, "softcaps: none, or one per layer (0: none)");
     num_groups_ = 1;
     for (int64_t g : groups) {
       TORCH_CHECK(g >= 0, "KV cache groups must be >= 0, got ", g);
@@ -565,6 +569,8 @@ class DecodeModel {
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
       L.window = windows.empty() ? 0 : windows[l];
       L.group = groups.empty() ? 0 : groups[l];
+      L.softcap = softcaps.empty() ? 0.f : static_cast<float>(softcaps[l]);
+      TORCH_CHECK(L.softcap >= 0.f, "layer ", l, ": softcap must be 0 (none) or positive");
       TORCH_CHECK(L.window >= 0, "layer ", l, ": window must be 0 (none) or positive");
       layers_.push_back(L);
     }
@@ -749,26 +755,28 @@ PYBIND11_MODULE(_C, m) {
       .def("dequantize_rows", &quant_dequantize_rows, py::arg("weight"), py::arg("ids"),
            "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
       .def("paged_decode_attention", &CpuOps::paged_decode_attention, py::arg("out"), py::arg("q"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0)
+           py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+           py::arg("softcap") = 0.0)
       .def("paged_prefill_attention", &CpuOps::paged_prefill_attention, py::arg("out"), py::arg("q"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("segments"), py::arg("scale"),
-           py::arg("window") = 0)
+           py::arg("window") = 0, py::arg("softcap") = 0.0)
       .def(
           "decode_model",
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
-             std::vector<int64_t> groups) {
+             std::vector<int64_t> groups, std::vector<double> softcaps) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
-                                                 act, std::move(groups));
+                                                 act, std::move(groups), std::move(softcaps));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("windows") = std::vector<int64_t>{},
           py::arg("act") = 0, py::arg("groups") = std::vector<int64_t>{},
+          py::arg("softcaps") = std::vector<double>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

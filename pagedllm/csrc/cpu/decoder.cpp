@@ -187,6 +187,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       const DecoderLayer& w = dec.layers[l];
       const int64_t* slots = slot_groups + w.group * R;  // the layer's KV cache group's slots and block tables
       const int64_t* tables = table_groups + w.group * reqs * width;
+      const ScoreScale ss(sc, w.softcap);
       const float* post_mlp = l > 0 ? dec.layers[l - 1].post_mlp_norm : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         if (l == 0) {
@@ -217,7 +218,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
           const int64_t i0 = k / hq * tile_rows, hh = k % hq;
           prefill_rows_any(att + i0 * hq * d, hq * d, qkv + i0 * qkv_out, qkv_out, std::min(tile_rows, R - i0),
                            pos[0] + i0, w.window, hh, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[0] * width, bs, row,
-                           g, d, sc, scores);
+                           g, d, ss, scores);
         }
       } else {
         for (int64_t r = 0; r < R; ++r) {  // token r attends to the context up to itself (or its window's part of
@@ -231,7 +232,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {  // each run of one request's rows over its block table
           for (r1 = r0 + 1; r1 < R && table_of[r1] == table_of[r0];) ++r1;
           attend_spans_any(jobs.data() + r0, r1 - r0, w.k_cache, w.v_cache, s.kv_dtype, tables + table_of[r0] * width,
-                           bs, row, hq, g, d, sc, scores);
+                           bs, row, hq, g, d, ss, scores);
         }
 #pragma omp barrier
         for (int64_t rr = qa; rr < qb; ++rr) {  // merge the threads' partial results of token r's query head

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <vector>
 
 #include "kernels.h"
@@ -20,6 +21,22 @@ T* scratch(std::size_t n) {
   return buf.data();
 }
 
+// The attention scale and, for soft-capped attention logits (Gemma 2), the cap: a score s = q.k * scale becomes
+// cap * tanh(s / cap) before the softmax (cap 0: none), as transformers computes it. It converts to the scale where
+// only that is needed (queries pre-scaled, products scaled).
+struct ScoreScale {
+  float scale, cap;
+  ScoreScale(float s, float c = 0.f) : scale(s), cap(c) {}  // NOLINT: a plain scale converts implicitly
+  operator float() const { return scale; }                    // NOLINT
+  // s[0, n) soft-capped in place (before any masking: -inf must stay -inf).
+  void cap_scores(float* s, int64_t n) const {
+    if (cap <= 0.f) return;
+    const float inv = 1.f / cap;
+    for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+  }
+  float capped(float v) const { return cap > 0.f ? cap * std::tanh(v / cap) : v; }
+};
+
 // Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:
 // query head r reads KV head r / g counted from kc and vc (which may point past a token row's start, to skip KV
 // heads); a cached token is `row` elements of kv_dtype (PagedllmKvDtype), read once for every head. The result is
@@ -27,7 +44,7 @@ T* scratch(std::size_t n) {
 // sum of exp(score - m[r]) * value. An empty span gives m = -inf, lsum = 0, acc = 0.
 void attend_span_any(float* m, float* lsum, float* acc, const float* q, const void* kc, const void* vc,
                      int32_t kv_dtype, const int64_t* table, int64_t l0, int64_t l1, int64_t bs, int64_t row,
-                     int64_t hq, int64_t g, int64_t d, float sc, std::vector<float>& scores);
+                     int64_t hq, int64_t g, int64_t d, ScoreScale sc, std::vector<float>& scores);
 
 // attend_span_any for R query tokens of one context at once: token j's hq heads q, its span [l0, l1), where its m,
 // lsum and acc go. Each token's results are bit for bit what attend_span_any gives it alone; a cached token row that
@@ -38,7 +55,7 @@ struct SpanJob {
   float *m, *lsum, *acc;
 };
 void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void* vc, int32_t kv_dtype,
-                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, float sc,
+                      const int64_t* table, int64_t bs, int64_t row, int64_t hq, int64_t g, int64_t d, ScoreScale sc,
                       std::vector<float>& scores);
 
 // Query head h of up to prefill_tile_rows() consecutive prompt tokens of one request (the first at position p0, token
@@ -47,7 +64,7 @@ void attend_spans_any(const SpanJob* jobs, int64_t R, const void* kc, const void
 // q|k|v row at q + i * qstride, its attention output at out + i * ostride + h * d. scratch: the caller's, any size.
 void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstride, int64_t n, int64_t p0,
                       int64_t window, int64_t h, const void* kc, const void* vc, int32_t kv_dtype, const int64_t* table, int64_t bs, int64_t row,
-                      int64_t g, int64_t d, float sc, std::vector<float>& scratch);
+                      int64_t g, int64_t d, ScoreScale sc, std::vector<float>& scratch);
 int64_t prefill_tile_rows();
 
 // y[o] for outputs [o0, o1) of one input row x [in] from W's panels (any alignment: a panel shared with a

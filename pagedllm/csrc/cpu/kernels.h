@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 14
+#define PAGEDLLM_CPU_ABI 15
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -43,6 +43,7 @@ struct PagedDecodeArgs {
   int64_t n, q_heads, table_width, window;
   float scale;
   int threads;
+  float softcap;  // > 0: each score s (scaled) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
 };
 
 // Causal attention of each segment's query rows over its context and itself: segments[3 s .. 3 s + 2] = query start,
@@ -59,6 +60,7 @@ struct PagedPrefillArgs {
   int64_t num_segments, table_width, window;
   float scale;
   int threads;
+  float softcap;  // as PagedDecodeArgs
 };
 
 // GGML block-quantized weights as the GGUF file stores them (the values are GGML's type ids). A row of `in` weights
@@ -111,6 +113,7 @@ struct DecoderLayer {
   void *k_cache, *v_cache;  // of the spec's kv_dtype
   int64_t window;           // sliding-window attention over the last `window` tokens; 0: the whole context
   int64_t group;            // the KV cache group whose slots and block tables the layer reads (see decoder_run)
+  float softcap;            // attention-logit soft-capping (as PagedDecodeArgs); 0: none
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).

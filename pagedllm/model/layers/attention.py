@@ -43,6 +43,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_group = 0
+        # Attention-logit soft-capping (Gemma 2): each scaled score s becomes cap * tanh(s / cap); 0: none.
+        self.logit_softcap = 0.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""

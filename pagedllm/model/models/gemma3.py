@@ -73,11 +73,13 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    qk_norm = True  # Gemma 2's layers have none
+
     def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, index: int, kind: str) -> None:
         super().__init__()
         ops = kernels.cpu_for(dtype)
-        attn = LlamaAttention(config, dtype, False, True, kernels, layer_window(config, index))
-        theta, scaling = gemma3_rope(config, kind)
+        attn = LlamaAttention(config, dtype, False, self.qk_norm, kernels, layer_window(config, index))
+        theta, scaling = self.rope(config, kind)
         attn.rotary_emb = RotaryEmbedding(
             attn.head_dim, config.max_position_embeddings, theta, scaling, ops=ops, max_model_len=served_len(config)
         )
@@ -90,6 +92,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
         self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
 
+    @staticmethod
+    def rope(config: Any, kind: str) -> tuple[float, dict[str, Any] | None]:
+        return gemma3_rope(config, kind)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
         x = x + h
@@ -98,16 +104,23 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(LayerStack):
+    layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer
+
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("Gemma 3 with attention-logit soft-capping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported here")
-        kinds = gemma3_layer_types(config)
-        layers = (Gemma3DecoderLayer(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers))
+            raise ValueError("Gemma with bidirectional attention (an embedding model) is not supported here")
+        kinds = self.layer_types(config)
+        layers = (self.layer_cls(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers))
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
         super().__init__(config, dtype, kernels, layers, norm)  # layers of one kind share one rotary table
         self.embed_scale = float(config.hidden_size) ** 0.5  # in float32, as transformers scales them
+        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)  # Gemma 2's; Gemma 3 has none
+        for layer in self.layers:
+            layer.self_attn.attn.logit_softcap = softcap
+
+    @staticmethod
+    def layer_types(config: Any) -> list[str]:
+        return gemma3_layer_types(config)
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):  # its (1 + w) norms held as the sum (convert_weight)

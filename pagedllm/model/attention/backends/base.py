@@ -30,6 +30,7 @@ class AttentionLayer(Protocol):
     num_kv_heads: int
     scale: float
     sliding_window: int  # 0: full attention; else a query at p sees the keys at p - sliding_window + 1 .. p
+    logit_softcap: float  # > 0: each scaled score s becomes logit_softcap * tanh(s / logit_softcap) (Gemma 2)
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None  # [num_blocks, block_size, num_kv_heads, head_dim] each
 
 

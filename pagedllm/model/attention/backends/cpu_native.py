@@ -67,14 +67,23 @@ class CpuNativeAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
         window = getattr(layer, "sliding_window", 0) or 0  # a query sees only the last `window` keys (0: all)
+        softcap = getattr(layer, "logit_softcap", 0.0)  # scores capped to cap * tanh(s / cap) (0: none)
         if nd:
             # The decodes are the first rows: the kernel writes straight into them.
             self.ops.paged_decode_attention(
                 out[:nd], q[:nd].contiguous(), k_cache, v_cache, metadata.decode_tables, metadata.decode_seq_lens,
-                layer.scale, window,
+                layer.scale, window, softcap,
             )  # fmt: skip
         if metadata.prefill_segments is not None:
             self.ops.paged_prefill_attention(
-                out, q, k_cache, v_cache, metadata.prefill_tables, metadata.prefill_segments, layer.scale, window
+                out,
+                q,
+                k_cache,
+                v_cache,
+                metadata.prefill_tables,
+                metadata.prefill_segments,
+                layer.scale,
+                window,
+                softcap,
             )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

@@ -106,6 +106,35 @@ def length_groups(sorted_lens: np.ndarray, max_waste: float = MAX_GROUP_WASTE) -
     return groups
 
 
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """torch's scaled_dot_product_attention ([B, H, Lq, D] queries, [B, Hkv, Lk, D] keys and values, a boolean mask
+    of what is seen), or, with an attention-logit soft-cap (Gemma 2), the same written out: scores scaled, capped to
+    cap * tanh(s / cap), masked, softmax, values."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
 
@@ -166,13 +195,14 @@ class TorchAttentionBackend(AttentionBackend):
             span = torch.arange(keys.shape[1], device=q.device)
             lens = group.lens.view(-1, 1)
             mask = ((span < lens) & (span >= lens - window)).view(n, 1, 1, -1)
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             q.view(n, 1, layer.num_heads, d).transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask,
-            scale=layer.scale,
-            enable_gqa=True,
+            mask,
+            False,
+            layer.scale,
+            getattr(layer, "logit_softcap", 0.0),
         )
         return o.view(n, layer.num_heads, d)
 
@@ -190,9 +220,7 @@ class TorchAttentionBackend(AttentionBackend):
         if seg.context_len == 0:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
-            )
+            o = sdpa(qh, kh, vh, mask, mask is None, layer.scale, getattr(layer, "logit_softcap", 0.0))
         else:
             k_cache, v_cache = layer.kv_cache
             total = seg.context_len + seg.query_len
@@ -200,5 +228,5 @@ class TorchAttentionBackend(AttentionBackend):
             table = seg.block_table
             kh = self._gather(k_cache, table, 0, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             vh = self._gather(v_cache, table, 1, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+            o = sdpa(qh, kh, vh, mask, False, layer.scale, getattr(layer, "logit_softcap", 0.0))
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
