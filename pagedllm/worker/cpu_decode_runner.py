@@ -1,7 +1,8 @@
-"""The fused one-token decoder on the CPU: a whole Llama-family decoder stack in one native call per step.
+"""The fused one-token decoder on the CPU: a whole decoder stack in one native call per step.
 
-Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a Llama-family model:
-Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norm; float32 activations, every linear with its panels, its
+Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a model with a layer
+description, model/layers/description.py, whose layers have what it names: every architecture of model/models/;
+float32 activations, every linear with its panels, its
 bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes the
 final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft tokens
@@ -33,20 +34,25 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.models.llama import embed
 
-# What a Llama-family decoder layer must have for the fused path (attribute paths from the layer).
-_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-# A layer's norms by role, where the model class does not name its own (`decoder_norms`): before attention, before
-# the MLP, and the post norms of their outputs (Gemma's; None: none).
-_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm", None, None)
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/kernels.h PagedllmDecoderAct
+
+
+def _description(model: nn.Module) -> LayerDescription | None:
+    """The model's layer description (model/layers/description.py), None where it has none."""
+    return getattr(model, "description", None)
 
 
 def _norms(model: nn.Module, layer: nn.Module) -> list[Any]:
     """The layer's four norm modules by role (None where it has none)."""
-    names = getattr(model, "decoder_norms", _LLAMA_NORMS)
-    return [None if n is None else getattr(layer, n) for n in names]
+    return [None if n is None else getattr(layer, n) for n in model.description.norms]
+
+
+def _linears(model: nn.Module, layer: nn.Module) -> list[Any]:
+    """The layer's four linear layers (q|k|v, output, (gate|)up, down)."""
+    return [_get(layer, path) for path in model.description.linears]
 
 
 MAX_ROWS = 256  # rows of one call (the model runner makes as many calls as a step needs)
@@ -82,17 +88,21 @@ class CpuDecodeRunner:
 
     @staticmethod
     def _applies(model: nn.Module, world_size: int = 1) -> bool:
-        if not getattr(model, "fused_decoder", False):  # the model class says its layers are Llama-shaped
-            return False
+        """Whether the model describes its layers (a LayerDescription) and every layer has what the description
+        names, in forms the native decoder reads: each linear as panels, bf16 panels or quantized, split as the
+        ranks are; float32 rotary tables and norms of one eps (LayerNorm's with biases, where it says "layer")."""
+        desc = _description(model)
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
-        if inner is None or not layers or getattr(inner, "norm", None) is None:
+        if desc is None or inner is None or not layers or getattr(inner, "norm", None) is None:
             return False
+        if desc.qk_norm == "full" and world_size > 1:
+            return False  # a norm over every head would need the ranks' sums
         eps = inner.norm.eps
+        layer_norm = desc.norm == "layer"
         for layer in layers:
             attn = _get(layer, "self_attn")
-            for path in _LINEARS:
-                lin = _get(layer, path)
+            for lin in _linears(model, layer):
                 forms = ("panels", "bf16_panels", "qweight")  # float32 panels, bf16 panels, quantized
                 runs = lin is not None and any(getattr(lin, f, None) is not None for f in forms)
                 if not runs or getattr(lin, "tp_size", 1) != world_size:
@@ -100,10 +110,16 @@ class CpuDecodeRunner:
             rope = _get(layer, "self_attn.rotary_emb")
             if rope is None or rope.cos_sin_cache.dtype != torch.float32:
                 return False
-            if any(n is None for n in _norms(model, layer)[:2]):
+            roles = _norms(model, layer)
+            if any(name is not None and norm is None for name, norm in zip(desc.norms, roles)):
                 return False
-            norms = [n for n in _norms(model, layer) if n is not None]
-            norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+            qk = [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+            if (desc.qk_norm is None) != (not qk):
+                return False
+            for n in [*roles[:2], inner.norm]:  # the norms of the description's kind
+                if n is not None and (getattr(n, "bias", None) is not None) != layer_norm:
+                    return False
+            norms = [n for n in roles if n is not None] + qk + [inner.norm]
             if any(n.eps != eps or n.weight.dtype != torch.float32 for n in norms):
                 return False
         return True
@@ -116,31 +132,38 @@ class CpuDecodeRunner:
         there, inside them here) or q/k norms (torch's rms_norm there)."""
         if self.tp.world_size != 1 or not self.ops.bf16_native():
             return False
+        desc = self.model.description
+        if desc != LayerDescription(norms=desc.norms, act=desc.act, qk_norm=desc.qk_norm):
+            return False  # RMSNorm, gated, sequential layers only (the layer path's arithmetic is the decoder's there)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
                 return False
             if attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
                 return False
-            for path in _LINEARS:
-                q = getattr(_get(layer, path), "qweight", None)
+            for lin in _linears(self.model, layer):
+                q = getattr(lin, "qweight", None)
                 if q is None or q.packed_rows != q.out_features:
                     return False
         return True
 
     def _layer_weights(self) -> list[torch.Tensor]:
-        """Fourteen tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
-        panels (empty where the layer is quantized), an empty tensor for an absent bias, q/k norm or post norm."""
+        """Sixteen tensors per layer (see csrc/cpu/bindings.cpp, DecodeModel): the linear weights as panels or bf16
+        panels (empty where the layer is quantized), an empty tensor for an absent bias, norm or norm bias."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
+            qkv, o, gate_up, down = _linears(self.model, layer)
 
             def bias(lin: Any) -> torch.Tensor:
                 return none if lin.bias is None else lin.bias
 
             def norm(n: Any) -> torch.Tensor:
                 return none if n is None else n.weight
+
+            def norm_bias(n: Any) -> torch.Tensor:
+                return none if n is None or getattr(n, "bias", None) is None else n.bias
 
             def panels(lin: Any) -> torch.Tensor:
                 if getattr(lin, "bf16_panels", None) is not None:
@@ -149,16 +172,15 @@ class CpuDecodeRunner:
 
             norm1, norm2, post_attn, post_mlp = _norms(self.model, layer)
             weights += [
-                norm1.weight, panels(attn.qkv_proj), bias(attn.qkv_proj),
-                norm(attn.q_norm), norm(attn.k_norm), panels(attn.o_proj), bias(attn.o_proj),
-                norm2.weight, panels(mlp.gate_up_proj), bias(mlp.gate_up_proj),
-                panels(mlp.down_proj), bias(mlp.down_proj), norm(post_attn), norm(post_mlp),
+                norm(norm1), panels(qkv), bias(qkv), norm(attn.q_norm), norm(attn.k_norm), panels(o), bias(o),
+                norm(norm2), panels(gate_up), bias(gate_up), panels(down), bias(down), norm(post_attn), norm(post_mlp),
+                norm_bias(norm1), norm_bias(norm2),
             ]  # fmt: skip
         return weights
 
     def _quant_weights(self) -> list[Any]:
         """Four entries per layer (qkv, o, gate_up, down): the layer's QuantMatrix, or None for its panels."""
-        return [_get(layer, path).qweight for layer in self.model.model.layers for path in _LINEARS]
+        return [lin.qweight for layer in self.model.model.layers for lin in _linears(self.model, layer)]
 
     def _decoder(self) -> Any:
         """The native DecodeModel, built once per KV cache allocation (it holds the caches' pointers)."""
@@ -167,13 +189,17 @@ class CpuDecodeRunner:
         assert cache is not None, "the KV cache is not bound"
         if self._plan is None or self._plan[0] is not cache:
             attns = [layer.self_attn for layer in layers]
+            desc = self.model.description
+            norm_bias = getattr(self.model.model.norm, "bias", None)
+            norm_bias = torch.empty(0) if norm_bias is None else norm_bias
             decoder = self.ops.decode_model(
                 self._layer_weights(), [a.attn.kv_cache[0] for a in attns],
                 [a.attn.kv_cache[1] for a in attns], [a.rotary_emb.cos_sin_cache for a in attns], attns[0].attn.scale,
                 self.model.model.norm.eps, self.model.model.norm.weight, *self._all_reduce_hook(),
                 self._quant_weights(), [a.attn.sliding_window for a in attns],
-                _ACTS[getattr(self.model, "decoder_act", "silu")], [a.attn.kv_group for a in attns],
-                [a.attn.logit_softcap for a in attns],
+                _ACTS[desc.act], [a.attn.kv_group for a in attns], [a.attn.logit_softcap for a in attns],
+                [int(desc.norm == "layer"), int(desc.mlp == "plain"), int(desc.parallel), int(desc.qk_norm == "full")],
+                desc.residual_multiplier, norm_bias,
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

@@ -133,10 +133,11 @@ def _layer_weights(g, hidden, inter, hq, hkv, d, bias, qk_norm=False):
 
 
 def _flat(ops, layers, bf16: bool = False):
-    """decode_model's fourteen tensors per layer: the linear weights as panels (bf16 pair panels with `bf16`), an
-    empty tensor for an absent bias, q/k norm or post norm (Gemma's; these layers have none)."""
+    """decode_model's sixteen tensors per layer: the linear weights as panels (bf16 pair panels with `bf16`), an
+    empty tensor for an absent bias, q/k norm, post norm (Gemma's) or norm bias (LayerNorm's; these layers have
+    none)."""
     order = ("n1", "qkv", "qkv_b", "q_norm", "k_norm", "o", "o_b", "n2", "gu", "gu_b", "down", "down_b")
-    order += ("post_attn", "post_mlp")
+    order += ("post_attn", "post_mlp", "n1_b", "n2_b")
     pack = ops.bf16_pack_panels if bf16 else ops.pack_panels
     return [
         torch.empty(0) if w.get(k) is None else pack(w[k]) if w[k].dim() == 2 else w[k] for w in layers for k in order

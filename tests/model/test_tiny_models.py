@@ -136,14 +136,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3ForCausalLM", dict(seed=21)),
     "phi3-longrope-partial": ("Phi3ForCausalLM", dict(seed=22, **PHI3_LONGROPE)),
 }
-# Architectures whose layers the fused decoder does not run yet: their decode steps take the layer path.
-LAYER_PATH_ONLY: set[str] = {
-    "GraniteForCausalLM",
-    "Olmo2ForCausalLM",
-    "Starcoder2ForCausalLM",
-    "StableLmForCausalLM",
-    "PhiForCausalLM",
-}
+# Architectures whose layers the fused decoder does not run (their decode steps take the layer path): none since the
+# layer description (model/layers/description.py) covers every architecture here.
+LAYER_PATH_ONLY: set[str] = set()
 
 MAX_TOKENS = 32
 ATOL = 1e-4

@@ -454,34 +454,38 @@ torch::Tensor quant_dequantize_rows(const CpuOps& ops, const QuantMatrix& w, tor
 
 // A bias or an optional norm: an empty tensor means none.
 const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
-  if (t.numel() == 0) return nullptr;
+  if (!t.defined() || t.numel() == 0) return nullptr;
   check_float(t, name);
   TORCH_CHECK(t.numel() == numel, name, " must have ", numel, " elements");
   return t.data_ptr<float>();
 }
 
-// The fused decoder (decoder.cpp) over one model's weights and caches: fourteen tensors per layer in
+// The fused decoder (decoder.cpp) over one model's weights and caches: sixteen tensors per layer in
 // layer_w (norm1, qkv, qkv_b, q_norm, k_norm, o, o_b, norm2, gate_up, gate_up_b, down, down_b, post_attn_norm,
-// post_mlp_norm; the four linear
-// weights as float32 panels or bf16 pair panels, an empty tensor for an absent bias or q/k norm), one cache pair and rotary table per layer, and
+// post_mlp_norm, norm1_b, norm2_b; the four linear weights as float32 panels or bf16 pair panels, an empty tensor
+// for an absent bias, norm or q/k norm), one cache pair and rotary table per layer, and
 // optionally four entries per layer in `quant` (qkv, o, gate_up, down): a QuantMatrix runs that linear quantized (its
 // panels are then ignored and may be empty), None on its panels; optionally each layer's sliding window in `windows`
 // (0: full attention). Everything is checked here once; a step passes only the token's few index tensors.
 class DecodeModel {
  public:
-  static constexpr int kPerLayer = 14, kLinears = 4;
+  static constexpr int kPerLayer = 16, kLinears = 4;
 
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
-              std::vector<int64_t> groups, std::vector<double> softcaps)
+              std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
+              double residual_mult, torch::Tensor final_norm_b)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
     TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
     TORCH_CHECK(groups.empty() || groups.size() == layers, "groups: none, or one KV cache group per layer");
     TORCH_CHECK(softcaps.empty() || softcaps.size() == layers, "softcaps: none, or one per layer (0: none)");
+    // The layer description's kinds (DecoderSpec): layer_norm, plain_mlp, parallel, qk_norm_full (0 or 1 each).
+    TORCH_CHECK(kinds.empty() || kinds.size() == 4, "kinds: none, or [layer_norm, plain_mlp, parallel, qk_norm_full]");
+    for (int64_t k : kinds) TORCH_CHECK(k == 0 || k == 1, "kinds are 0 or 1");
     num_groups_ = 1;
     for (int64_t g : groups) {
       TORCH_CHECK(g >= 0, "KV cache groups must be >= 0, got ", g);
@@ -495,6 +499,8 @@ class DecodeModel {
     check_float(final_norm, "final_norm");
     const PagedCache c0 = paged_cache(k_caches[0], v_caches[0]);
     DecoderSpec& s = spec_;
+    if (!kinds.empty()) s.layer_norm = kinds[0], s.plain_mlp = kinds[1], s.parallel = kinds[2], s.qk_norm_full = kinds[3];
+    s.residual_mult = static_cast<float>(residual_mult);
     s.num_blocks = c0.num_blocks, s.block_size = c0.block_size, s.kv_heads = c0.kv_heads, s.head_dim = c0.head_dim;
     s.kv_dtype = c0.kv_dtype;
     // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: its quantized weight, or null for panels.
@@ -517,7 +523,7 @@ class DecodeModel {
     TORCH_CHECK(cos_sin[0].dim() == 2, "rotary tables must be [max_position, rot]");
     s.rot = cos_sin[0].size(1), s.max_position = cos_sin[0].size(0);
     TORCH_CHECK(s.rot > 0 && s.rot <= d && s.rot % 2 == 0, "rotary dims must be even and at most the head size");
-    const int64_t outs[kLinears] = {qkv_out, s.hidden, 2 * s.inter, s.hidden};
+    const int64_t outs[kLinears] = {qkv_out, s.hidden, (s.plain_mlp ? 1 : 2) * s.inter, s.hidden};
     const int64_t ins[kLinears] = {s.hidden, s.q_heads * d, s.hidden, s.inter};
     const char* names[kLinears] = {"qkv", "o", "gate_up", "down"};
     for (size_t l = 0; l < layers; ++l) {
@@ -525,10 +531,7 @@ class DecodeModel {
       const PagedCache c = paged_cache(k_caches[l], v_caches[l]);
       TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && c.kv_dtype == c0.kv_dtype,
                   "caches of one shape and dtype");
-      check_float(w[0], "norm1");
-      check_float(w[7], "norm2");
       check_float(cos_sin[l], "cos_sin");
-      TORCH_CHECK(w[0].numel() == s.hidden && w[7].numel() == s.hidden, "norm weights must be [H]");
       const float* panels[kLinears];
       const uint32_t* panels16[kLinears];
       QMatrix quants[kLinears];
@@ -552,17 +555,22 @@ class DecodeModel {
       TORCH_CHECK(cos_sin[l].dim() == 2 && cos_sin[l].size(1) == s.rot && cos_sin[l].size(0) == s.max_position,
                   "rotary tables of one shape");
       DecoderLayer L{};
-      L.norm1 = w[0].data_ptr<float>();
+      L.norm1 = optional_ptr(w[0], s.hidden, "norm1");
       L.qkv = panels[0], L.o = panels[1], L.gate_up = panels[2], L.down = panels[3];
       L.qkv_b = optional_ptr(w[2], qkv_out, "qkv bias");
-      L.q_norm = optional_ptr(w[3], d, "q_norm");
-      L.k_norm = optional_ptr(w[4], d, "k_norm");
+      L.q_norm = optional_ptr(w[3], s.qk_norm_full ? s.q_heads * d : d, "q_norm");
+      L.k_norm = optional_ptr(w[4], s.qk_norm_full ? s.kv_heads * d : d, "k_norm");
+      TORCH_CHECK(!s.qk_norm_full || (L.q_norm != nullptr && L.k_norm != nullptr), "q/k norms over the projection");
       L.o_b = optional_ptr(w[6], s.hidden, "o bias");
-      L.norm2 = w[7].data_ptr<float>();
-      L.gate_up_b = optional_ptr(w[9], 2 * s.inter, "gate_up bias");
+      L.norm2 = optional_ptr(w[7], s.hidden, "norm2");
+      L.gate_up_b = optional_ptr(w[9], s.plain_mlp ? s.inter : 2 * s.inter, "gate_up bias");
       L.down_b = optional_ptr(w[11], s.hidden, "down bias");
       L.post_attn_norm = optional_ptr(w[12], s.hidden, "post_attn_norm");
       L.post_mlp_norm = optional_ptr(w[13], s.hidden, "post_mlp_norm");
+      L.norm1_b = optional_ptr(w[14], s.hidden, "norm1 bias");
+      L.norm2_b = optional_ptr(w[15], s.hidden, "norm2 bias");
+      TORCH_CHECK(s.layer_norm || (L.norm1_b == nullptr && L.norm2_b == nullptr), "norm biases are LayerNorm's");
+      TORCH_CHECK(s.parallel || (L.norm1 == nullptr) == (L.norm2 == nullptr), "norm1 and norm2: both or neither");
       L.cos_sin = cos_sin[l].data_ptr<float>();
       L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
@@ -577,6 +585,8 @@ class DecodeModel {
     s.layers = layers_.data();
     s.num_layers = static_cast<int64_t>(layers);
     s.final_norm = final_norm.data_ptr<float>();
+    s.final_norm_b = optional_ptr(final_norm_b, s.hidden, "final norm bias");
+    TORCH_CHECK(s.layer_norm || s.final_norm_b == nullptr, "a final norm bias is LayerNorm's");
     s.scale = static_cast<float>(scale);
     s.eps = static_cast<float>(eps);
     s.act = static_cast<int32_t>(act);
@@ -589,6 +599,7 @@ class DecodeModel {
     keep_ = std::move(layer_w);
     for (auto* list : {&k_caches, &v_caches, &cos_sin}) keep_.insert(keep_.end(), list->begin(), list->end());
     keep_.push_back(final_norm);
+    if (final_norm_b.defined()) keep_.push_back(final_norm_b);
   }
 
   ~DecodeModel() { t_->decoder_destroy(handle_); }
@@ -766,17 +777,20 @@ PYBIND11_MODULE(_C, m) {
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
-             std::vector<int64_t> groups, std::vector<double> softcaps) {
+             std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
+             double residual_mult, std::optional<torch::Tensor> final_norm_b) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
-                                                 act, std::move(groups), std::move(softcaps));
+                                                 act, std::move(groups), std::move(softcaps), std::move(kinds),
+                                                 residual_mult, final_norm_b.value_or(torch::Tensor()));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
           py::arg("quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("windows") = std::vector<int64_t>{},
           py::arg("act") = 0, py::arg("groups") = std::vector<int64_t>{},
-          py::arg("softcaps") = std::vector<double>{},
+          py::arg("softcaps") = std::vector<double>{}, py::arg("kinds") = std::vector<int64_t>{},
+          py::arg("residual_mult") = 1.0, py::arg("final_norm_b") = py::none(),
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

@@ -102,6 +102,12 @@ inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* 
   }
 }
 
+// y[0, n) += x[0, n).
+static inline void add_rows_n(float* y, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) y[k] += x[k];
+}
+
 // y[lo, hi) += bias[lo, hi) (after a reduction).
 static inline void add_bias(float* y, const float* bias, int64_t lo, int64_t hi) {
   if (bias == nullptr) return;
@@ -127,17 +133,20 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
   const int64_t inter = s.inter, qkv_out = (hq + 2 * hkv) * d, layers = s.num_layers, R = rows;
   const int64_t half = s.rot / 2, row = hkv * d, g = hq / hkv, pd = hq * (d + 2);
-  const float sc = s.scale, ep = s.eps;
+  const float sc = s.scale, ep = s.eps, rm = s.residual_mult;
+  const int64_t up_out = s.plain_mlp ? inter : 2 * inter;  // gate_up's outputs
   const AllReduceFn reduce = s.all_reduce;
   const int nt = std::max(1, threads);
   // Shared between the threads, per token: q|k|v, the attention output, SiLU-and-mul's output, gate|up, and every
   // thread's partial attention (max, sum, accumulator per head).
-  std::vector<float> shared(R * (qkv_out + hq * d + inter + 2 * inter) + nt * R * pd);
+  // With parallel attention and MLP, the attention output waits in `ao` while the MLP runs.
+  std::vector<float> shared(R * (qkv_out + hq * d + inter + 2 * inter) + nt * R * pd + (s.parallel ? R * hidden : 0));
   float* qkv = shared.data();
   float* att = qkv + R * qkv_out;
   float* act = att + R * hq * d;
   float* gu = act + R * inter;
   float* part = gu + R * 2 * inter;
+  float* ao = part + nt * R * pd;
 
 #pragma omp parallel num_threads(nt)
   {
@@ -146,13 +155,29 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     float* res = mine.data();  // this thread's copy of the residual stream of every token
     float* h = res + R * hidden;
     std::vector<float> scores;
-    // A row of a layer output as it joins the residual stream: itself, or normalised by a post norm (Gemma) into
-    // this thread's scratch.
+    // A row of a layer output as it joins the residual stream: itself, normalised by a post norm (Gemma, OLMo 2),
+    // or times the residual multiplier (Granite), into this thread's scratch.
     std::vector<float> post(hidden);
     auto joining = [&](const float* x, const float* norm) -> const float* {
-      if (norm == nullptr) return x;
-      rms_row(post.data(), x, norm, hidden, ep);
+      if (norm != nullptr) {
+        rms_row(post.data(), x, norm, hidden, ep);
+        return post.data();
+      }
+      if (rm == 1.f) return x;
+#pragma omp simd
+      for (int64_t k = 0; k < hidden; ++k) post[k] = x[k] * rm;
       return post.data();
+    };
+    // out = the norm of x (RMSNorm, or LayerNorm with its bias; none: x itself); residual += x first in add_norm.
+    auto norm_row = [&](float* out, const float* x, const float* w, const float* b) {
+      if (w == nullptr) std::copy(x, x + hidden, out);
+      else if (s.layer_norm) layer_norm_row(out, x, w, b, hidden, ep);
+      else rms_row(out, x, w, hidden, ep);
+    };
+    auto add_norm = [&](float* out, float* residual, const float* x, const float* w, const float* b) {
+#pragma omp simd
+      for (int64_t k = 0; k < hidden; ++k) residual[k] += x[k];
+      norm_row(out, residual, w, b);
     };
     std::vector<SpanJob> jobs(R);
     const int64_t tile_rows = prefill_tile_rows(), tasks = prompt ? (R + tile_rows - 1) / tile_rows * hq : 0;
@@ -192,18 +217,29 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       for (int64_t r = 0; r < R; ++r) {
         if (l == 0) {
           std::copy(xp + r * hidden, xp + (r + 1) * hidden, res + r * hidden);
-          rms_row(h + r * hidden, res + r * hidden, w.norm1, hidden, ep);
+          norm_row(h + r * hidden, res + r * hidden, w.norm1, w.norm1_b);
         } else {
-          add_rms_row(h + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), w.norm1, hidden, ep);
+          if (s.parallel) add_rows_n(res + r * hidden, joining(ao + r * hidden, nullptr), hidden);  // its attention
+          add_norm(h + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), w.norm1, w.norm1_b);
         }
       }
       quantize(w.qkv_q, w.qkv16, h, hidden);
       linear(w.qkv, w.qkv_q, w.qkv16, h, hidden, w.qkv_b, qkv, qkv_out, ha * d, hb * d);
+      const bool head_norms = !s.qk_norm_full;
+      if (s.qk_norm_full) {  // OLMo 2: q and k each normalised whole (every head), each thread its rows
+#pragma omp barrier
+        for (int64_t r = t; r < R; r += n) {
+          float* q = qkv + r * qkv_out;
+          rms_row(q, q, w.q_norm, hq * d, ep);
+          rms_row(q + hq * d, q + hq * d, w.k_norm, hkv * d, ep);
+        }
+#pragma omp barrier
+      }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t hh = ha; hh < hb; ++hh) {
           float* v = qkv + r * qkv_out + hh * d;
-          if (hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
-          if (hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
+          if (head_norms && hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
+          if (head_norms && hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
           if (hh < hq + hkv) rotate_head(v, w.cos_sin + pos[r] * s.rot, half);
           if (hh >= hq) {  // a key or value head: to the cache
             const int64_t off = slots[r] * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;
@@ -257,23 +293,29 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       }
 #pragma omp barrier
       quantize(w.o_q, w.o16, att, hq * d);
-      linear(w.o, w.o_q, w.o16, att, hq * d, reduce ? nullptr : w.o_b, xp, hidden, ra, rb);
+      float* y = s.parallel ? ao : xp;  // parallel: the attention output waits while the MLP runs on h
+      linear(w.o, w.o_q, w.o16, att, hq * d, reduce ? nullptr : w.o_b, y, hidden, ra, rb);
 #pragma omp barrier
       if (reduce != nullptr) {
-        if (t == 0) reduce(xp, R * hidden, s.reduce_ctx);
+        if (t == 0) reduce(y, R * hidden, s.reduce_ctx);
 #pragma omp barrier
-        for (int64_t r = 0; r < R; ++r) add_bias(xp + r * hidden, w.o_b, ra, rb);  // each thread its rows; the
-#pragma omp barrier                                                                 // add_rms below reads all
+        for (int64_t r = 0; r < R; ++r) add_bias(y + r * hidden, w.o_b, ra, rb);  // each thread its rows; the
+#pragma omp barrier                                                               // add_norm below reads all
       }
-      for (int64_t r = 0; r < R; ++r)
-        add_rms_row(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, hidden, ep);
+      if (!s.parallel)
+        for (int64_t r = 0; r < R; ++r)
+          add_norm(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, w.norm2_b);
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
-      linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, ia, ib);
-      linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, 2 * inter, inter + ia, inter + ib);
+      linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, ia, ib);
+      if (!s.plain_mlp)
+        linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, inter + ia, inter + ib);
       for (int64_t r = 0; r < R; ++r) {
-        const float* gr = gu + r * 2 * inter;
+        const float* gr = gu + r * up_out;
         float* ar = act + r * inter;
-        if (s.act == PDA_GELU_TANH) {
+        if (s.plain_mlp) {
+#pragma omp simd
+          for (int64_t k = ia; k < ib; ++k) ar[k] = gelu_tanh(gr[k]);
+        } else if (s.act == PDA_GELU_TANH) {
 #pragma omp simd
           for (int64_t k = ia; k < ib; ++k) ar[k] = gelu_tanh_mul(gr[k], gr[inter + k]);
         } else {
@@ -294,8 +336,10 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
     }
     if (t == 0) {
       const float* post_mlp = dec.layers[layers - 1].post_mlp_norm;
-      for (int64_t r = 0; r < R; ++r)
-        add_rms_row(xp + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), s.final_norm, hidden, ep);
+      for (int64_t r = 0; r < R; ++r) {
+        if (s.parallel) add_rows_n(res + r * hidden, joining(ao + r * hidden, nullptr), hidden);
+        add_norm(xp + r * hidden, res + r * hidden, joining(xp + r * hidden, post_mlp), s.final_norm, s.final_norm_b);
+      }
     }
   }
 }

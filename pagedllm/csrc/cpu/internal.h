@@ -29,12 +29,15 @@ struct ScoreScale {
   ScoreScale(float s, float c = 0.f) : scale(s), cap(c) {}  // NOLINT: a plain scale converts implicitly
   operator float() const { return scale; }                    // NOLINT
   // s[0, n) soft-capped in place (before any masking: -inf must stay -inf).
+  // tanh(z) as 1 - 2 / (e^2z + 1), vectorised through expf (scalar std::tanh cost Gemma 2's decode ~10%); its
+  // absolute error (~1e-7, times the cap) is far below what moves a softmax. exp overflows to inf for large z: 1.
   void cap_scores(float* s, int64_t n) const {
     if (cap <= 0.f) return;
-    const float inv = 1.f / cap;
-    for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+    const float inv2 = 2.f / cap, c = cap;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] = c * (1.f - 2.f / (expf(s[i] * inv2) + 1.f));
   }
-  float capped(float v) const { return cap > 0.f ? cap * std::tanh(v / cap) : v; }
+  float capped(float v) const { return cap > 0.f ? cap * (1.f - 2.f / (expf(v * 2.f / cap) + 1.f)) : v; }
 };
 
 // Single-query attention of `hq` consecutive query heads q [hq, d] over the tokens [l0, l1) of one paged context:

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 15
+#define PAGEDLLM_CPU_ABI 16
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -114,6 +114,7 @@ struct DecoderLayer {
   int64_t window;           // sliding-window attention over the last `window` tokens; 0: the whole context
   int64_t group;            // the KV cache group whose slots and block tables the layer reads (see decoder_run)
   float softcap;            // attention-logit soft-capping (as PagedDecodeArgs); 0: none
+  const float *norm1_b, *norm2_b;  // LayerNorm biases (DecoderSpec::layer_norm; null: none)
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
@@ -128,7 +129,16 @@ struct DecoderSpec {
   int64_t num_blocks, block_size, kv_heads, head_dim, q_heads, hidden, inter, rot, max_position;
   float scale, eps;
   int32_t kv_dtype;  // PagedllmKvDtype of every layer's cache
-  int32_t act;       // the MLP's gate activation: PDA_SILU or PDA_GELU_TANH
+  int32_t act;       // the MLP's gate activation: PDA_SILU or PDA_GELU_TANH (a plain MLP's activation)
+  // The layer description (model/layers/description.py): LayerNorm (with biases) instead of RMSNorm for the norms
+  // before attention and the MLP and the final one; a plain MLP (gate_up holds the up projection alone, act(up));
+  // attention and MLP in parallel from the same normed input, both added to the residual stream (residual +
+  // attention + MLP, no norm2); each layer output times residual_mult as it joins the residual stream; q/k norms
+  // over the whole projection (all heads at once: q_norm [Hq D], k_norm [Hkv D]) instead of per head. A null
+  // norm1 / norm2 (OLMo 2): the layer input is the residual stream itself.
+  int32_t layer_norm, plain_mlp, parallel, qk_norm_full;
+  float residual_mult;
+  const float* final_norm_b;
   // Tensor parallelism: the partial sums of the attention output projection and of the MLP down projection are
   // all-reduced through this hook (null: one rank), and their biases are added after the reduction.
   AllReduceFn all_reduce;

@@ -252,6 +252,28 @@ static inline float gelu_tanh_mul(float g, float u) {
   return 0.5f * g * (1.f + t) * u;
 }
 
+// gelu(g, tanh approximation) alone (a plain MLP's activation): gelu_tanh_mul(g, 1).
+static inline float gelu_tanh(float g) { return gelu_tanh_mul(g, 1.f); }
+
+// LayerNorm of one row of h: (x - mean) * rsqrt(var + eps) * w + b (out may be x; b may be null).
+static inline void layer_norm_row(float* out, const float* x, const float* w, const float* b, int64_t h, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t k = 0; k < h; ++k) sum += x[k];
+  const float mean = sum / static_cast<float>(h);
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < h; ++k) ss += (x[k] - mean) * (x[k] - mean);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  if (b == nullptr) {
+#pragma omp simd
+    for (int64_t k = 0; k < h; ++k) out[k] = (x[k] - mean) * r * w[k];
+  } else {
+#pragma omp simd
+    for (int64_t k = 0; k < h; ++k) out[k] = (x[k] - mean) * r * w[k] + b[k];
+  }
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w over one row of h (out may be x).
 static inline void rms_row(float* out, const float* x, const float* w, int64_t h, float eps) {
   float ss = 0.f;

@@ -1,25 +1,27 @@
 """Granite (IBM Granite 3.x dense): the Llama decoder with four multipliers from its config, as transformers'
 modeling_granite applies them: embeddings times `embedding_multiplier`; each attention and MLP output times
 `residual_multiplier` before it joins the residual stream; the attention scale `attention_multiplier` (instead of
-head_dim ** -0.5); logits divided by `logits_scaling`. The fused decoder does not run these layers (the residual
-multiplier): decode takes the layer path.
+head_dim ** -0.5); logits divided by `logits_scaling`. The residual multiplier is in the layer description, which
+this forward and the fused decoder read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from pagedllm.model.kernels import KernelDispatch
-from pagedllm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagedllm.model.layers.description import LayerDescription
+from pagedllm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, embed
 
 
 class GraniteModel(LlamaModel):
     def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
         super().__init__(config, dtype, bias, qk_norm, kernels)
-        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
-        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.embed_scale = multiplier if multiplier != 1.0 else None  # embed() and the fused decoder apply it
         scale = float(getattr(config, "attention_multiplier", 0.0) or 0.0)
         for layer in self.layers:
             if scale:
@@ -33,7 +35,7 @@ class GraniteModel(LlamaModel):
         residual: torch.Tensor | None,
         meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rm = self.residual_multiplier
+        rm = self.description.residual_multiplier
         if residual is None:
             residual = x
             x = layer.input_layernorm(x)
@@ -44,7 +46,7 @@ class GraniteModel(LlamaModel):
         return layer.mlp(x) * rm, residual
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embedding_multiplier
+        x = embed(self, input_ids)
         residual = None
         for layer in self.layers:
             x, residual = self._layer(layer, positions, x, residual, meta)
@@ -54,7 +56,11 @@ class GraniteModel(LlamaModel):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
-    fused_decoder = False
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        return dataclasses.replace(super().layer_description(config), residual_multiplier=multiplier)
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
         super().__init__(config, dtype, kernels)

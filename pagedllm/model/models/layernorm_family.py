@@ -1,6 +1,7 @@
 """What Starcoder2, StableLM and Phi (Phi-2) share beside the Llama layers: LayerNorm with a bias instead of RMSNorm,
 rotary embedding over the first `partial_rotary_factor` of each head, and (Starcoder2, Phi) an MLP without a gate.
-Each architecture's own file composes these; decode takes the layer path (the fused decoder runs RMSNorm layers)."""
+Each architecture's own file composes these and describes its layers (LayerDescription: norm "layer", plain or gated
+MLP, parallel or not), which the fused decoder runs."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from pagedllm.distributed.parallel_state import Shard
 from pagedllm.model.kernels import KernelDispatch, torch_dispatch
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.attention import Attention
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -242,7 +243,10 @@ class LlamaForCausalLM(nn.Module):
     attention_bias = False
     qk_norm = False
     model_cls: type[nn.Module] = LlamaModel  # the decoder stack (a subclass's own, e.g. Gemma 3's)
-    fused_decoder = True  # the layers are Llama's, which the fused native decoder runs (worker/cpu_decode_runner.py)
+    # What layer_description says of Llama-shaped layers (model/layers/description.py): the norms by role (before
+    # attention, before the MLP, after attention, after the MLP) and the gate's activation.
+    decoder_norms: tuple[str | None, str | None, str | None, str | None] = LayerDescription().norms
+    decoder_act = "silu"
     hf_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name parts -> ours (e.g. Phi's ".dense." -> ".o_proj.")
     # HF checkpoint names -> (our merged parameter, shard id)
     stacked_params = (
@@ -259,10 +263,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         bias = self.attention_bias or bool(getattr(config, "attention_bias", False))
         self.model = self.model_cls(config, dtype, bias, self.qk_norm, kernels)
+        # One description of the layers for this forward and the fused decoder (worker/cpu_decode_runner.py).
+        self.description = self.model.description = self.layer_description(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, kernels.cpu_for(dtype), kernels.tp)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        """The decoder layer as model/layers/description.py describes it (Llama's: RMSNorm before attention and the
+        MLP, a gated MLP, q/k norms per head where the class has them)."""
+        return LayerDescription(norms=cls.decoder_norms, act=cls.decoder_act, qk_norm="head" if cls.qk_norm else None)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -2,7 +2,7 @@
 norm before attention or the MLP; each one's output normalised (post_attention_layernorm,
 post_feedforward_layernorm) before it joins the residual stream; queries and keys normalised over the whole
 projection (all heads at once, before rotary), not per head. One rank only (a norm over all heads would need the
-ranks' sums), and decode on the layer path (the fused decoder does not run these layers).
+ranks' sums). Its layer description says so to the fused decoder.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -64,4 +65,9 @@ class Olmo2Model(LayerStack):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_cls = Olmo2Model
-    fused_decoder = False
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        return LayerDescription(
+            norms=(None, None, "post_attention_layernorm", "post_feedforward_layernorm"), qk_norm="full"
+        )

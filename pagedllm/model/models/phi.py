@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.norm import LayerNorm
 from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
 from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM
@@ -39,7 +40,13 @@ class PhiModel(LayerStack):
 
 class PhiForCausalLM(LlamaForCausalLM):
     model_cls = PhiModel
-    fused_decoder = False
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.fc1", "mlp.fc2")
+        norms = ("input_layernorm", None, None, None)
+        return LayerDescription(norm="layer", norms=norms, linears=linears, mlp="plain", act="gelu_tanh", parallel=True)
+
     hf_renames = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."))
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.norm import LayerNorm
 from pagedllm.model.models.layernorm_family import partial_rotary_attention
 from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM, LlamaMLP
@@ -47,4 +48,9 @@ class StableLmModel(LayerStack):
 
 class StableLmForCausalLM(LlamaForCausalLM):
     model_cls = StableLmModel
-    fused_decoder = False
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        parallel = bool(getattr(config, "use_parallel_residual", False))
+        norms = ("input_layernorm", None if parallel else "post_attention_layernorm", None, None)
+        return LayerDescription(norm="layer", norms=norms, parallel=parallel)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.norm import LayerNorm
 from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
 from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM, layer_window
@@ -36,6 +37,11 @@ class Starcoder2Model(LayerStack):
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     model_cls = Starcoder2Model
-    fused_decoder = False
+
+    @classmethod
+    def layer_description(cls, config: Any) -> LayerDescription:
+        linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.c_fc", "mlp.c_proj")
+        return LayerDescription(norm="layer", linears=linears, mlp="plain", act="gelu_tanh")
+
     # its q/k/v (and their biases) merge as Llama's; c_fc and c_proj load as they are
     stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"))
