@@ -524,6 +524,44 @@ def test_window_layers_hold_only_their_window(tiny_model_dir: Path, variant: str
         assert n < len(manager.windows) * (computed // 8 + 1)
 
 
+class OracleProposer:
+    """Drafts that are HF's own next tokens with every third one wrong: verifications that accept some drafts and
+    reject others, whatever the tiny model writes (an n-gram proposer finds nothing to copy in random output)."""
+
+    def __init__(self, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.full = {tuple(p): p + e for p, e in zip(prompts, expected)}
+        self.calls = 0
+
+    def propose(self, tokens: Any, k: int) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        for prompt, full in self.full.items():
+            if tokens[: len(prompt)] == list(prompt) and full[: len(tokens)] == tokens:
+                drafts = full[len(tokens) : len(tokens) + k]
+                self.calls += 1
+                return [t if (i + self.calls) % 3 else (t + 1) % 500 for i, t in enumerate(drafts)]
+        return []
+
+
+@pytest.mark.parametrize("variant", [*WINDOWED, "gemma2"])
+def test_speculative_drafts_match_hf(tiny_model_dir: Path, variant: str) -> None:
+    """Speculative decoding on the window models (the hybrid KV cache dropping blocks while drafts are verified,
+    accepted and rejected): prompts past the window, several requests sharing steps, greedy tokens HF's; drafts
+    proposed, some accepted and some rejected."""
+    arch, kwargs = VARIANTS[variant]
+    folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
+    prompts = random_prompts([40, 57, 75], seed=63)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    engine = dict(ENGINE, engine_client="inproc", block_size=8, max_model_len=256, speculative_config=spec)
+    with LLM(folder, **engine) as llm:
+        core = llm.engine_core.engine_core
+        core.executor.worker.model_runner.proposer = OracleProposer(prompts, hf_greedy(folder, prompts, MAX_TOKENS))
+        outs = generate(llm, prompts, greedy())
+        stats = core.scheduler.total_spec_stats
+        assert_idle(llm)
+    assert_matches_hf(folder, prompts, outs)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
 def test_logprobs_under_preemption_match_hf(full_model_dir: str) -> None:
     """A preempted request is recomputed: its prompt logprobs must still be one per prompt position."""
     prompts = random_prompts([30, 41, 52, 60], seed=50)
