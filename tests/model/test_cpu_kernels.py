@@ -278,3 +278,109 @@ def test_decode_model_refuses_bad_input(ops) -> None:
     ]:
         with pytest.raises(RuntimeError, match=match):
             stack(**{**step, key: bad})
+
+
+# kinds of decode_model's layer description (csrc/cpu/kernels.h DecoderSpec) -> (name, the layers' extra weights)
+KINDS = {
+    "phi2": dict(layer_norm=1, plain_mlp=1, parallel=1, norm2=False),  # LayerNorm, parallel, plain MLP
+    "stablelm": dict(layer_norm=1),  # LayerNorm, sequential, gated SiLU
+    "stablelm-parallel": dict(layer_norm=1, parallel=1, norm2=False),
+    "starcoder2": dict(layer_norm=1, plain_mlp=1),
+    "olmo2": dict(qk_norm_full=1, norm1=False, norm2=False, post=True),  # post norms only, q/k norms over all heads
+    "granite": dict(residual_mult=0.5),
+}
+
+
+def _kind_layers(g, kind: dict, hidden: int, inter: int, hq: int, hkv: int, d: int) -> list[dict]:
+    layers = []
+    for _ in range(2):
+        w = _layer_weights(g, hidden, inter, hq, hkv, d, True)
+        if kind.get("plain_mlp"):
+            w["gu"], w["gu_b"] = w["gu"][:inter].contiguous(), w["gu_b"][:inter].contiguous()
+        if kind.get("layer_norm"):
+            w["n1_b"], w["n2_b"] = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+        if kind.get("norm1") is False:
+            w["n1"] = w["n1_b"] = None
+        if kind.get("norm2") is False:
+            w["n2"] = w["n2_b"] = None
+        if kind.get("qk_norm_full"):
+            w["q_norm"], w["k_norm"] = torch.randn(hq * d, generator=g), torch.randn(hkv * d, generator=g)
+        if kind.get("post"):
+            w["post_attn"], w["post_mlp"] = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+        layers.append(w)
+    return layers
+
+
+def _kind_reference(x, layers, kind, rope, position, caches, slot, table, seq_len, final, eps):
+    """The layer description's arithmetic in plain torch (model/layers/description.py's order of operations)."""
+    m = kind.get("residual_mult", 1.0)
+
+    def norm(v, w, b):
+        if w is None:
+            return v
+        return F.layer_norm(v, (v.shape[-1],), w, b, eps) if kind.get("layer_norm") else _rms(v, w, eps)
+
+    def mlp(h, w):
+        u = F.linear(h, w["gu"], w["gu_b"])
+        if kind.get("plain_mlp"):
+            return F.linear(F.gelu(u, approximate="tanh"), w["down"], w["down_b"])
+        inter = u.shape[1] // 2
+        return F.linear(F.silu(u[:, :inter]) * u[:, inter:], w["down"], w["down_b"])
+
+    def post(v, w):
+        return _rms(v, w, eps) if w is not None else v * m
+
+    res = x.clone()
+    for w, (k_cache, v_cache) in zip(layers, caches):
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        hq = w["o"].shape[1] // d
+        h = norm(res, w["n1"], w.get("n1_b"))
+        qkv = F.linear(h, w["qkv"], w["qkv_b"])
+        if kind.get("qk_norm_full"):
+            q_all, k_all = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d]
+            qkv = torch.cat([_rms(q_all, w["q_norm"], eps), _rms(k_all, w["k_norm"], eps), qkv[:, (hq + hkv) * d :]], 1)
+        qkv = qkv.view(1, hq + 2 * hkv, d)
+        qk = rope.rotate(torch.tensor([position]), qkv[:, : hq + hkv])
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+        k_cache.view(-1, hkv, d)[slot] = k[0]
+        v_cache.view(-1, hkv, d)[slot] = v[0]
+        keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        att = F.scaled_dot_product_attention(q.view(1, hq, 1, d), keys, values, scale=d**-0.5, enable_gqa=True)
+        a = F.linear(att.reshape(1, hq * d), w["o"], w["o_b"])
+        if kind.get("parallel"):
+            u = mlp(h, w)
+            res = res + post(a, w.get("post_attn"))
+            res = res + post(u, w.get("post_mlp"))
+        else:
+            res = res + post(a, w.get("post_attn"))
+            res = res + post(mlp(norm(res, w["n2"], w.get("n2_b")), w), w.get("post_mlp"))
+    return norm(res, *final)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_decode_model_layer_kinds(ops, name: str) -> None:
+    """The native decoder's layer kinds against their arithmetic written out in torch: LayerNorm with biases, a
+    plain MLP, parallel attention and MLP, q/k norms over the whole projection with post norms only, a residual
+    multiplier; biases everywhere, partial rotary, a context of 37 tokens."""
+    kind = KINDS[name]
+    hidden, inter, hq, hkv, d, block, seq_len, eps = 96, 160, 6, 2, 16, 8, 37, 1e-5
+    g = torch.Generator().manual_seed(len(name))
+    layers = _kind_layers(g, kind, hidden, inter, hq, hkv, d)
+    caches = [torch.randn(2, 12, block, hkv, d, generator=g) for _ in layers]
+    rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=8)
+    final = (torch.randn(hidden, generator=g), torch.randn(hidden, generator=g) if kind.get("layer_norm") else None)
+    table = torch.randperm(12, generator=g)[: -(-seq_len // block)]
+    slot = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
+    x = torch.randn(1, hidden, generator=g)
+    refs = [c.clone() for c in caches]
+    want = _kind_reference(x, layers, kind, rope, seq_len - 1, refs, slot, table, seq_len, final, eps)
+    kinds = [kind.get(k, 0) for k in ("layer_norm", "plain_mlp", "parallel", "qk_norm_full")]
+    stack = ops.decode_model(
+        _flat(ops, layers), [c[0] for c in caches], [c[1] for c in caches], [rope.cos_sin_cache] * len(layers),
+        d**-0.5, eps, final[0], kinds=kinds, residual_mult=kind.get("residual_mult", 1.0), final_norm_b=final[1],
+    )  # fmt: skip
+    stack(x, torch.tensor([seq_len - 1]), torch.tensor([slot]), table[None], torch.tensor([0]))
+    for cache, ref in zip(caches, refs):
+        torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x, want, atol=1e-4, rtol=1e-4)
