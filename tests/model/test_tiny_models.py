@@ -156,8 +156,9 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 # Variants whose architecture adds nothing to the scheduler's paths (no window, no new cache layout): they run every
-# test but chunked prefill with prefix caching and preemption, which the other variants run for them (the suite
-# stays within CI's time on two cores).
+# test but chunked prefill with prefix caching and preemption, which the other variants run for them, and of the
+# tests with options only one (the native backend, chunked logprobs, five requests decoding) (the suite stays within
+# CI's time on two cores).
 BREADTH_ONLY = {
     "gemma2",
     "llama3-rope-legacy-keys",
@@ -178,6 +179,14 @@ BREADTH_ONLY = {
 def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> str:
     arch, kwargs = VARIANTS[request.param]
     return make_tiny_model(tiny_model_dir, arch, **kwargs)
+
+
+def breadth_cases(options: list[Any], breadth: list[Any]) -> list[Any]:
+    """(variant, option) cases for a test parametrized over `model_dir` (indirectly) and an option: every option for
+    the variants that run everything, only the `breadth` options for the breadth-only ones (CI's time)."""
+    return [
+        pytest.param(v, o, id=f"{v}-{o}") for v in VARIANTS for o in options if v not in BREADTH_ONLY or o in breadth
+    ]
 
 
 @pytest.fixture(params=[v for v in VARIANTS if v not in BREADTH_ONLY], scope="module")
@@ -250,7 +259,9 @@ def shared_prefix_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-@pytest.mark.parametrize("backend", ["cpu_native", "torch"])
+@pytest.mark.parametrize(
+    "model_dir, backend", breadth_cases(["cpu_native", "torch"], ["cpu_native"]), indirect=["model_dir"]
+)
 def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
     """Eight prompts of 3..150 tokens in one call (positions up to 181, past the llama3 original 64), with each
     attention backend: the native CPU kernels (one call over all decodes, layer by layer) and torch (gather + SDPA
@@ -266,7 +277,7 @@ def test_greedy_batch_matches_hf(model_dir: str, backend: str) -> None:
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("num_prompts", [1, 5])
+@pytest.mark.parametrize("model_dir, num_prompts", breadth_cases([1, 5], [5]), indirect=["model_dir"])
 def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, fused_calls: list[int]) -> None:
     """Decode steps (no prompt token) run in the fused decoder (worker/cpu_decode_runner.py: one native call for
     all layers), for every variant: one request alone (every step a lone token), or several of different lengths
@@ -427,7 +438,7 @@ def check_prompt_logprobs(ref: torch.Tensor, prompt: list[int], out: RequestOutp
         check_entries(ref[p - 1], prompt[p], plp[p], k, f"prompt {p}")
 
 
-@pytest.mark.parametrize("budget", [None, 16], ids=["one-pass", "chunked"])
+@pytest.mark.parametrize("model_dir, budget", breadth_cases([None, 16], [16]), indirect=["model_dir"])
 def test_logprobs_match_hf(model_dir: str, budget: int | None) -> None:
     """prompt_logprobs=5 and logprobs=5; the same prompt twice (prefix caching must not skip positions)."""
     prompts = random_prompts([2, 17, 60, 130], seed=40)
@@ -484,8 +495,11 @@ def test_gemma2_caps_matter(tiny_model_dir: Path) -> None:
 WINDOWED = ["mistral-window", "qwen2-window", "gemma3", "starcoder2"]
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "all-blocks"])
-@pytest.mark.parametrize("variant", WINDOWED)
+@pytest.mark.parametrize(
+    "variant, hybrid",
+    [pytest.param(v, True, id=f"{v}-hybrid") for v in WINDOWED]
+    + [pytest.param("gemma3", False, id="gemma3-all-blocks")],
+)
 def test_window_layers_hold_only_their_window(tiny_model_dir: Path, variant: str, hybrid: bool) -> None:
     """A 150-token prompt and 32 decode steps on a model with sliding-window layers: at every step the request holds,
     in each window KV cache group, only the blocks its next token sees (the rest dropped to the null block), all its
