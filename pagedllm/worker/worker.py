@@ -74,16 +74,18 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         per_block = self.model_runner.kv_cache_bytes_per_block()
         layout = self.model_runner.kv_layout
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens%s)",
-            num_blocks,
-            self.config.cache_config.block_size,
-            num_blocks * per_block / 2**30,
-            num_blocks * self.config.cache_config.block_size,
-            ""
-            if layout.num_groups == 1 and not layout.hybrid
-            else f" in {layout.num_groups} groups of {layout.slots} layers; windows {sorted(set(layout.windows))}",
-        )
+        bs = self.config.cache_config.block_size
+        if layout.hybrid:  # a block id is `slots` layers' block: its tokens depend on how requests' windows share it
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%.2f GiB) in %d groups of %d layers, windows %s",
+                num_blocks, bs, num_blocks * per_block / 2**30, layout.num_groups, layout.slots,
+                sorted(set(layout.windows)),
+            )  # fmt: skip
+        else:
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
+                num_blocks, bs, num_blocks * per_block / 2**30, num_blocks * bs,
+            )  # fmt: skip
         start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
         logger.info("startup: KV cache allocation %.2f s", time.perf_counter() - start)
