@@ -286,7 +286,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         if name is None or (tied and name == "output.weight"):
             continue
         t = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
-        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # the converter stores 1 + w
+        if arch in GEMMA_NORMS and name.endswith("norm.weight"):  # the converter stores 1 + w
             t = t + np.float32(1.0)
         if arch in _PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, heads)
@@ -318,3 +318,38 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
     w.write_tensors_to_file()
     w.close()
     return types
+
+
+# Architectures whose norm weights convert_hf_to_gguf.py stores as 1 + w (Gemma's RMSNorm scales by 1 + w)
+GEMMA_NORMS = ("gemma", "gemma2", "gemma3")
+
+
+def hf_on_dequantized(hf: Any, path: str, arch: str) -> Any:
+    """`hf` (an HF model of the file's config) holding the GGUF file's de-quantized weights, as the file's writer
+    stored them undone: q/k rows back from llama.cpp's order where the converter permuted them, Gemma's norms less
+    1. Returns `hf`."""
+    import gguf
+    import torch
+
+    cfg = hf.config
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    state = {}
+    for name, param in hf.state_dict().items():
+        gname = gguf_name(name, arch)
+        if gname is None or gname not in tensors:
+            continue
+        t = tensors[gname]
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(param.shape)
+        kind = gname.split(".")[-2]  # blk.N.<kind>.weight
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(kind)
+        if arch in _PERMUTED and heads:
+            order = _permute(np.arange(w.shape[0]), heads)  # file row i holds HF row order[i]
+            w = w[np.argsort(order)]
+        if arch in GEMMA_NORMS and gname.endswith("norm.weight"):
+            w = w - np.float32(1.0)
+        state[name] = torch.from_numpy(w.copy())
+    missing = set(hf.state_dict()) - set(state) - {"lm_head.weight"}
+    assert not missing, missing
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    return hf

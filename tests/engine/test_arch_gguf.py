@@ -18,14 +18,14 @@ prompts here (all longer than 32).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.gguf_utils import _PERMUTED, _permute, gguf_name, write_gguf
+from tests.gguf_utils import hf_on_dequantized, write_gguf
 from tests.model_utils import hf_greedy, load_hf_model, make_tiny_model, random_prompts
 
 # GGUF architecture -> (HF architecture, make_tiny_model kwargs)
@@ -105,36 +105,6 @@ def test_f32_gguf_matches_hf(folder: tuple[str, str], tmp_path: Any) -> None:
         assert list(o.outputs[0].token_ids) == ref, f"prompt of {len(p)} tokens"
 
 
-def _hf_on_dequantized(path_hf: str, path: str, arch: str) -> Any:
-    """The folder's HF model holding the file's de-quantized weights (q/k rows back from llama.cpp's order where
-    the converter permuted them)."""
-    import copy
-
-    import gguf
-
-    hf = copy.deepcopy(load_hf_model(path_hf))
-    cfg = hf.config
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    state = {}
-    for name, param in hf.state_dict().items():
-        gname = gguf_name(name, arch)
-        if gname is None or gname not in tensors:
-            continue
-        t = tensors[gname]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(param.shape)
-        kind = gname.split(".")[-2]  # blk.N.<kind>.weight
-        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(kind)
-        if arch in _PERMUTED and heads:
-            order = _permute(np.arange(w.shape[0]), heads)  # file row i holds HF row order[i]
-            w = w[np.argsort(order)]
-        state[name] = torch.from_numpy(w.copy())
-    missing = set(hf.state_dict()) - set(state) - {"lm_head.weight"}
-    assert not missing, missing
-    hf.load_state_dict(state, strict=False)
-    hf.tie_weights()
-    return hf
-
-
 def test_q4_k_m_as_stored_agrees_with_hf_on_dequantized(folder: tuple[str, str], tmp_path: Any) -> None:
     arch, path_hf = folder
     path = str(tmp_path / f"tiny-{arch}-q4_k_m.gguf")
@@ -148,7 +118,8 @@ def test_q4_k_m_as_stored_agrees_with_hf_on_dequantized(folder: tuple[str, str],
         stored = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
     assert len(stored) >= 4 * CASES[arch][1].get("num_hidden_layers", 3), "the matrices do not run as stored"
     with torch.no_grad():
-        logits = _hf_on_dequantized(path_hf, path, arch)(torch.tensor([ids])).logits[0, :-1]
+        hf = hf_on_dequantized(copy.deepcopy(load_hf_model(path_hf)), path, arch)
+        logits = hf(torch.tensor([ids])).logits[0, :-1]
     ref = torch.log_softmax(logits.float(), dim=-1)  # row i: the distribution of token i + 1
     entries = out.prompt_logprobs[1:]
     noise = [abs(d[t].logprob - float(ref[i, t])) for i, (d, t) in enumerate(zip(entries, ids[1:], strict=True))]

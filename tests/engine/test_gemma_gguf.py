@@ -13,13 +13,12 @@ The head (tied embedding) is scaled up as in test_gguf_matrix, for a trained mod
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.engine.test_gguf_matrix import _sharpen
-from tests.gguf_utils import gguf_name, write_gguf
+from tests.gguf_utils import hf_on_dequantized, write_gguf
 from tests.model_utils import make_tiny_model, random_prompts
 
 GEMMA3 = dict(
@@ -66,26 +65,10 @@ def model(request, tiny_model_dir, tmp_path_factory) -> tuple[str, str, str]:
 
 def _hf_on_dequantized(folder: str, path: str, arch: str):
     """The HF model of the folder's config holding the file's de-quantized weights."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    state = {}
-    for name, param in hf.state_dict().items():
-        gname = gguf_name(name, arch)
-        if gname is None or gname not in tensors:
-            continue
-        t = tensors[gname]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(param.shape)
-        if gname.endswith("norm.weight"):
-            w = w - np.float32(1.0)
-        state[name] = torch.from_numpy(w.copy())
-    missing = set(hf.state_dict()) - set(state) - {"lm_head.weight"}
-    assert not missing, missing
-    hf.load_state_dict(state, strict=False)
-    hf.tie_weights()
-    return hf
+    return hf_on_dequantized(hf, path, arch)
 
 
 def test_dequantized_gguf_matches_hf(model) -> None:
