@@ -58,6 +58,17 @@ _MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3",
 }
 
+# Phi-3 LongRoPE over half of each head with an original context of 32 tokens (past it, the long factors)
+PHI3_LONGROPE_32: dict[str, Any] = dict(
+    partial_rotary_factor=0.5,
+    original_max_position_embeddings=32,
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.9, 3.1],
+        "long_factor": [1.4, 3.5, 8.0, 17.0],
+        "original_max_position_embeddings": 32,
+    },
+)
 # Phi-3 LongRoPE over the first half of each head (4 frequencies), original context 256 of 512
 PHI3_LONGROPE: dict[str, Any] = dict(
     partial_rotary_factor=0.5,

@@ -26,7 +26,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.gguf_utils import hf_on_dequantized, write_gguf
-from tests.model_utils import hf_greedy, load_hf_model, make_tiny_model, random_prompts
+from tests.model_utils import PHI3_LONGROPE_32, hf_greedy, load_hf_model, make_tiny_model, random_prompts
 
 # GGUF architecture -> (HF architecture, make_tiny_model kwargs)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,20 +45,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm": ("StableLmForCausalLM", dict(seed=44, partial_rotary_factor=0.25, use_qkv_bias=True)),
     "starcoder2": ("Starcoder2ForCausalLM", dict(seed=45, tie_word_embeddings=True, sliding_window=None)),
     "phi2": ("PhiForCausalLM", dict(seed=46, partial_rotary_factor=0.5, intermediate_size=256)),  # 4 * hidden
-    "phi3": (
-        "Phi3ForCausalLM",
-        dict(
-            seed=47,
-            partial_rotary_factor=0.5,
-            original_max_position_embeddings=32,
-            rope_scaling={
-                "rope_type": "longrope",
-                "short_factor": [1.0, 1.2, 1.9, 3.1],
-                "long_factor": [1.4, 3.5, 8.0, 17.0],
-                "original_max_position_embeddings": 32,
-            },
-        ),
-    ),
+    "phi3": ("Phi3ForCausalLM", dict(seed=47, **PHI3_LONGROPE_32)),
 }
 # GGUF architecture -> config fields its file must give (beyond what the greedy tokens check)
 EXPECTED: dict[str, dict[str, Any]] = {

@@ -22,23 +22,12 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.config_loader import load_model_config
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_inv_freq
-from tests.model_utils import hf_greedy, make_tiny_model, random_prompts
+from tests.model_utils import PHI3_LONGROPE_32, hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 12
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, kv_cache_memory_bytes="8MiB")
 # Phi-3 with LongRoPE over half of each head, an original context of 32 in 512 (attention factor from 16)
-PHI3_SHORT_CONTEXT: dict[str, Any] = dict(
-    seed=23,
-    num_hidden_layers=2,
-    partial_rotary_factor=0.5,
-    original_max_position_embeddings=32,
-    rope_scaling={
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.2, 1.9, 3.1],
-        "long_factor": [1.4, 3.5, 8.0, 17.0],
-        "original_max_position_embeddings": 32,
-    },
-)
+PHI3_SHORT_CONTEXT: dict[str, Any] = dict(seed=23, num_hidden_layers=2, **PHI3_LONGROPE_32)
 # Llama with dynamic NTK scaling by 4 over a 256-token context
 LLAMA_DYNAMIC: dict[str, Any] = dict(
     seed=24, num_hidden_layers=2, max_position_embeddings=256, rope_scaling={"rope_type": "dynamic", "factor": 4.0}
