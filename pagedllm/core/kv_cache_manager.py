@@ -94,7 +94,7 @@ class KVCacheManager:
             for g, window in enumerate(self.windows):
                 m = self._group_hit(g, window, hashes, n)
                 if m < n:
-                    n, settled = m, False
+                    n, settled = m, self.num_groups == 1  # one group: its own hit needs no second look
         hits = self.empty()
         for g, window in enumerate(self.windows):
             lo = self._first_needed(window, n * self.block_size)
