@@ -35,7 +35,6 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.models.llama import embed
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # csrc/cpu/kernels.h PagedllmDecoderAct
 
@@ -222,7 +221,7 @@ class CpuDecodeRunner:
         consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
         the layer-by-layer path computes prompt tokens."""
         decoder = self._decoder()
-        x = embed(self.model.model, input_ids).contiguous()  # as the model's forward (Gemma's scale included)
+        x = self.model.model.embed(input_ids).contiguous()  # as the model's forward (Gemma's scale included)
         decoder(x, positions, slot_mapping, block_table, table_rows, prompt)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there

@@ -2,18 +2,19 @@
 layer-by-layer forward computes.
 
 Contract. A model class's `layer_description(config)` (a classmethod; LlamaForCausalLM's default reads the class
-attributes below) returns one `LayerDescription` for all its layers. worker/cpu_decode_runner.py reads nothing else
-about a layer's structure: a model whose description it accepts runs decode steps in one native call per step
-(csrc/cpu/decoder.cpp), every other one layer by layer. The per-layer facts that live on the modules themselves stay
-there (a layer's sliding window and soft-cap on its Attention, its rotary table and so partial or no rotary, which
-biases and q/k norms exist). The layer path of each architecture computes what its description says; the tiny-model
-tests check both paths against transformers on every architecture.
+attributes below) returns one `LayerDescription` for all its layers. Both paths that run a layer read it and nothing
+else about a layer's structure: the layer path's one `DecoderLayer` (model/layers/decoder.py), whose forward follows
+the order below for every architecture, and worker/cpu_decode_runner.py, which runs decode steps of a model whose
+description it accepts in one native call per step (csrc/cpu/decoder.cpp). The per-layer facts that live on the
+modules themselves stay there (a layer's sliding window and soft-cap on its Attention, its rotary table and so
+partial or no rotary, which biases exist). The tiny-model tests check both paths against transformers on every
+architecture, and against each other.
 
 The order of operations it describes, for one layer with input residual stream x:
     h = norm1(x)                       (norms[0]; None: h = x)
     a = o_proj(attention(qkv_proj(h)))  (q/k norms per head or over the whole projection, before rotary)
     sequential: x = x + post_attn(a) * m;  h = norm2(x)   (norms[2], norms[1]; m = residual_multiplier)
-    parallel:   the MLP reads the same h, and x = x + a * m + mlp * m at the end
+    parallel:   the MLP reads the same h, and x = (x + a * m) + mlp * m at the end
     u = mlp(h): gated act(gate) * up, or plain act(up); then down_proj
     x = x + post_mlp(u) * m            (norms[3])
 """
@@ -57,5 +58,7 @@ class LayerDescription:
         ):
             if value not in allowed:
                 raise ValueError(f"layer description: {name} must be one of {allowed}, got {value!r}")
-        if self.parallel and self.norms[1] is not None:
-            raise ValueError("layer description: parallel attention and MLP share norm1; norms[1] must be None")
+        if self.parallel and self.norms[1:] != (None, None, None):
+            raise ValueError("layer description: parallel attention and MLP share norm1 and have no other norms")
+        if self.residual_multiplier != 1.0 and self.norms[2:] != (None, None):
+            raise ValueError("layer description: a residual multiplier with post norms is not described")

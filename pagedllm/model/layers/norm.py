@@ -59,5 +59,21 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), as RMSNorm's fused form."""
+        if residual is None:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        x = x + residual
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps), x
+
+
+def make_norm(kind: str, hidden_size: int, eps: float, dtype: torch.dtype, ops: Any = None) -> RMSNorm | LayerNorm:
+    """A norm of a layer description's kind (model/layers/description.py): "rms" (RMSNorm, on the native ops where
+    given) or "layer" (LayerNorm with a bias)."""
+    if kind == "rms":
+        return RMSNorm(hidden_size, eps, dtype, ops)
+    if kind == "layer":
+        return LayerNorm(hidden_size, eps, dtype)
+    raise ValueError(f"unknown norm kind {kind!r} (rms and layer are)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model
+from pagedllm.model.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
 
 
 def gemma2_layer_types(config: Any) -> list[str]:
@@ -28,9 +28,7 @@ def gemma2_layer_types(config: Any) -> list[str]:
     return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(config.num_hidden_layers)]
 
 
-class Gemma2DecoderLayer(Gemma3DecoderLayer):
-    qk_norm = False
-
+class Gemma2Model(Gemma3Model):
     @staticmethod
     def rope(config: Any, kind: str) -> tuple[float, dict[str, Any] | None]:
         """One rope for local and global layers: `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling`."""
@@ -38,10 +36,6 @@ class Gemma2DecoderLayer(Gemma3DecoderLayer):
         p.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
         kind_of_scaling = p.get("rope_type") or p.get("type") or "default"
         return float(p["rope_theta"]), (p if kind_of_scaling != "default" else None)
-
-
-class Gemma2Model(Gemma3Model):
-    layer_cls = Gemma2DecoderLayer
 
     @staticmethod
     def layer_types(config: Any) -> list[str]:

@@ -10,7 +10,7 @@ What differs from Llama, as transformers' modeling_gemma3 computes it:
 * local (sliding-window) and global layers (`layer_types`), each kind with its own rope (`rope_parameters` per layer
   type: a local base of 10,000, a global one of 1,000,000 with optional scaling);
 * a GELU(tanh)-gated MLP, and the optional final-logit soft-capping (logits = cap * tanh(logits / cap)).
-The fused decoder runs these layers from the description below (`decoder_norms`, `decoder_act`).
+The layer path and the fused decoder run these layers from the description below (`decoder_norms`, `decoder_act`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import torch
 from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
-from pagedllm.model.layers.activation import GeluTanhAndMul
-from pagedllm.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.model.models.gemma import GemmaForCausalLM
-from pagedllm.model.models.llama import LayerStack, LlamaAttention, layer_window, served_len
+from pagedllm.model.models.gemma import GemmaForCausalLM, GemmaModel
+from pagedllm.model.models.llama import LlamaAttention, layer_window, served_len
 
 
 def gemma3_layer_types(config: Any) -> list[str]:
@@ -56,67 +54,40 @@ def gemma3_rope(config: Any, layer_type: str) -> tuple[float, dict[str, Any] | N
     return float(p.get("rope_theta", 10000.0)), (p if kind != "default" else None)
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
-        super().__init__()
-        ops, tp = kernels.cpu_for(dtype), kernels.tp
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"Gemma 3 MLP activation {act!r} is not supported (gelu_pytorch_tanh is)")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, dtype, ops, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, dtype, ops, tp)
-        self.act = GeluTanhAndMul()
+class Gemma3Model(GemmaModel):
+    """Gemma 3's stack: Gemma's, with layers of two kinds (`layer_types`), each kind with its own rope, the attention
+    scale query_pre_attn_scalar ** -0.5, and Gemma 2's attention-logit soft-cap where the config has one."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma with bidirectional attention (an embedding model) is not supported here")
+        self.kinds = self.layer_types(config)
+        super().__init__(config, dtype, bias, desc, kernels)  # layers of one kind share one rotary table
+        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)  # Gemma 2's; Gemma 3 has none
+        for layer in self.layers:
+            layer.self_attn.attn.logit_softcap = softcap
 
-
-class Gemma3DecoderLayer(nn.Module):
-    qk_norm = True  # Gemma 2's layers have none
-
-    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, index: int, kind: str) -> None:
-        super().__init__()
-        ops = kernels.cpu_for(dtype)
-        attn = LlamaAttention(config, dtype, False, self.qk_norm, kernels, layer_window(config, index))
-        theta, scaling = self.rope(config, kind)
+    def build_attention(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
+        attn = LlamaAttention(config, dtype, False, desc.qk_norm, kernels, layer_window(config, index))
+        theta, scaling = self.rope(config, self.kinds[index])
         attn.rotary_emb = RotaryEmbedding(
-            attn.head_dim, config.max_position_embeddings, theta, scaling, ops=ops, max_model_len=served_len(config)
+            attn.head_dim,
+            config.max_position_embeddings,
+            theta,
+            scaling,
+            ops=kernels.cpu_for(dtype),
+            max_model_len=served_len(config),
         )
         attn.attn.scale = float(getattr(config, "query_pre_attn_scalar", None) or attn.head_dim) ** -0.5
-        self.self_attn = attn
-        self.mlp = Gemma3MLP(config, dtype, kernels)
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype, ops)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
-        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, ops)
+        return attn
 
     @staticmethod
     def rope(config: Any, kind: str) -> tuple[float, dict[str, Any] | None]:
         return gemma3_rope(config, kind)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
-        x = x + h
-        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + h
-
-
-class Gemma3Model(LayerStack):
-    layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer
-
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma with bidirectional attention (an embedding model) is not supported here")
-        kinds = self.layer_types(config)
-        layers = (self.layer_cls(config, dtype, kernels, i, kinds[i]) for i in range(config.num_hidden_layers))
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
-        super().__init__(config, dtype, kernels, layers, norm)  # layers of one kind share one rotary table
-        self.embed_scale = float(config.hidden_size) ** 0.5  # in float32, as transformers scales them
-        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)  # Gemma 2's; Gemma 3 has none
-        for layer in self.layers:
-            layer.self_attn.attn.logit_softcap = softcap
 
     @staticmethod
     def layer_types(config: Any) -> list[str]:
@@ -126,8 +97,8 @@ class Gemma3Model(LayerStack):
 class Gemma3ForCausalLM(GemmaForCausalLM):  # its (1 + w) norms held as the sum (convert_weight)
     qk_norm = True
     model_cls = Gemma3Model
-    # The fused decoder's description of these layers (worker/cpu_decode_runner.py): the norms by role (before
-    # attention, before the MLP, after attention, after the MLP) and the gate's activation.
+    # The layers' description (model/layers/description.py): the norms by role (before attention, before the MLP,
+    # after attention, after the MLP) and the gate's activation.
     decoder_norms = (
         "input_layernorm",
         "pre_feedforward_layernorm",

@@ -2,7 +2,7 @@
 modeling_granite applies them: embeddings times `embedding_multiplier`; each attention and MLP output times
 `residual_multiplier` before it joins the residual stream; the attention scale `attention_multiplier` (instead of
 head_dim ** -0.5); logits divided by `logits_scaling`. The residual multiplier is in the layer description, which
-this forward and the fused decoder read.
+the layer path and the fused decoder read.
 """
 
 from __future__ import annotations
@@ -14,44 +14,20 @@ import torch
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, embed
+from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class GraniteModel(LlamaModel):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__(config, dtype, bias, qk_norm, kernels)
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
+        super().__init__(config, dtype, bias, desc, kernels)
         multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         self.embed_scale = multiplier if multiplier != 1.0 else None  # embed() and the fused decoder apply it
         scale = float(getattr(config, "attention_multiplier", 0.0) or 0.0)
         for layer in self.layers:
             if scale:
                 layer.self_attn.attn.scale = scale
-
-    def _layer(
-        self,
-        layer: LlamaDecoderLayer,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rm = self.description.residual_multiplier
-        if residual is None:
-            residual = x
-            x = layer.input_layernorm(x)
-        else:
-            x, residual = layer.input_layernorm(x, residual)
-        x = layer.self_attn(positions, x, meta) * rm
-        x, residual = layer.post_attention_layernorm(x, residual)
-        return layer.mlp(x) * rm, residual
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = embed(self, input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = self._layer(layer, positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -1,7 +1,8 @@
-"""What Starcoder2, StableLM and Phi (Phi-2) share beside the Llama layers: LayerNorm with a bias instead of RMSNorm,
-rotary embedding over the first `partial_rotary_factor` of each head, and (Starcoder2, Phi) an MLP without a gate.
-Each architecture's own file composes these and describes its layers (LayerDescription: norm "layer", plain or gated
-MLP, parallel or not), which the fused decoder runs."""
+"""What Starcoder2, StableLM and Phi (Phi-2) share beside the Llama layers: LayerNorm with a bias instead of RMSNorm
+(their descriptions say norm "layer"), an eps under their config's own name, rotary embedding over the first
+`partial_rotary_factor` of each head, and (Starcoder2, Phi) an MLP without a gate. Each architecture's own file
+composes these and describes its layers (plain or gated MLP, parallel or not), which the layer path and the fused
+decoder run."""
 
 from __future__ import annotations
 
@@ -12,24 +13,9 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.activation import GeluTanh
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedllm.model.models.llama import LlamaAttention
-
-
-def partial_rotary_attention(
-    config: Any,
-    dtype: torch.dtype,
-    bias: bool,
-    kernels: KernelDispatch,
-    window: int | None = None,
-    o_bias: bool = False,
-) -> LlamaAttention:
-    """Llama's attention with q/k/v and output biases as given and rotary embedding over the first
-    partial_rotary_factor of each head (the config's top level, or its rope parameters as transformers 5 writes
-    them)."""
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    rot = partial_rotary_dim(config, getattr(config, "head_dim", None) or hidden // heads)
-    return LlamaAttention(config, dtype, bias, False, kernels, window, o_bias, rotary_dim=rot)
+from pagedllm.model.models.llama import LlamaAttention, LlamaModel, layer_window
 
 
 def partial_rotary_dim(config: Any, head_dim: int) -> int:
@@ -38,6 +24,27 @@ def partial_rotary_dim(config: Any, head_dim: int) -> int:
     params = getattr(config, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
     return int(head_dim * float(factor))
+
+
+class LayerNormModel(LlamaModel):
+    """A stack of LayerNorm layers: the eps under `eps_name`, q/k/v biases where `bias` says, the output projection's
+    bias where `o_bias` says (None: the config's attention_bias), rotary over part of each head."""
+
+    eps_name = "layer_norm_eps"
+    o_bias: bool | None = None
+
+    def norm_eps(self, config: Any) -> float:
+        return float(getattr(config, self.eps_name))
+
+    def rotary_dim(self, config: Any) -> int | None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return partial_rotary_dim(config, head_dim)
+
+    def build_attention(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
+        window = layer_window(config, index)
+        return LlamaAttention(config, dtype, bias, None, kernels, window, self.o_bias, self.rotary_dim(config))
 
 
 class PlainMLP(nn.Module):
@@ -61,3 +68,8 @@ class PlainMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, down = (getattr(self, n) for n in self.names)
         return down(self.act(up(x)))
+
+
+def plain_mlp_names(desc: LayerDescription) -> tuple[str, str]:
+    """The up and down projections' names in the MLP module, from the description's linear paths ("mlp.c_fc")."""
+    return desc.linears[2].split(".")[-1], desc.linears[3].split(".")[-1]

@@ -19,8 +19,9 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import Shard
 from pagedllm.model.kernels import KernelDispatch, torch_dispatch
-from pagedllm.model.layers.activation import SiluAndMul
+from pagedllm.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.model.layers.attention import Attention
+from pagedllm.model.layers.decoder import DecoderLayer
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.layers.linear import (
@@ -29,7 +30,7 @@ from pagedllm.model.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.norm import RMSNorm, make_norm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
 
@@ -67,13 +68,15 @@ class LlamaAttention(nn.Module):
         config: Any,
         dtype: torch.dtype,
         bias: bool,
-        qk_norm: bool,
+        qk_norm: str | None,
         kernels: KernelDispatch,
         sliding_window: int | None = None,
         o_bias: bool | None = None,
         rotary_dim: int | None = None,
     ) -> None:
-        """`rotary_dim`: rotary embedding over the first rotary_dim of each head (None: all of it)."""
+        """`qk_norm`: RMSNorm of queries and keys before rotary, per head ("head") or over the whole projection
+        ("full", OLMo 2), or none. `rotary_dim`: rotary embedding over the first rotary_dim of each head (None: all
+        of it)."""
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
         hidden = config.hidden_size
@@ -99,17 +102,30 @@ class LlamaAttention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, dtype) if qk_norm else None
+        eps = config.rms_norm_eps if qk_norm else 0.0
+        self.qk_norm = qk_norm
+        if qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        q_width, k_width = (self.q_size, self.kv_size) if qk_norm == "full" else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, dtype) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         n = x.shape[0]
-        hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, self.head_dim)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        if self.qk_norm == "full":  # each of q and k normalised whole (every head at once)
+            q = self.q_norm(qkv[:, : hq * d].contiguous()).view(n, hq, d)
+            k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].contiguous()).view(n, hkv, d)
+            qkv = qkv.view(n, hq + 2 * hkv, d)
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qkv = qkv.view(n, hq + 2 * hkv, d)
+            qk = None
+            if self.qk_norm == "head":
+                qk = torch.cat([self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])], dim=1)
         v = qkv[:, hq + hkv :]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])], dim=1)
+        if qk is not None:
             if not self.rotary_emb.rotate_heads_(positions, qk, hq + hkv):
                 qk = self.rotary_emb.rotate(positions, qk)
         elif self.rotary_emb.rotate_heads_(positions, qkv, hq + hkv):
@@ -121,49 +137,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
+    """gate|up -> act(gate) * up -> down: SiLU (Llama) or GELU(tanh) (Gemma), as the layer description says."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, act: str = "silu") -> None:
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, ops, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, ops, tp)
-        self.act = SiluAndMul(ops)
+        self.act = SiluAndMul(ops) if act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        dtype: torch.dtype,
-        bias: bool,
-        qk_norm: bool,
-        kernels: KernelDispatch,
-        index: int = 0,
-        rotary_dim: int | None = None,
-    ) -> None:
-        super().__init__()
-        ops = kernels.cpu_for(dtype)
-        window = layer_window(config, index)
-        self.self_attn = LlamaAttention(config, dtype, bias, qk_norm, kernels, window, rotary_dim=rotary_dim)
-        self.mlp = LlamaMLP(config, dtype, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 def share_rotary_tables(layers: Iterable[nn.Module]) -> None:
@@ -179,64 +165,61 @@ def share_rotary_tables(layers: Iterable[nn.Module]) -> None:
             rope.cos_sin_cache = same
 
 
-def embed(stack: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """A decoder stack's input embeddings, times its `embed_scale` where it has one (Gemma: sqrt(hidden), a float32
-    tensor as transformers multiplies)."""
-    x = stack.embed_tokens(input_ids)
-    scale = getattr(stack, "embed_scale", None)
-    return x if scale is None else x * torch.tensor(scale, dtype=torch.float32)
-
-
 class LlamaModel(nn.Module):
+    """The decoder stack of every architecture: the embeddings (times `embed_scale` in float32 where set), the
+    layers (model/layers/decoder.py: each runs as the model's layer description says), the final norm. An
+    architecture's stack subclasses it and overrides what its layers are built from: `build_attention`,
+    `build_mlp`, `norm_eps`, `rotary_dim`. Layers with equal rotary tables share one copy."""
+
     embed_scale: float | None = None  # embeddings times this (Gemma's sqrt(hidden)); None: as looked up
 
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype, kernels.tp, kernels.cpu_for(dtype)
-        )
-        rot = self.rotary_dim(config)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, bias, qk_norm, kernels, i, rot) for i in range(config.num_hidden_layers)
-        )
+        ops = kernels.cpu_for(dtype)
+        hidden, eps = config.hidden_size, self.norm_eps(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, dtype, kernels.tp, ops)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            norms = {n: make_norm(desc.norm, hidden, eps, dtype, ops) for n in desc.norms if n is not None}
+            attn = self.build_attention(config, dtype, bias, desc, kernels, i)
+            layers.append(DecoderLayer(desc, attn, self.build_mlp(config, dtype, desc, kernels), norms))
+        self.layers = nn.ModuleList(layers)
         share_rotary_tables(self.layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels.cpu_for(dtype))
+        self.norm = make_norm(desc.norm, hidden, eps, dtype, ops)
+
+    def norm_eps(self, config: Any) -> float:
+        """The eps of every norm of the stack (the config's name for it differs by architecture)."""
+        return float(config.rms_norm_eps)
 
     def rotary_dim(self, config: Any) -> int | None:
         """The rotary dims of each head (None: the whole head; Phi-3's partial rotary says otherwise)."""
         return None
 
+    def build_attention(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
+        """Layer `index`'s attention (Llama's: q/k/v biases where `bias`, its window, the description's q/k norm)."""
+        window = layer_window(config, index)
+        rot = self.rotary_dim(config)
+        return LlamaAttention(config, dtype, bias, desc.qk_norm, kernels, window, rotary_dim=rot)
+
+    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+        return LlamaMLP(config, dtype, kernels, desc.act)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings, times `embed_scale` where set (a float32 tensor, as transformers multiplies)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=torch.float32)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = embed(self, input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
-
-
-class LayerStack(nn.Module):
-    """A decoder stack whose layers map (positions, x, meta) to x, residual stream included (Gemma 3, OLMo 2, the
-    LayerNorm models): the embeddings (times `embed_scale` in float32 when set), every layer, the final `norm`.
-    Layers with equal rotary tables share one copy."""
-
-    embed_scale: float | None = None
-
-    def __init__(
-        self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, layers: Iterable[nn.Module], norm: nn.Module
-    ) -> None:
-        super().__init__()
-        ops = kernels.cpu_for(dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels.tp, ops)
-        self.layers = nn.ModuleList(layers)
-        share_rotary_tables(self.layers)
-        self.norm = norm
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = embed(self, input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -262,9 +245,11 @@ class LlamaForCausalLM(nn.Module):
         kernels = kernels or torch_dispatch()
         self.config = config
         bias = self.attention_bias or bool(getattr(config, "attention_bias", False))
-        self.model = self.model_cls(config, dtype, bias, self.qk_norm, kernels)
-        # One description of the layers for this forward and the fused decoder (worker/cpu_decode_runner.py).
-        self.description = self.model.description = self.layer_description(config)
+        # One description of the layers for the layer path (model/layers/decoder.py) and the fused decoder
+        # (worker/cpu_decode_runner.py).
+        self.description = self.layer_description(config)
+        self.model = self.model_cls(config, dtype, bias, self.description, kernels)
+        self.model.description = self.description
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, kernels.cpu_for(dtype), kernels.tp)
         if self.tie_word_embeddings:

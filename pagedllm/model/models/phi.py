@@ -12,30 +12,23 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.layers.norm import LayerNorm
-from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
-from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM
+from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP, plain_mlp_names
+from pagedllm.model.models.llama import LlamaForCausalLM
 
 
-class PhiDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch) -> None:
-        super().__init__()
-        self.self_attn = partial_rotary_attention(config, dtype, True, kernels, o_bias=True)
-        self.mlp = PlainMLP(config, dtype, kernels, ("fc1", "fc2"))
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
+class PhiModel(LayerNormModel):
+    o_bias = True
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        return self.self_attn(positions, h, meta) + self.mlp(h) + x
-
-
-class PhiModel(LayerStack):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
         if getattr(config, "qk_layernorm", False):
             raise ValueError("Phi with qk_layernorm (per-head query/key LayerNorm) is not supported")
-        layers = (PhiDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
-        # the checkpoint's model.final_layernorm loads as this norm (PhiForCausalLM.hf_renames)
-        super().__init__(config, dtype, kernels, layers, LayerNorm(config.hidden_size, config.layer_norm_eps, dtype))
+        # q/k/v biases always; the checkpoint's model.final_layernorm loads as `norm` (PhiForCausalLM.hf_renames)
+        super().__init__(config, dtype, True, desc, kernels)
+
+    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+        return PlainMLP(config, dtype, kernels, plain_mlp_names(desc))
 
 
 class PhiForCausalLM(LlamaForCausalLM):

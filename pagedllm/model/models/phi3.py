@@ -14,16 +14,12 @@ RMSNorm and a SiLU-gated MLP as Llama's: the fused decoder runs these layers.
 
 from __future__ import annotations
 
-from typing import Any
-
-from pagedllm.model.models.layernorm_family import partial_rotary_dim
+from pagedllm.model.models.layernorm_family import LayerNormModel
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class Phi3Model(LlamaModel):
-    def rotary_dim(self, config: Any) -> int | None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return partial_rotary_dim(config, head_dim)
+    rotary_dim = LayerNormModel.rotary_dim  # over the first partial_rotary_factor of each head
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -11,12 +11,15 @@ from typing import Any
 import torch
 
 from pagedllm.model.kernels import KernelDispatch
+from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class SmolLM3Model(LlamaModel):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        super().__init__(config, dtype, bias, qk_norm, kernels)
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
+        super().__init__(config, dtype, bias, desc, kernels)
         flags = list(getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers)
         if len(flags) != config.num_hidden_layers:
             raise ValueError(f"no_rope_layers has {len(flags)} entries for {config.num_hidden_layers} layers")

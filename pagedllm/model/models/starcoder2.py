@@ -10,29 +10,21 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.layers.norm import LayerNorm
-from pagedllm.model.models.layernorm_family import PlainMLP, partial_rotary_attention
-from pagedllm.model.models.llama import LayerStack, LlamaForCausalLM, layer_window
+from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP, plain_mlp_names
+from pagedllm.model.models.llama import LlamaForCausalLM
 
 
-class Starcoder2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, index: int) -> None:
-        super().__init__()
-        bias, eps = bool(getattr(config, "use_bias", True)), config.norm_epsilon
-        self.self_attn = partial_rotary_attention(config, dtype, bias, kernels, layer_window(config, index), bias)
-        self.mlp = PlainMLP(config, dtype, kernels, ("c_fc", "c_proj"), bias)
-        self.input_layernorm = LayerNorm(config.hidden_size, eps, dtype)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, dtype)
+class Starcoder2Model(LayerNormModel):
+    eps_name = "norm_epsilon"
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
+    ) -> None:
+        self.o_bias = self.use_bias = bool(getattr(config, "use_bias", True))  # on q/k/v, o and the MLP alike
+        super().__init__(config, dtype, self.use_bias, desc, kernels)
 
-
-class Starcoder2Model(LayerStack):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, qk_norm: bool, kernels: KernelDispatch) -> None:
-        layers = (Starcoder2DecoderLayer(config, dtype, kernels, i) for i in range(config.num_hidden_layers))
-        super().__init__(config, dtype, kernels, layers, LayerNorm(config.hidden_size, config.norm_epsilon, dtype))
+    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+        return PlainMLP(config, dtype, kernels, plain_mlp_names(desc), self.use_bias)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
