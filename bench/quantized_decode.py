@@ -62,7 +62,7 @@ def child(args: argparse.Namespace) -> dict:
     import pagedllm
     from pagedllm import LLM, SamplingParams
     from pagedllm.model.kernels import load_cpu_ops
-    from pagedllm.model.layers.linear import int8_inputs
+    from pagedllm.model.layers.linear import GENERATED_ROWS
 
     load_cpu_ops()  # the kernel library is mapped in both configurations before the baseline
     base = rss_bytes()
@@ -99,9 +99,9 @@ def child(args: argparse.Namespace) -> dict:
             after_fused[0] = True
             return out
 
-    def timed_head(hidden):
+    def timed_head(hidden, rows):
         start = time.perf_counter()
-        out = head_fn(hidden)
+        out = head_fn(hidden, rows)
         if after_fused[0]:
             inside["head"].append(time.perf_counter() - start)
         after_fused[0] = False
@@ -149,8 +149,8 @@ def child(args: argparse.Namespace) -> dict:
             return best
 
         forward = per_call(fused)
-        with int8_inputs(True):  # a generated token's row, as the model runner marks it (GGUF: int8 products)
-            head = per_call(lambda: model.compute_logits(hidden))
+        # a generated token's row, as the model runner marks it (GGUF: int8 products)
+        head = per_call(lambda: model.compute_logits(hidden, GENERATED_ROWS))
     llm.reset_prefix_cache()
     result = {
         "quantization": args.quantization or "gguf",

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 VOCAB_SIZE = 512
@@ -275,59 +276,123 @@ class PreemptionCounter:
         del self.client.get_output  # back to the class method
 
 
+class _RowsInCache:
+    """Tokens of several requests (request i: `rows` consecutive tokens from position `first`, each request with its
+    own blocks from block 3 on in each KV cache group, and a random context in them), set up in an in-process
+    engine's KV cache for a direct call of the fused decoder or the layer path; the cache is restored on exit.
+    `reset()` puts the random context back (undoing what a call wrote)."""
+
+    def __init__(self, llm: Any, requests: list[tuple[int, int]]) -> None:
+        self.runner = runner = llm.engine_core.engine_core.executor.worker.model_runner
+        self.requests = requests
+        block = runner.block_size
+        self.caches = [layer.self_attn.attn.kv_cache for layer in runner.model.model.layers]
+        groups = runner.kv_layout.num_groups
+        width = max(-(-(first + rows) // block) for first, rows in requests)
+        self.table = torch.zeros(groups, len(requests), width, dtype=torch.int64)
+        next_block = 3
+        for grp in range(groups):
+            for i, (first, rows) in enumerate(requests):
+                n = -(-(first + rows) // block)
+                self.table[grp, i, :n] = torch.arange(next_block, next_block + n)
+                next_block += n
+        self.blocks = range(3, next_block)
+        self.positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
+        self.table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
+        pos = self.positions
+        self.slots = self.table[:, self.table_rows, pos // block] * block + pos % block  # [groups, R]
+        self.ids = torch.randint(runner.vocab_size, (pos.numel(),), generator=torch.Generator().manual_seed(6))
+
+    def __enter__(self) -> _RowsInCache:
+        self.saved = [(k.clone(), v.clone()) for k, v in self.caches]
+        g = torch.Generator().manual_seed(5)
+        for k, v in {id(c[0]): c for c in self.caches}.values():  # a context to attend to in the blocks used
+            for blk in self.blocks:
+                k[blk].copy_(torch.randn(k[blk].shape, generator=g))
+                v[blk].copy_(torch.randn(v[blk].shape, generator=g))
+        self.context = [(k.clone(), v.clone()) for k, v in self.caches]
+        return self
+
+    def reset(self) -> None:
+        for (k, v), (k0, v0) in zip(self.caches, self.context):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    def cache_now(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k.clone(), v.clone()) for k, v in self.caches]
+
+    def __exit__(self, *exc: Any) -> None:
+        for (k, v), (k0, v0) in zip(self.caches, self.saved):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    def fused(self) -> torch.Tensor:
+        return self.runner.decode_runner(self.ids, self.positions, self.slots, self.table, self.table_rows)
+
+    def layer_path(self) -> torch.Tensor:
+        """The same rows through the model's forward (the layer path), every row a generated token."""
+        from pagedllm.model.attention.backends.base import CommonAttentionMetadata
+        from pagedllm.model.layers.linear import GENERATED_ROWS
+        from pagedllm.model.step_plan import StepPlan
+
+        runner = self.runner
+        lens = np.array([rows for _, rows in self.requests], dtype=np.int64)
+        order = np.argsort(lens != 1, kind="stable")  # decodes first, as the runner lays a step out
+        assert np.array_equal(order, np.arange(len(order))), "list single-row requests first"
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        starts = np.array([first for first, _ in self.requests], dtype=np.int64)
+        reqs = np.arange(len(self.requests))
+        metas = [
+            runner.attn_backend.build_metadata(
+                CommonAttentionMetadata(
+                    int((lens == 1).sum()),
+                    cu,
+                    starts,
+                    self.slots[g].numpy(),
+                    self.table[g].numpy(),
+                    reqs,
+                    runner.block_size,
+                ),  # fmt: skip
+                runner.device,
+            )
+            for g in range(self.table.shape[0])
+        ]
+        plan = StepPlan(self.positions, metas[0] if len(metas) == 1 else metas, GENERATED_ROWS)
+        return runner.model(self.ids, plan)
+
+
 def check_fused_rows_are_lone_tokens(llm: Any, requests: list[tuple[int, int]]) -> None:
     """Runs tokens of several requests (request i: `rows` consecutive tokens from position `first`, each with its own
     blocks and a random context in them) through an in-process engine's fused decoder at once, then each token alone,
     and asserts the same hidden states and KV cache contents, bit for bit. The cache is restored afterwards."""
-    runner = llm.engine_core.engine_core.executor.worker.model_runner
-    decoder = runner.decode_runner
-    assert decoder is not None
-    layers = runner.model.model.layers
-    block = runner.block_size
-    caches = [layer.self_attn.attn.kv_cache for layer in layers]
-    saved = [(k.clone(), v.clone()) for k, v in caches]
-    # Request i (its first token at position `first`, `rows` tokens) owns blocks of its own in each KV cache group,
-    # from block 3 on.
-    groups = runner.kv_layout.num_groups
-    width = max(-(-(first + rows) // block) for first, rows in requests)
-    table = torch.zeros(groups, len(requests), width, dtype=torch.int64)
-    next_block = 3
-    for grp in range(groups):
-        for i, (first, rows) in enumerate(requests):
-            n = -(-(first + rows) // block)
-            table[grp, i, :n] = torch.arange(next_block, next_block + n)
-            next_block += n
-    g = torch.Generator().manual_seed(5)
-    for k, v in {id(c[0]): c for c in caches}.values():  # a context to attend to in the blocks used (restored)
-        for blk in range(3, next_block):
-            k[blk].copy_(torch.randn(k[blk].shape, generator=g))
-            v[blk].copy_(torch.randn(v[blk].shape, generator=g))
-    context = [(k.clone(), v.clone()) for k, v in caches]
-    positions = torch.cat([torch.arange(first, first + rows) for first, rows in requests])
-    table_rows = torch.cat([torch.full((rows,), i, dtype=torch.int64) for i, (_, rows) in enumerate(requests)])
-    slots = table[:, table_rows, positions // block] * block + positions % block  # [groups, R]
-    ids = torch.randint(runner.vocab_size, (positions.numel(),), generator=g)
-    try:
-        together = decoder(ids, positions, slots, table, table_rows)
-        after_together = [(k.clone(), v.clone()) for k, v in caches]
-        for (k, v), (k0, v0) in zip(caches, context):
-            k.copy_(k0)
-            v.copy_(v0)
+    with _RowsInCache(llm, requests) as rows:
+        together = rows.fused()
+        after_together = rows.cache_now()
+        rows.reset()
         one = torch.tensor([0])
         alone = [
-            decoder(
-                ids[r : r + 1],
-                positions[r : r + 1],
-                slots[:, r : r + 1].contiguous(),
-                table[:, table_rows[r]][:, None].contiguous(),
+            rows.runner.decode_runner(
+                rows.ids[r : r + 1],
+                rows.positions[r : r + 1],
+                rows.slots[:, r : r + 1].contiguous(),
+                rows.table[:, rows.table_rows[r]][:, None].contiguous(),
                 one,
             )  # fmt: skip
-            for r in range(positions.numel())
+            for r in range(rows.positions.numel())
         ]
         assert torch.equal(together, torch.cat(alone))
-        for (k, v), (ka, va) in zip(caches, after_together):
+        for (k, v), (ka, va) in zip(rows.caches, after_together):
             assert torch.equal(k, ka) and torch.equal(v, va)
-    finally:
-        for (k, v), (k0, v0) in zip(caches, saved):
-            k.copy_(k0)
-            v.copy_(v0)
+
+
+def check_fused_matches_layer_path(llm: Any, requests: list[tuple[int, int]]) -> None:
+    """The same rows (as check_fused_rows_are_lone_tokens lays them out) through the fused decoder and through the
+    model's layer path: the same hidden states and KV cache contents, bit for bit."""
+    with _RowsInCache(llm, requests) as rows:
+        fused = rows.fused()
+        after_fused = rows.cache_now()
+        rows.reset()
+        layered = rows.layer_path()
+        for (k, v), (kf, vf) in zip(rows.caches, after_fused):
+            assert torch.equal(k, kf) and torch.equal(v, vf)
+        assert torch.equal(fused, layered), (fused - layered).abs().max()

@@ -128,12 +128,13 @@ class CpuDecodeRunner:
         one rank, every linear quantized and wholly packed, and a CPU with AVX512-BF16 (the de-quantized bf16 panels
         prompt rows take in the layer path, here without its dozen dispatches a layer). Not where the layer path's
         arithmetic differs from the decoder's: a bias on the output or down projection (added after the products
-        there, inside them here) or q/k norms (torch's rms_norm there)."""
+        there, inside them here). Limited to the layers checked bit for bit against the layer path on prompt rows
+        (tests/engine/test_quantized.py): RMSNorm, gated and sequential, without q/k norms."""
         if self.tp.world_size != 1 or not self.ops.bf16_native():
             return False
         desc = self.model.description
         if desc != LayerDescription(norms=desc.norms, act=desc.act, qk_norm=desc.qk_norm):
-            return False  # RMSNorm, gated, sequential layers only (the layer path's arithmetic is the decoder's there)
+            return False  # RMSNorm, gated, sequential layers only
         for layer in self.model.model.layers:
             attn = layer.self_attn
             if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:

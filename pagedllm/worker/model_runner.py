@@ -31,8 +31,9 @@ from pagedllm.model import hugepages
 from pagedllm.model.attention.backends.base import CommonAttentionMetadata
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
-from pagedllm.model.layers.linear import int8_inputs
+from pagedllm.model.layers.linear import PROMPT_ROWS, RowKinds
 from pagedllm.model.loader import load_model
+from pagedllm.model.step_plan import StepPlan
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import RejectionSampler
@@ -248,8 +249,8 @@ class ModelRunner:
             ]  # an attention layer reads its KV cache group's (layers/attention.py)
             metas = [self.attn_backend.build_metadata(common, self.device) for common in commons]
             meta = metas[0] if len(metas) == 1 else metas
-            with int8_inputs(generated[t:]):
-                parts.append(self.model(self._t(input_ids[t:]), self._t(positions[t:]), meta))
+            plan = StepPlan(self._t(positions[t:]), meta, RowKinds(generated[t:]), order[k:])
+            parts.append(self.model(self._t(input_ids[t:]), plan))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
@@ -268,16 +269,15 @@ class ModelRunner:
                 ends = cu[1:][sample_rows]
                 index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
             if index is None:
-                rows_to_sample, sampled = hidden, generated
+                rows_to_sample, sampled = hidden, RowKinds(generated)
             else:
                 rows_to_sample = hidden.index_select(0, torch.as_tensor(index, device=self.device))
-                sampled = generated[torch.from_numpy(index)]
-            with int8_inputs(sampled):
-                if lone_verify and 0 < self._logits_rows < rows_to_sample.shape[0]:
-                    chunks = rows_to_sample.split(self._logits_rows)
-                    logits = torch.cat([self.model.compute_logits(c) for c in chunks])
-                else:
-                    logits = self.model.compute_logits(rows_to_sample)
+                sampled = RowKinds(generated[torch.from_numpy(index)])
+            if lone_verify and 0 < self._logits_rows < rows_to_sample.shape[0]:
+                chunks = zip(rows_to_sample.split(self._logits_rows), sampled.split(self._logits_rows), strict=True)
+                logits = torch.cat([self.model.compute_logits(c, kinds) for c, kinds in chunks])
+            else:
+                logits = self.model.compute_logits(rows_to_sample, sampled)
             if logits.dtype != torch.float32:
                 logits = logits.float()
         prompt_lp = self._prompt_logprobs(states, starts, n_tok, cu, hidden)
@@ -491,7 +491,7 @@ class ModelRunner:
             offset = int(cu[i]) + first - int(starts[i])
             idx = torch.arange(offset, offset + end - first, device=self.device)
             s.num_prompt_logprobs_done = end
-            logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            logits = self.model.compute_logits(hidden.index_select(0, idx), PROMPT_ROWS).float()
             targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
             result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return result

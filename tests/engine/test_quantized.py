@@ -167,13 +167,13 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
     import pagedllm.worker.model_runner as runner_module
 
     seen: list[list[bool]] = []
-    inner = runner_module.int8_inputs
+    inner = runner_module.RowKinds
 
     def recording(rows):
         seen.append(rows.tolist())
         return inner(rows)
 
-    monkeypatch.setattr(runner_module, "int8_inputs", recording)
+    monkeypatch.setattr(runner_module, "RowKinds", recording)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     quantized.generate(PROMPTS[:2], params, use_tqdm=False)  # two prompts in a step: layer by layer
     assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)

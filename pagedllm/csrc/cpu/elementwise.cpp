@@ -1,6 +1,8 @@
 // Row-wise kernels of the decoder layers, one pass each where torch takes several: SiLU-and-mul over a merged
-// gate|up projection, RMSNorm alone and fused with the residual add (in place, as vLLM's), and rotary embedding in
-// place over the first heads of each row (queries and keys side by side in the fused projection).
+// gate|up projection, GELU(tanh) gated or alone, RMSNorm and LayerNorm alone and fused with the residual add (in
+// place, as vLLM's), and rotary embedding in place over the first heads of each row (queries and keys side by side in
+// the fused projection). Each row's arithmetic is the fused decoder's (simd.h), so the layer path and the fused
+// decoder agree bit for bit.
 #include "internal.h"
 #include "simd.h"
 
@@ -22,6 +24,48 @@ void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int t
       for (int64_t k = k0; k < k1; ++k) o[k] = silu_mul(g[k], u[k]);
       begin += k1 - k0;
     }
+  }
+}
+
+void gelu_tanh(float* out, const float* x, int64_t rows, int64_t inner, int gated, int threads) {
+  const int64_t total = rows * inner, stride = gated ? 2 * inner : inner;
+  const int nt = team_for_grain(threads, total, 8192);
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t begin, end;
+    share(total, omp_get_thread_num(), omp_get_num_threads(), 1, begin, end);
+    while (begin < end) {
+      const int64_t t = begin / inner, k0 = begin % inner, k1 = std::min(inner, k0 + (end - begin));
+      const float* g = x + t * stride;
+      float* o = out + t * inner;
+      if (gated) {
+        const float* u = g + inner;
+#pragma omp simd
+        for (int64_t k = k0; k < k1; ++k) o[k] = gelu_tanh_mul(g[k], u[k]);
+      } else {
+#pragma omp simd
+        for (int64_t k = k0; k < k1; ++k) o[k] = gelu_tanh(g[k]);
+      }
+      begin += k1 - k0;
+    }
+  }
+}
+
+void layer_norm(float* out, const float* x, const float* w, const float* b, int64_t rows, int64_t h, float eps,
+                int threads) {
+#pragma omp parallel for num_threads(team_for_grain(threads, rows, std::max<int64_t>(1, 16384 / h)))
+  for (int64_t t = 0; t < rows; ++t) layer_norm_row(out + t * h, x + t * h, w, b, h, eps);
+}
+
+void fused_add_layer_norm(float* x, float* residual, const float* w, const float* b, int64_t rows, int64_t h,
+                          float eps, int threads) {
+#pragma omp parallel for num_threads(team_for_grain(threads, rows, std::max<int64_t>(1, 16384 / h)))
+  for (int64_t t = 0; t < rows; ++t) {
+    float* r = residual + t * h;
+    const float* xr = x + t * h;
+#pragma omp simd
+    for (int64_t k = 0; k < h; ++k) r[k] += xr[k];
+    layer_norm_row(x + t * h, r, w, b, h, eps);
   }
 }
 

@@ -159,6 +159,11 @@ void paged_prefill(const PagedPrefillArgs* args);
 void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads);
 void rms_norm(float* out, const float* x, const float* w, int64_t rows, int64_t h, float eps, int threads);
 void fused_add_rms_norm(float* x, float* residual, const float* w, int64_t rows, int64_t h, float eps, int threads);
+void gelu_tanh(float* out, const float* x, int64_t rows, int64_t inner, int gated, int threads);
+void layer_norm(float* out, const float* x, const float* w, const float* b, int64_t rows, int64_t h, float eps,
+                int threads);
+void fused_add_layer_norm(float* x, float* residual, const float* w, const float* b, int64_t rows, int64_t h,
+                          float eps, int threads);
 void rotary(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d, int64_t heads,
             int64_t rot, int threads);
 void pack_panels(float* dst, const float* w, int64_t out, int64_t in, int threads);

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 16
+#define PAGEDLLM_CPU_ABI 17
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -157,6 +157,15 @@ struct PagedllmCpuOps {
   // In place: residual += x; x = rms_norm(residual) * w.
   void (*fused_add_rms_norm)(float* x, float* residual, const float* w, int64_t rows, int64_t h, float eps,
                              int threads);
+  // GELU with the tanh approximation, the fused decoder's: gated, out [rows, inner] = gelu(x[:, :inner]) *
+  // x[:, inner:] for x [rows, 2 inner]; else out = gelu(x) for x [rows, inner].
+  void (*gelu_tanh)(float* out, const float* x, int64_t rows, int64_t inner, int gated, int threads);
+  // LayerNorm row by row: out = (x - mean) * rsqrt(var + eps) * w + b (b may be null; out may be x).
+  void (*layer_norm)(float* out, const float* x, const float* w, const float* b, int64_t rows, int64_t h, float eps,
+                     int threads);
+  // In place: residual += x; x = layer_norm(residual) * w + b.
+  void (*fused_add_layer_norm)(float* x, float* residual, const float* w, const float* b, int64_t rows, int64_t h,
+                               float eps, int threads);
   // In place on x [rows, h, d]: rotate the first `heads` heads of each row by positions[row] (HF's rotate-half over
   // the first rot dims); cache [max_position, rot] holds cos | sin.
   void (*rotary)(float* x, const int64_t* positions, const float* cache, int64_t rows, int64_t h, int64_t d,

@@ -1,23 +1,22 @@
 """The decoder layer of every architecture's layer path, run as its LayerDescription (model/layers/description.py)
 says: which norms sit where, parallel or sequential attention and MLP, the residual multiplier.
 
-Contract. `DecoderLayer(desc, self_attn, mlp, norms)` holds the attention module (forward(positions, h, metadata)
--> [T, hidden]), the MLP (forward(h) -> [T, hidden]) and the norms the description names, under those names (the
-checkpoint's and the fused decoder's). Its forward carries the residual stream as a pair, as the fused decoder
-does: `x` is the output the last layer has not yet added, `residual` the stream before it (None at the first
-layer, where x is the embedding). The add of x joins the next norm in one pass (RMSNorm's and LayerNorm's
-`norm(x, residual)`), and the model's final norm takes the last layer's pair. The sums are the fused decoder's,
-in its order: residual + (post norm of the output, or the output times the multiplier).
+Contract. `DecoderLayer(desc, self_attn, mlp, norms)` holds the attention module (forward(h, plan: StepPlan) -> [T,
+hidden]), the MLP (forward(h, rows: RowKinds) -> [T, hidden]) and the norms the description names, under those names
+(the checkpoint's and the fused decoder's). Its forward carries the residual stream as a pair, as the fused decoder
+does: `x` is the output the last layer has not yet added, `residual` the stream before it (None at the first layer,
+where x is the embedding). The add of x joins the next norm in one pass (RMSNorm's and LayerNorm's `norm(x, residual)`),
+and the model's final norm takes the last layer's pair. The sums are the fused decoder's, in its order: residual + (post
+norm of the output, or the output times the multiplier).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.model.layers.description import LayerDescription
+from pagedllm.model.step_plan import StepPlan
 
 
 class DecoderLayer(nn.Module):
@@ -56,12 +55,12 @@ class DecoderLayer(nn.Module):
         return y * m if m != 1.0 else y
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: Any
+        self, x: torch.Tensor, residual: torch.Tensor | None, plan: StepPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self._add_norm(0, x, residual)
-        a = self._joining(2, self.self_attn(positions, h, meta))
+        a = self._joining(2, self.self_attn(h, plan))
         if self.desc.parallel:
             residual = residual + a  # the MLP reads the same h
         else:
             h, residual = self._add_norm(1, a, residual)
-        return self._joining(3, self.mlp(h)), residual
+        return self._joining(3, self.mlp(h, plan.rows)), residual

@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.linear import (
     Bf16Panels,
     Panels,
+    RowKinds,
     linear,
     pack_bf16_panels,
     pack_panels,
@@ -167,9 +168,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.panels = pack_panels(self.weight, self.ops, panels_out)
         return self.packed_weight is not None or self.panels is not None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
+        """The logits of the rows of `hidden`; `rows`: their kinds (RowKinds), which a quantized head needs."""
+        w = self.weight
         logits = linear(
-            hidden, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels
+            hidden, w, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows
         )
         if self.tp_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)

@@ -7,22 +7,19 @@ checkpoint tensors in one matmul, which on a CPU saves a kernel launch and a pas
 is built with the worker's `TensorParallelGroup` (distributed/parallel_state.py; by default one rank): rows split as
 evenly as they go (`even_shard`), attention heads by `attention_shard` (KV heads replicated when fewer than ranks).
 
-GGUF weights run as stored (`ops.quant_linear`). How precisely depends on the row, which the model runner says
-through `int8_inputs`: a generated token's row (a decode token, a draft, or an output token recomputed after
-preemption) is quantized to int8 in blocks of 32 and multiplied in int8, as llama.cpp does, at any batch size where
-the kernels keep the weight in their packed layout; a prompt token's row runs on de-quantized bf16 or float32 panels
-(more than a few rows at once; on weights the kernels have not packed, the number of rows decides), whose inputs keep
-8 significant bits or more, not 8 bits of each block's largest value. Each row's kind depends only on its own
-position, so a request's output does not depend on what else shares its steps.
+GGUF weights run as stored (`ops.quant_linear`). How precisely depends on the row, which the model runner says in the
+step plan's `RowKinds` (model/step_plan.py), passed to every linear: a generated token's row (a decode token, a draft,
+or an output token recomputed after preemption) is quantized to int8 in blocks of 32 and multiplied in int8, as
+llama.cpp does, at any batch size where the kernels keep the weight in their packed layout; a prompt token's row runs on
+de-quantized bf16 or float32 panels (more than a few rows at once; on weights the kernels have not packed, the number of
+rows decides), whose inputs keep 8 significant bits or more, not 8 bits of each block's largest value. Each row's kind
+depends only on its own position, so a request's output does not depend on what else shares its steps.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -46,40 +43,60 @@ SPLIT_GEMM_MAX_ROWS = 64
 PANEL_MAX_ROWS = 16
 
 
-class _StepInputs(threading.local):
-    int8: bool | tuple[int, torch.Tensor, torch.Tensor] = False  # all rows, none, or (rows, int8 rows, the others)
+class RowKinds:
+    """Which rows of a step's linear inputs are generated tokens (a decode token, a draft, an output token recomputed
+    after preemption), whose inputs a quantized weight takes as int8: all rows (`RowKinds(True)`), none
+    (`RowKinds(False)`: prompt tokens), or a bool mask over the rows. The step's StepPlan carries one for the model's
+    forward (every linear reads it), and the rows it samples carry theirs to the head."""
+
+    __slots__ = ("mask", "state")
+
+    def __init__(self, rows: bool | torch.Tensor) -> None:
+        self.mask = None if isinstance(rows, bool) else rows
+        self.state: bool | tuple[int, torch.Tensor, torch.Tensor]
+        if isinstance(rows, bool):
+            self.state = rows
+        elif bool(rows.all()) or not bool(rows.any()):
+            self.state = bool(rows.all()) if rows.numel() else False
+        else:
+            self.state = (rows.numel(), rows.nonzero().flatten(), (~rows).nonzero().flatten())
+
+    def select(self, index: torch.Tensor | None) -> RowKinds:
+        """The kinds of rows `index` (None: all of them) of these rows."""
+        if index is None or self.mask is None:
+            return self
+        return RowKinds(self.mask[index])
+
+    def split(self, size: int) -> list[RowKinds]:
+        """The kinds of consecutive chunks of `size` rows (as torch.split splits the rows)."""
+        if self.mask is None:
+            raise ValueError("RowKinds.split needs a mask (all or none: use the kinds as they are)")
+        return [RowKinds(m) for m in self.mask.split(size)]
+
+    def __repr__(self) -> str:
+        state = self.state if isinstance(self.state, bool) else f"{self.state[1].numel()} of {self.state[0]}"
+        return f"RowKinds({state})"
 
 
-_STEP = _StepInputs()
+PROMPT_ROWS = RowKinds(False)  # no row takes int8 inputs
+GENERATED_ROWS = RowKinds(True)  # every row does
 
 
-@contextlib.contextmanager
-def int8_inputs(rows: bool | torch.Tensor) -> Iterator[None]:
-    """Within it, quantized weights take the inputs of the rows marked True as int8 (generated tokens): all rows,
-    none, or a bool mask over the rows of every linear's input (see the module docstring)."""
-    state: bool | tuple[int, torch.Tensor, torch.Tensor]
-    if isinstance(rows, bool):
-        state = rows
-    elif bool(rows.all()) or not bool(rows.any()):
-        state = bool(rows.all()) if rows.numel() else False
-    else:
-        state = (rows.numel(), rows.nonzero().flatten(), (~rows).nonzero().flatten())
-    before, _STEP.int8 = _STEP.int8, state
-    try:
-        yield
-    finally:
-        _STEP.int8 = before
-
-
-def _quant_linear(ops: Any, x: torch.Tensor, qweight: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] on a QuantMatrix, each row as int8_inputs marks it."""
-    state = _STEP.int8
+def _quant_linear(
+    ops: Any, x: torch.Tensor, qweight: Any, bias: torch.Tensor | None, rows: RowKinds | None
+) -> torch.Tensor:
+    """x [M, in] on a QuantMatrix, each row as `rows` marks it."""
+    if rows is None:
+        raise ValueError(
+            "a quantized weight needs the kinds of its input rows (RowKinds: the step plan's `rows`), none was given"
+        )
+    state = rows.state
     if isinstance(state, bool):
         return ops.quant_linear(x, qweight, bias, state)
-    rows, int8_rows, other_rows = state
-    if x.shape[0] != rows:
-        raise ValueError(f"int8_inputs marks {rows} rows, the linear got {x.shape[0]}")
-    y = x.new_empty(rows, qweight.out_features)
+    n, int8_rows, other_rows = state
+    if x.shape[0] != n:
+        raise ValueError(f"the row kinds mark {n} rows, the linear got {x.shape[0]}")
+    y = x.new_empty(n, qweight.out_features)
     y.index_copy_(0, int8_rows, ops.quant_linear(x.index_select(0, int8_rows), qweight, bias, True))
     y.index_copy_(0, other_rows, ops.quant_linear(x.index_select(0, other_rows), qweight, bias, False))
     return y
@@ -155,13 +172,14 @@ def linear(
     ops: Any = None,
     qweight: Any = None,
     bf16_panels: Bf16Panels | None = None,
+    rows: RowKinds | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the quantized
-    weight as stored (`qweight`, a QuantMatrix of `ops`), its bf16 panels (`--dtype bfloat16`), the native panels
-    (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty when `qweight`,
-    `bf16_panels`, or `packed` and `panels`, cover it."""
+    """y = x W^T + b for x [M, in], weight [out, in], through the fastest path this device has: the quantized weight as
+    stored (`qweight`, a QuantMatrix of `ops`; `rows` says which rows take int8 inputs), its bf16 panels (`--dtype
+    bfloat16`), the native panels (with `ops`) for a few rows, oneDNN's packed copy, or torch. `weight` may be empty
+    when `qweight`, `bf16_panels`, or `packed` and `panels`, cover it."""
     if qweight is not None:
-        y = _quant_linear(ops, x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias)
+        y = _quant_linear(ops, x.reshape(-1, x.shape[-1]).contiguous(), qweight, bias, rows)
         return y.view(*x.shape[:-1], -1)
     if bf16_panels is not None:
         y = ops.bf16_panel_linear(
@@ -348,9 +366,11 @@ class LinearBase(nn.Module):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
+        """x W^T + b; `rows`: the kinds of x's rows (model/layers/linear.py RowKinds), which a quantized weight
+        needs."""
         return linear(
-            x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels
+            x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows
         )
 
 
@@ -492,9 +512,10 @@ class RowParallelLinear(LinearBase):
             _warn_split(loaded_weight.dtype, self.input_shard.count, self.tp_size)
         self.put_rows(param, 0, part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
+        w = self.weight
         y = self.tp.all_reduce(
-            linear(x, self.weight, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels)
+            linear(x, w, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows)
         )
         return y + self.bias if self.bias is not None else y

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
+from pagedllm.model.layers.linear import RowKinds
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.gemma import GemmaForCausalLM, GemmaModel
 from pagedllm.model.models.llama import LlamaAttention, layer_window, served_len
@@ -111,8 +112,8 @@ class Gemma3ForCausalLM(GemmaForCausalLM):  # its (1 + w) norms held as the sum 
         super().__init__(config, dtype, kernels)  # Gemma's: tied by default
         self.softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, rows: RowKinds) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden, rows)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
+from pagedllm.model.layers.linear import RowKinds
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 
 
@@ -42,6 +43,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
         super().__init__(config, dtype, kernels)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, rows: RowKinds) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden, rows)
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits

@@ -14,7 +14,7 @@ from torch import nn
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.activation import GeluTanh
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.model.layers.linear import ColumnParallelLinear, RowKinds, RowParallelLinear
 from pagedllm.model.models.llama import LlamaAttention, LlamaModel, layer_window
 
 
@@ -63,11 +63,11 @@ class PlainMLP(nn.Module):
         down = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype, ops, tp)
         self.add_module(names[0], up)
         self.add_module(names[1], down)
-        self.act = GeluTanh()
+        self.act = GeluTanh(ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKinds) -> torch.Tensor:
         up, down = (getattr(self, n) for n in self.names)
-        return down(self.act(up(x)))
+        return down(self.act(up(x, rows)), rows)
 
 
 def plain_mlp_names(desc: LayerDescription) -> tuple[str, str]:

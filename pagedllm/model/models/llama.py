@@ -4,8 +4,9 @@ Also the base of Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), w
 switches below. Every layer gets its kernels from the dispatch object it is built with. Contract of every model
 class:
   __init__(hf_config, dtype, kernels: KernelDispatch | None (None: plain torch))
-  forward(input_ids [T], positions [T], attn_metadata) -> hidden states [T, hidden]
-  compute_logits(hidden [N, hidden]) -> [N, vocab]
+  forward(input_ids [T], plan: StepPlan (model/step_plan.py: positions, attention metadata, row kinds))
+    -> hidden states [T, hidden]
+  compute_logits(hidden [N, hidden], rows: RowKinds of those N rows) -> [N, vocab]
   load_weights(iterable of (HF parameter name, tensor))
 """
 
@@ -27,11 +28,13 @@ from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    RowKinds,
     RowParallelLinear,
     default_weight_loader,
 )
 from pagedllm.model.layers.norm import RMSNorm, make_norm
 from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.model.step_plan import StepPlan
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -107,13 +110,14 @@ class LlamaAttention(nn.Module):
         if qk_norm not in (None, "head", "full"):
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
         q_width, k_width = (self.q_size, self.kv_size) if qk_norm == "full" else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_width, eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(k_width, eps, dtype) if qk_norm else None
+        # on the native ops, the fused decoder's arithmetic (q and k as rows of head_dim, or whole)
+        self.q_norm = RMSNorm(q_width, eps, dtype, ops) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, dtype, ops) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        n, positions = x.shape[0], plan.positions
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, plan.rows)
         if self.qk_norm == "full":  # each of q and k normalised whole (every head at once)
             q = self.q_norm(qkv[:, : hq * d].contiguous()).view(n, hq, d)
             k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].contiguous()).view(n, hkv, d)
@@ -122,8 +126,10 @@ class LlamaAttention(nn.Module):
         else:
             qkv = qkv.view(n, hq + 2 * hkv, d)
             qk = None
-            if self.qk_norm == "head":
-                qk = torch.cat([self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])], dim=1)
+            if self.qk_norm == "head":  # each head a row
+                q = self.q_norm(qkv[:, :hq].reshape(n * hq, d)).view(n, hq, d)
+                k = self.k_norm(qkv[:, hq : hq + hkv].reshape(n * hkv, d)).view(n, hkv, d)
+                qk = torch.cat([q, k], dim=1)
         v = qkv[:, hq + hkv :]
         if qk is not None:
             if not self.rotary_emb.rotate_heads_(positions, qk, hq + hkv):
@@ -133,7 +139,7 @@ class LlamaAttention(nn.Module):
         else:
             # Queries and keys rotate in one call: they sit side by side in the fused projection.
             qk = self.rotary_emb.rotate(positions, qkv[:, : hq + hkv])
-        return self.o_proj(self.attn(qk[:, :hq], qk[:, hq:], v, meta))
+        return self.o_proj(self.attn(qk[:, :hq], qk[:, hq:], v, plan.attn_metadata), plan.rows)
 
 
 class LlamaMLP(nn.Module):
@@ -146,10 +152,10 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, ops, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, ops, tp)
-        self.act = SiluAndMul(ops) if act == "silu" else GeluTanhAndMul()
+        self.act = SiluAndMul(ops) if act == "silu" else GeluTanhAndMul(ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, rows: RowKinds) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, rows)), rows)
 
 
 def share_rotary_tables(layers: Iterable[nn.Module]) -> None:
@@ -213,11 +219,11 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=torch.float32)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(x, residual, plan)
         x, _ = self.norm(x, residual)
         return x
 
@@ -264,11 +270,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        return self.model(input_ids, plan)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, rows: RowKinds) -> torch.Tensor:
+        """The logits of `hidden`'s rows; `rows`: their kinds (a quantized head takes generated rows as int8)."""
+        return self.lm_head.compute_logits(hidden, rows)
 
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """An HF checkpoint tensor as this model's parameter holds it (a subclass's hook; as is here)."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
+from pagedllm.model.layers.linear import RowKinds
 from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP, plain_mlp_names
 from pagedllm.model.models.llama import LlamaForCausalLM
 
@@ -48,5 +49,5 @@ class PhiForCausalLM(LlamaForCausalLM):
         self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size, dtype=dtype), requires_grad=False)
         self.hf_renames = (*self.hf_renames, ("lm_head.bias", "lm_head_bias"))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden) + self.lm_head_bias
+    def compute_logits(self, hidden: torch.Tensor, rows: RowKinds) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, rows) + self.lm_head_bias
