@@ -25,7 +25,7 @@ from pagedllm.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tests.model_utils import PHI3_LONGROPE_32, hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 12
-ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, kv_cache_memory_bytes="8MiB")
+ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, kv_cache_memory_bytes="8MiB", engine_client="inproc")
 # Phi-3 with LongRoPE over half of each head, an original context of 32 in 512 (attention factor from 16)
 PHI3_SHORT_CONTEXT: dict[str, Any] = dict(seed=23, num_hidden_layers=2, **PHI3_LONGROPE_32)
 # Llama with dynamic NTK scaling by 4 over a 256-token context

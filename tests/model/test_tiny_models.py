@@ -143,8 +143,9 @@ LAYER_PATH_ONLY: set[str] = set()
 
 MAX_TOKENS = 32
 ATOL = 1e-4
-# One torch thread: these models are tiny (per-op overhead dominates) and the CPU is shared.
-ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1)
+# One torch thread: these models are tiny (per-op overhead dominates) and the CPU is shared. In this process: the
+# engine core process adds seconds of start-up per LLM and nothing an architecture changes (tests/engine cover it).
+ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, engine_client="inproc")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -285,7 +286,7 @@ def test_decode_steps_run_fused_and_match_hf(model_dir: str, num_prompts: int, f
     sharing steps (each row attending to its own request's blocks), greedy output as HF's."""
     require_native_kernels()
     prompts = random_prompts([37, 5, 60, 18, 9][:num_prompts], seed=11)
-    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
+    engine = dict(ENGINE, attention_backend="cpu_native")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         outs = generate(llm, prompts, greedy())
         assert_idle(llm)
@@ -306,7 +307,7 @@ def test_fused_decoder_float32_rows_are_lone_tokens(model_dir: str) -> None:
     require_native_kernels()
     if _arch_of(model_dir) in LAYER_PATH_ONLY:
         pytest.skip("this architecture's decode steps take the layer path (the fused decoder declines it)")
-    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
+    engine = dict(ENGINE, attention_backend="cpu_native")
     with LLM(model_dir, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         check_fused_rows_are_lone_tokens(llm, [(37, 5), (12, 3), (70, 1), (5, 2), (20, 4), (9, 7), (100, 1)])
         check_fused_matches_layer_path(llm, [(37, 1), (12, 1), (70, 1), (5, 1), (100, 1)])
@@ -330,7 +331,7 @@ def test_many_decoding_requests_run_fused(
     folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
     num = PANEL_MAX_ROWS + 5
     prompts = random_prompts([3 + 5 * i % 41 for i in range(num)], seed=12)
-    engine = dict(ENGINE, attention_backend="cpu_native", engine_client="inproc")
+    engine = dict(ENGINE, attention_backend="cpu_native")
     steps = 8
     with LLM(folder, **engine, max_model_len=256, kv_cache_memory_bytes="8MiB") as llm:
         together = generate(llm, prompts, greedy(steps))
@@ -510,7 +511,7 @@ def test_window_layers_hold_only_their_window(tiny_model_dir: Path, variant: str
     arch, kwargs = VARIANTS[variant]
     folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
     prompt = random_prompts([150], seed=61)
-    engine = dict(ENGINE, engine_client="inproc", block_size=8, max_model_len=256, max_num_batched_tokens=64)
+    engine = dict(ENGINE, block_size=8, max_model_len=256, max_num_batched_tokens=64)
     with LLM(folder, **engine, disable_hybrid_kv_cache_manager=not hybrid) as llm:
         scheduler = llm.engine_core.engine_core.scheduler
         manager = scheduler.kv_cache_manager
@@ -568,7 +569,7 @@ def test_speculative_drafts_match_hf(tiny_model_dir: Path, variant: str) -> None
     folder = make_tiny_model(tiny_model_dir, arch, **kwargs)
     prompts = random_prompts([40, 57, 75], seed=63)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
-    engine = dict(ENGINE, engine_client="inproc", block_size=8, max_model_len=256, speculative_config=spec)
+    engine = dict(ENGINE, block_size=8, max_model_len=256, speculative_config=spec)
     with LLM(folder, **engine) as llm:
         core = llm.engine_core.engine_core
         core.executor.worker.model_runner.proposer = OracleProposer(prompts, hf_greedy(folder, prompts, MAX_TOKENS))
