@@ -8,7 +8,9 @@
 
 namespace pagedllm {
 
-void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads) {
+// out[t, k] = f(x + t * stride, k) for k < inner, the rows' elements split evenly between the threads.
+template <class F>
+static void act_rows(float* out, const float* x, int64_t rows, int64_t inner, int64_t stride, int threads, F f) {
   const int64_t total = rows * inner;
   const int nt = team_for_grain(threads, total, 8192);
 #pragma omp parallel num_threads(nt)
@@ -17,38 +19,26 @@ void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int t
     share(total, omp_get_thread_num(), omp_get_num_threads(), 1, begin, end);
     while (begin < end) {
       const int64_t t = begin / inner, k0 = begin % inner, k1 = std::min(inner, k0 + (end - begin));
-      const float* g = x + t * 2 * inner;
-      const float* u = g + inner;
+      const float* row = x + t * stride;
       float* o = out + t * inner;
 #pragma omp simd
-      for (int64_t k = k0; k < k1; ++k) o[k] = silu_mul(g[k], u[k]);
+      for (int64_t k = k0; k < k1; ++k) o[k] = f(row, k);
       begin += k1 - k0;
     }
   }
 }
 
+void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inner, int threads) {
+  act_rows(out, x, rows, inner, 2 * inner, threads,
+           [inner](const float* g, int64_t k) { return silu_mul(g[k], g[inner + k]); });
+}
+
 void gelu_tanh(float* out, const float* x, int64_t rows, int64_t inner, int gated, int threads) {
-  const int64_t total = rows * inner, stride = gated ? 2 * inner : inner;
-  const int nt = team_for_grain(threads, total, 8192);
-#pragma omp parallel num_threads(nt)
-  {
-    int64_t begin, end;
-    share(total, omp_get_thread_num(), omp_get_num_threads(), 1, begin, end);
-    while (begin < end) {
-      const int64_t t = begin / inner, k0 = begin % inner, k1 = std::min(inner, k0 + (end - begin));
-      const float* g = x + t * stride;
-      float* o = out + t * inner;
-      if (gated) {
-        const float* u = g + inner;
-#pragma omp simd
-        for (int64_t k = k0; k < k1; ++k) o[k] = gelu_tanh_mul(g[k], u[k]);
-      } else {
-#pragma omp simd
-        for (int64_t k = k0; k < k1; ++k) o[k] = gelu_tanh(g[k]);
-      }
-      begin += k1 - k0;
-    }
-  }
+  if (gated)
+    act_rows(out, x, rows, inner, 2 * inner, threads,
+             [inner](const float* g, int64_t k) { return gelu_tanh_mul(g[k], g[inner + k]); });
+  else
+    act_rows(out, x, rows, inner, inner, threads, [](const float* g, int64_t k) { return pagedllm::gelu_tanh(g[k]); });
 }
 
 void layer_norm(float* out, const float* x, const float* w, const float* b, int64_t rows, int64_t h, float eps,
