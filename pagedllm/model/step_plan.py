@@ -4,8 +4,8 @@ Contract. The model runner (worker/model_runner.py) builds one `StepPlan` a step
 and passes it to `model(input_ids, plan)`; every layer reads from it what it needs: attention its positions and its
 KV cache group's metadata (which holds the slots the step's keys and values go to), every linear the kinds of its
 input rows (`rows`: which are generated tokens, whose inputs quantized weights take as int8). Nothing of a step
-lives in module or thread state. The head gets the kinds of the rows it computes logits for from
-`plan.sample_rows(index)`.
+lives in module or thread state. The head is given the kinds of the rows it computes logits for
+(`compute_logits(hidden, rows)`), which the runner selects from the whole step's, fused rows included.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.model.layers.linear import PROMPT_ROWS, RowKinds
+from pagedllm.model.layers.linear import RowKinds
 
 
 @dataclass
@@ -24,9 +24,5 @@ class StepPlan:
     # The attention metadata of the step's tokens: one object, or a list with one per KV cache group (an attention
     # layer takes its group's, layers/attention.py). Each holds its group's slots and block tables.
     attn_metadata: Any
-    rows: RowKinds = field(default_factory=lambda: PROMPT_ROWS)  # the kinds of the T rows (model/layers/linear.py)
-    order: list[str] = field(default_factory=list)  # the request of each run of rows, in row order (for readers)
-
-    def sample_rows(self, index: torch.Tensor | None) -> RowKinds:
-        """The kinds of rows `index` of the step's hidden states (None: all), which the head computes."""
-        return self.rows.select(index)
+    rows: RowKinds  # the kinds of the T rows (model/layers/linear.py); no default: a quantized weight never guesses
+    order: list[str] = field(default_factory=list)  # the request of each run of rows, in row order

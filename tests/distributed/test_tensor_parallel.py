@@ -159,7 +159,7 @@ def test_tensor_parallel_matches_hf(case: str, tiny_model_dir: Path) -> None:
     prompts = random_prompts([3, 17, 40, 9], seed=len(case))
     # 256 tokens: within the LongRoPE cases' original context, where transformers picks the same (short) factors
     engine = ENGINE | {"max_model_len": 256}
-    want = hf_greedy(folder, prompts, MAX_TOKENS)  # what one rank gives too (tests/model/test_tiny_models.py)
+    want = hf_greedy(folder, prompts, MAX_TOKENS)  # one rank's is HF's on every architecture (test_tiny_models.py)
     llm = LLM(model=folder, tensor_parallel_size=tp, **engine)
     try:
         assert len(llm.engine_core.call_utility("collective_rpc", "process_id")) == tp

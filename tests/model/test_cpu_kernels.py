@@ -62,6 +62,10 @@ def test_layer_norm_and_fused_add(ops, rows: int, hidden: int, bias: bool) -> No
     torch.testing.assert_close(xi, F.layer_norm(total, (hidden,), w, b, 1e-6), atol=2e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="weight and bias"):
         ops.layer_norm(out, x, w, torch.zeros(hidden + 1), 1e-5)
+    with pytest.raises(RuntimeError, match="two tensors"):
+        ops.fused_add_layer_norm(xi, xi, w, b, 1e-6)
+    with pytest.raises(RuntimeError, match="H > 0"):
+        ops.layer_norm(torch.empty(2, 0), torch.empty(2, 0), torch.empty(0), None, 1e-5)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -187,7 +187,8 @@ class CpuOps {
     check_float(out, "out");
     check_float(x, "x");
     check_float(weight, "weight");
-    TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == x.size(1), "x, out [T, H], weight [H]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && out.sizes() == x.sizes() && weight.numel() == x.size(1),
+                "x, out [T, H], weight [H], H > 0");
     t_->rms_norm(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1),
                  static_cast<float>(eps), at::get_num_threads());
   }
@@ -196,7 +197,9 @@ class CpuOps {
     check_float(x, "x");
     check_float(residual, "residual");
     check_float(weight, "weight");
-    TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == x.size(1), "x, residual [T, H]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && residual.sizes() == x.sizes() && weight.numel() == x.size(1) &&
+                    !x.is_same(residual),
+                "x, residual [T, H] (two tensors), weight [H], H > 0");
     t_->fused_add_rms_norm(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), x.size(0),
                            x.size(1), static_cast<float>(eps), at::get_num_threads());
   }
@@ -217,9 +220,9 @@ class CpuOps {
     check_float(x, "x");
     check_float(weight, "weight");
     if (bias) check_float(*bias, "bias");
-    TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == x.size(1) &&
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && out.sizes() == x.sizes() && weight.numel() == x.size(1) &&
                     (!bias || bias->numel() == x.size(1)),
-                "x, out [T, H], weight and bias [H]");
+                "x, out [T, H], weight and bias [H], H > 0");
     t_->layer_norm(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
                    bias ? bias->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
                    at::get_num_threads());
@@ -231,9 +234,9 @@ class CpuOps {
     check_float(residual, "residual");
     check_float(weight, "weight");
     if (bias) check_float(*bias, "bias");
-    TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == x.size(1) &&
-                    (!bias || bias->numel() == x.size(1)),
-                "x, residual [T, H], weight and bias [H]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && residual.sizes() == x.sizes() && weight.numel() == x.size(1) &&
+                    (!bias || bias->numel() == x.size(1)) && !x.is_same(residual),
+                "x, residual [T, H] (two tensors), weight and bias [H], H > 0");
     t_->fused_add_layer_norm(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
                              bias ? bias->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
                              at::get_num_threads());

@@ -32,6 +32,7 @@ class LayerNormModel(LlamaModel):
 
     eps_name = "layer_norm_eps"
     o_bias: bool | None = None
+    windows = False  # the config's sliding window applies (Starcoder2's); StableLM and Phi have none in HF
 
     def norm_eps(self, config: Any) -> float:
         return float(getattr(config, self.eps_name))
@@ -43,17 +44,21 @@ class LayerNormModel(LlamaModel):
     def build_attention(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int
     ) -> nn.Module:
-        window = layer_window(config, index)
+        window = layer_window(config, index) if self.windows else None
         return LlamaAttention(config, dtype, bias, None, kernels, window, self.o_bias, self.rotary_dim(config))
 
 
 class PlainMLP(nn.Module):
-    """up (with bias) -> GELU(tanh) -> down (with bias), under the checkpoint's names for the two."""
+    """up (with bias) -> GELU(tanh) -> down (with bias), under the checkpoint's names for the two (the description's
+    linear paths)."""
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, names: tuple[str, str], bias: bool = True
+        self, config: Any, dtype: torch.dtype, kernels: KernelDispatch, desc: LayerDescription, bias: bool = True
     ) -> None:
         super().__init__()
+        names = plain_mlp_names(desc)
+        if (desc.mlp, desc.act) != ("plain", "gelu_tanh"):
+            raise ValueError(f"PlainMLP is a plain GELU(tanh) MLP; the description says {desc.mlp!r}, {desc.act!r}")
         act = getattr(config, "hidden_act", "gelu_pytorch_tanh")
         if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh"):
             raise ValueError(f"MLP activation {act!r} is not supported (gelu_pytorch_tanh and gelu_new are)")

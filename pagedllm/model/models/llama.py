@@ -212,6 +212,9 @@ class LlamaModel(nn.Module):
         return LlamaAttention(config, dtype, bias, desc.qk_norm, kernels, window, rotary_dim=rot)
 
     def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+        """The gated MLP of the description's activation (a plain one is the stack's own: layernorm_family.py)."""
+        if desc.mlp != "gated":
+            raise ValueError(f"{type(self).__name__} builds gated MLPs; its description says {desc.mlp!r}")
         return LlamaMLP(config, dtype, kernels, desc.act)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

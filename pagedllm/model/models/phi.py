@@ -13,7 +13,7 @@ from torch import nn
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.linear import RowKinds
-from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP, plain_mlp_names
+from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP
 from pagedllm.model.models.llama import LlamaForCausalLM
 
 
@@ -29,7 +29,7 @@ class PhiModel(LayerNormModel):
         super().__init__(config, dtype, True, desc, kernels)
 
     def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
-        return PlainMLP(config, dtype, kernels, plain_mlp_names(desc))
+        return PlainMLP(config, dtype, kernels, desc)
 
 
 class PhiForCausalLM(LlamaForCausalLM):

@@ -10,12 +10,13 @@ from torch import nn
 
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
-from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP, plain_mlp_names
+from pagedllm.model.models.layernorm_family import LayerNormModel, PlainMLP
 from pagedllm.model.models.llama import LlamaForCausalLM
 
 
 class Starcoder2Model(LayerNormModel):
     eps_name = "norm_epsilon"
+    windows = True
 
     def __init__(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
@@ -24,7 +25,7 @@ class Starcoder2Model(LayerNormModel):
         super().__init__(config, dtype, self.use_bias, desc, kernels)
 
     def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
-        return PlainMLP(config, dtype, kernels, plain_mlp_names(desc), self.use_bias)
+        return PlainMLP(config, dtype, kernels, desc, self.use_bias)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
