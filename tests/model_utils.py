@@ -57,6 +57,9 @@ _MODEL_TYPES = {
     "StableLmForCausalLM": "stablelm",
     "PhiForCausalLM": "phi",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 # Phi-3 LongRoPE over half of each head with an original context of 32 tokens (past it, the long factors)
@@ -187,12 +190,16 @@ def make_tiny_model(
 
 
 def load_hf_model(folder: str) -> Any:
-    """The HF model of a folder in float32 with eager attention (cached per folder)."""
+    """The HF model of a folder in float32 with eager attention (and eager experts) (cached per folder)."""
     from transformers import AutoModelForCausalLM
 
     if folder not in _hf_models:
+        with open(os.path.join(folder, "config.json")) as f:
+            moe = "num_experts_per_tok" in json.load(f)
+        # experts as the modeling file's own loop adds them (ascending expert id), not the grouped-GEMM default
+        extra = {"experts_implementation": "eager"} if moe else {}
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+            folder, dtype=torch.float32, attn_implementation="eager", local_files_only=True, **extra
         )
         _hf_models[folder] = model.eval()
     return _hf_models[folder]

@@ -129,6 +129,11 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if get("expert_count"):
+        raise ValueError(
+            f"GGUF architecture {arch!r} with {get('expert_count')} experts: mixture-of-experts GGUF files are not "
+            "supported yet (their HF folders are: MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM)"
+        )
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens.len")

@@ -95,6 +95,8 @@ class CpuDecodeRunner:
         layers = getattr(inner, "layers", None)
         if desc is None or inner is None or not layers or getattr(inner, "norm", None) is None:
             return False
+        if desc.mlp == "moe":
+            return False  # no expert kind in the native decoder yet: decode steps run layer by layer
         if desc.qk_norm == "full" and world_size > 1:
             return False  # a norm over every head would need the ranks' sums
         eps = inner.norm.eps

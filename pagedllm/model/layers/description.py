@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NORM_KINDS = ("rms", "layer")
-MLP_KINDS = ("gated", "plain")
+MLP_KINDS = ("gated", "plain", "moe")
 ACTS = ("silu", "gelu_tanh")
 QK_NORMS = (None, "head", "full")
 
@@ -43,7 +43,7 @@ class LayerDescription:
     )
     # The four linear layers (attribute paths from the layer): q|k|v, output, (gate|)up, down.
     linears: tuple[str, str, str, str] = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-    mlp: str = "gated"  # gated: act(gate) * up; plain: act(up)
+    mlp: str = "gated"  # gated: act(gate) * up; plain: act(up); moe: experts where the model has them (layers/moe.py)
     act: str = "silu"  # the MLP's activation (GELU with the tanh approximation: "gelu_tanh")
     qk_norm: str | None = None  # RMSNorm of queries and keys: per head, or over the whole projection ("full")
     parallel: bool = False  # attention and MLP from the same normed input, both added to the residual stream

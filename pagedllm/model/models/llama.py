@@ -12,6 +12,7 @@ class:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,6 +36,11 @@ from pagedllm.model.layers.linear import (
 from pagedllm.model.layers.norm import RMSNorm, make_norm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.step_plan import StepPlan
+
+# An expert's projection as checkpoints name it (Mixtral's w1/w3/w2 renamed by its hf_renames), and all experts'
+# stacked as transformers 5 holds them in memory.
+_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<index>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERTS = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<part>gate_up_proj|down_proj)$")
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -113,6 +119,7 @@ class LlamaAttention(nn.Module):
         # on the native ops, the fused decoder's arithmetic (q and k as rows of head_dim, or whole)
         self.q_norm = RMSNorm(q_width, eps, dtype, ops) if qk_norm else None
         self.k_norm = RMSNorm(k_width, eps, dtype, ops) if qk_norm else None
+        self.clip_qkv: float | None = None  # OLMoE: normed q, k and v clamped to +-clip_qkv (full q/k norms only)
 
     def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         n, positions = x.shape[0], plan.positions
@@ -122,6 +129,10 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : hq * d].contiguous()).view(n, hq, d)
             k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].contiguous()).view(n, hkv, d)
             qkv = qkv.view(n, hq + 2 * hkv, d)
+            if self.clip_qkv is not None:
+                c = self.clip_qkv
+                q, k = q.clamp_(-c, c), k.clamp_(-c, c)
+                qkv[:, hq + hkv :].clamp_(-c, c)
             qk = torch.cat([q, k], dim=1)
         else:
             qkv = qkv.view(n, hq + 2 * hkv, d)
@@ -190,7 +201,7 @@ class LlamaModel(nn.Module):
         for i in range(config.num_hidden_layers):
             norms = {n: make_norm(desc.norm, hidden, eps, dtype, ops) for n in desc.norms if n is not None}
             attn = self.build_attention(config, dtype, bias, desc, kernels, i)
-            layers.append(DecoderLayer(desc, attn, self.build_mlp(config, dtype, desc, kernels), norms))
+            layers.append(DecoderLayer(desc, attn, self.build_mlp(config, dtype, desc, kernels, i), norms))
         self.layers = nn.ModuleList(layers)
         share_rotary_tables(self.layers)
         self.norm = make_norm(desc.norm, hidden, eps, dtype, ops)
@@ -211,8 +222,11 @@ class LlamaModel(nn.Module):
         rot = self.rotary_dim(config)
         return LlamaAttention(config, dtype, bias, desc.qk_norm, kernels, window, rotary_dim=rot)
 
-    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
-        """The gated MLP of the description's activation (a plain one is the stack's own: layernorm_family.py)."""
+    def build_mlp(
+        self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
+        """Layer `index`'s MLP: the gated MLP of the description's activation (a plain one or experts are the
+        stack's own: layernorm_family.py, the MoE models)."""
         if desc.mlp != "gated":
             raise ValueError(f"{type(self).__name__} builds gated MLPs; its description says {desc.mlp!r}")
         return LlamaMLP(config, dtype, kernels, desc.act)
@@ -330,6 +344,16 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in tensors:
             tensor = self.convert_weight(name, tensor)
             if "rotary_emb.inv_freq" in name:
+                continue
+            expert = _EXPERT.match(name) or _EXPERTS.match(name)
+            if expert is not None:  # one expert's projection, or all experts' (layers/moe.py)
+                prefix, index, part = expert["prefix"], expert.groupdict().get("index"), expert["part"]
+                target = f"{prefix}.{'w2' if part == 'down_proj' else 'w13'}_weight"
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                param = params[target]
+                param.weight_loader(param, tensor, None if index is None else int(index), part)  # None: all
+                loaded.add(target)
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue

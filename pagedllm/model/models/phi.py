@@ -28,7 +28,9 @@ class PhiModel(LayerNormModel):
         # q/k/v biases always; the checkpoint's model.final_layernorm loads as `norm` (PhiForCausalLM.hf_renames)
         super().__init__(config, dtype, True, desc, kernels)
 
-    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+    def build_mlp(
+        self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
         return PlainMLP(config, dtype, kernels, desc)
 
 

@@ -24,7 +24,9 @@ class Starcoder2Model(LayerNormModel):
         self.o_bias = self.use_bias = bool(getattr(config, "use_bias", True))  # on q/k/v, o and the MLP alike
         super().__init__(config, dtype, self.use_bias, desc, kernels)
 
-    def build_mlp(self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch) -> nn.Module:
+    def build_mlp(
+        self, config: Any, dtype: torch.dtype, desc: LayerDescription, kernels: KernelDispatch, index: int
+    ) -> nn.Module:
         return PlainMLP(config, dtype, kernels, desc, self.use_bias)
 
 
