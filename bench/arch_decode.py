@@ -1,6 +1,6 @@
 """Batch-1 decode of every architecture against Llama's of the same size: the fused decoder on each layer description.
 
-    python bench/arch_decode.py [--rounds 3] [--output-len 128] [--num-threads 2]
+    python bench/arch_decode.py [--rounds 3] [--output-len 128] [--num-threads 2] [--only llama mixtral ...]
 
 Each architecture is a random model of one size (hidden 256, 6 layers, 8 query heads of 32 on 4 KV heads, MLP 768,
 vocabulary 512; the architecture's own fields as the tiny-model tests set them), built by the tests' own builder
@@ -56,6 +56,16 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "starcoder2 (LayerNorm, plain MLP)": ("Starcoder2ForCausalLM", dict(tie_word_embeddings=True)),
     "phi2 (parallel, plain MLP)": ("PhiForCausalLM", dict(partial_rotary_factor=0.4)),
     "phi3 (fused qkv, gate_up)": ("Phi3ForCausalLM", {}),
+    # Mixture of experts (issue 41): 8 experts of a quarter of the dense MLP's width, 2 a token (the MLP bytes a token
+    # reads are half the dense model's)
+    "mixtral (8 experts, top 2)": (
+        "MixtralForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=192),
+    ),
+    "qwen3-moe (8 experts, top 2)": (
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True),
+    ),
 }
 
 
@@ -64,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--only", nargs="+", help="architectures whose name starts with one of these (and llama)")
     args = parser.parse_args()
 
     import torch
@@ -78,6 +89,8 @@ def main() -> None:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llms = {}
     for name, (arch, fields) in ARCHS.items():
+        if args.only and name != "llama" and not any(name.startswith(o) for o in args.only):
+            continue
         folder = make_tiny_model(root, arch, seed=1, **{**SIZE, **fields})
         llm = LLM(folder, engine_client="inproc", dtype="float32", num_threads=args.num_threads, max_model_len=512)
         fused = llm.engine_core.engine_core.executor.worker.model_runner.decode_runner is not None
