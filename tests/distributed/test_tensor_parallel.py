@@ -274,3 +274,6 @@ def test_a_split_the_model_cannot_take_is_a_clear_error(tiny_model_dir: Path) ->
         LLM(model=folder, tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM(model=folder, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+    olmo2 = make_tiny_model(tiny_model_dir, "Olmo2ForCausalLM", seed=14)  # q/k norms over the whole projection
+    with pytest.raises(Exception, match="OLMo 2 runs on one rank only"):
+        LLM(model=olmo2, tensor_parallel_size=2, **ENGINE)

@@ -15,16 +15,14 @@ from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 from pagedllm.model.models.mixtral import moe_mlp
+from pagedllm.model.models.olmo2 import require_one_rank
 
 
 class OlmoeModel(LlamaModel):
     def __init__(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
     ) -> None:
-        if kernels.tp.world_size > 1:
-            raise ValueError(
-                "OLMoE runs on one rank only: its query/key norms span every head (tensor_parallel_size must be 1)"
-            )
+        require_one_rank(kernels, "OLMoE")
         super().__init__(config, dtype, bias, desc, kernels)
         clip = getattr(config, "clip_qkv", None)
         for layer in self.layers:
