@@ -403,3 +403,21 @@ def check_fused_matches_layer_path(llm: Any, requests: list[tuple[int, int]]) ->
         for (k, v), (kf, vf) in zip(rows.caches, after_fused):
             assert torch.equal(k, kf) and torch.equal(v, vf)
         assert torch.equal(fused, layered), (fused - layered).abs().max()
+
+
+class OracleProposer:
+    """Drafts that are HF's own next tokens with every third one wrong: verifications that accept some drafts and
+    reject others, whatever the tiny model writes (an n-gram proposer finds nothing to copy in random output)."""
+
+    def __init__(self, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.full = {tuple(p): p + e for p, e in zip(prompts, expected)}
+        self.calls = 0
+
+    def propose(self, tokens: Any, k: int) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        for prompt, full in self.full.items():
+            if tokens[: len(prompt)] == list(prompt) and full[: len(tokens)] == tokens:
+                drafts = full[len(tokens) : len(tokens) + k]
+                self.calls += 1
+                return [t if (i + self.calls) % 3 else (t + 1) % 500 for i, t in enumerate(drafts)]
+        return []

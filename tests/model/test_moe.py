@@ -1,11 +1,11 @@
 """Mixture-of-experts models (model/layers/moe.py, models/mixtral.py, qwen3_moe.py, olmoe.py).
 
-The MoE layer against a per-token reference (every token's experts computed one by one in float64), over steps
-whose rows pick the same expert, leave experts unpicked, and pick every expert; routing with and without
-renormalisation; the checkpoint layouts (one tensor per expert, or all experts stacked as transformers 5 holds
-them). Then tiny random HF models of each architecture (HF's eager experts as the reference), greedy token for
-token over a batch of prompts, with chunked prefill over cached prefixes and with preemption, and at TP=2 for the
-architectures that split (OLMoE's q/k norms span every head: one rank, a clear error at two).
+The MoE layer against a per-token reference (every token's experts computed one by one in float64), over steps whose
+rows pick the same expert, leave experts unpicked, and pick every expert; routing with and without renormalisation; the
+checkpoint layouts (one tensor per expert, or all experts stacked as transformers 5 holds them). Then tiny random HF
+models of each architecture (HF's eager experts as the reference), greedy token for token over a batch of prompts, with
+chunked prefill over cached prefixes, with preemption, with speculative drafts accepted and rejected, and at TP=2 for
+the architectures that split (OLMoE's q/k norms span every head: one rank, a clear error at two).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.linear import PROMPT_ROWS
 from pagedllm.model.layers.moe import MoEMLP, route
-from tests.model_utils import PreemptionCounter, hf_greedy, make_tiny_model, random_prompts
+from tests.model_utils import OracleProposer, PreemptionCounter, hf_greedy, make_tiny_model, random_prompts
 
 MAX_TOKENS = 24
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, engine_client="inproc", max_model_len=256)
@@ -189,3 +189,17 @@ def test_moe_gguf_is_a_clear_error(arch: str) -> None:
     meta = {"general.architecture": arch, f"{arch}.expert_count": 8, f"{arch}.embedding_length": 64}
     with pytest.raises(ValueError, match=f"{arch!r}"):
         gguf_to_hf_config(meta)
+
+
+def test_speculative_drafts_match_hf(moe_dir: str) -> None:
+    """Drafts verified through the experts (several rows of a request in one step, each routed on its own), some
+    accepted and some rejected: greedy tokens HF's."""
+    prompts = random_prompts([20, 33, 47], seed=53)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    with LLM(moe_dir, **dict(ENGINE, block_size=8, speculative_config=spec)) as llm:
+        core = llm.engine_core.engine_core
+        core.executor.worker.model_runner.proposer = OracleProposer(prompts, hf_greedy(moe_dir, prompts, MAX_TOKENS))
+        outs = _greedy(llm, prompts)
+        stats = core.scheduler.total_spec_stats
+    assert outs == hf_greedy(moe_dir, prompts, MAX_TOKENS)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats

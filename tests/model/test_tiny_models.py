@@ -33,6 +33,7 @@ from pagedllm.model.kernels import available_isas
 from pagedllm.outputs import Logprob, RequestOutput
 from tests.model_utils import (
     PHI3_LONGROPE,
+    OracleProposer,
     PreemptionCounter,
     check_fused_matches_layer_path,
     check_fused_rows_are_lone_tokens,
@@ -540,24 +541,6 @@ def test_window_layers_hold_only_their_window(tiny_model_dir: Path, variant: str
         assert n == expected, (computed, n, expected, manager.windows)
     if hybrid:
         assert n < len(manager.windows) * (computed // 8 + 1)
-
-
-class OracleProposer:
-    """Drafts that are HF's own next tokens with every third one wrong: verifications that accept some drafts and
-    reject others, whatever the tiny model writes (an n-gram proposer finds nothing to copy in random output)."""
-
-    def __init__(self, prompts: list[list[int]], expected: list[list[int]]) -> None:
-        self.full = {tuple(p): p + e for p, e in zip(prompts, expected)}
-        self.calls = 0
-
-    def propose(self, tokens: Any, k: int) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        for prompt, full in self.full.items():
-            if tokens[: len(prompt)] == list(prompt) and full[: len(tokens)] == tokens:
-                drafts = full[len(tokens) : len(tokens) + k]
-                self.calls += 1
-                return [t if (i + self.calls) % 3 else (t + 1) % 500 for i, t in enumerate(drafts)]
-        return []
 
 
 @pytest.mark.parametrize("variant", [*WINDOWED, "gemma2"])
