@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds
 from pagedllm.model.quant import QuantTensor
 
@@ -66,6 +67,7 @@ class MoEMLP(nn.Module):
         self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, local, dtype=dtype), requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
+        self.act = SiluAndMul(ops)  # the dense MLP's gate (native on the CPU)
 
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor | QuantTensor, expert: int | None = None, part: str = ""
@@ -97,11 +99,10 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         weights, ids = route(self.gate(x, rows), self.top_k, self.renormalize)
         out = torch.zeros_like(x)
-        count = self.shard.count
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts)
         for e in hit.nonzero().flatten().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             gu = F.linear(x[token], self.w13_weight[e])
-            y = F.linear(F.silu(gu[:, :count]) * gu[:, count:], self.w2_weight[e])
+            y = F.linear(self.act(gu), self.w2_weight[e])
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return self.tp.all_reduce(out)

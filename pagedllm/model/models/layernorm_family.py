@@ -18,17 +18,10 @@ from pagedllm.model.layers.linear import ColumnParallelLinear, RowKinds, RowPara
 from pagedllm.model.models.llama import LlamaAttention, LlamaModel, layer_window
 
 
-def partial_rotary_dim(config: Any, head_dim: int) -> int:
-    """The rotary dims of each head: the first partial_rotary_factor of it (the config's top level, or its rope
-    parameters as transformers 5 writes them)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-    return int(head_dim * float(factor))
-
-
 class LayerNormModel(LlamaModel):
     """A stack of LayerNorm layers: the eps under `eps_name`, q/k/v biases where `bias` says, the output projection's
-    bias where `o_bias` says (None: the config's attention_bias), rotary over part of each head."""
+    bias where `o_bias` says (None: the config's attention_bias); partial rotary as every stack reads it
+    (LlamaModel.rotary_dim)."""
 
     eps_name = "layer_norm_eps"
     o_bias: bool | None = None
@@ -36,10 +29,6 @@ class LayerNormModel(LlamaModel):
 
     def norm_eps(self, config: Any) -> float:
         return float(getattr(config, self.eps_name))
-
-    def rotary_dim(self, config: Any) -> int | None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return partial_rotary_dim(config, head_dim)
 
     def build_attention(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int

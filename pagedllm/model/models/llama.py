@@ -210,9 +210,13 @@ class LlamaModel(nn.Module):
         """The eps of every norm of the stack (the config's name for it differs by architecture)."""
         return float(config.rms_norm_eps)
 
-    def rotary_dim(self, config: Any) -> int | None:
-        """The rotary dims of each head (None: the whole head; Phi-3's partial rotary says otherwise)."""
-        return None
+    def rotary_dim(self, config: Any) -> int:
+        """The rotary dims of each head: the first `partial_rotary_factor` of it (Phi, Phi-3, StableLM; the config's
+        top level, or its rope parameters as transformers 5 writes them), else all of it."""
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return int(head_dim * float(factor))
 
     def build_attention(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int

@@ -14,13 +14,8 @@ RMSNorm and a SiLU-gated MLP as Llama's: the fused decoder runs these layers.
 
 from __future__ import annotations
 
-from pagedllm.model.models.layernorm_family import LayerNormModel
-from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
-
-
-class Phi3Model(LlamaModel):
-    rotary_dim = LayerNormModel.rotary_dim  # over the first partial_rotary_factor of each head
+from pagedllm.model.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    model_cls = Phi3Model
+    pass  # LlamaModel reads its partial rotary, LlamaForCausalLM.unfuse splits its fused projections
