@@ -35,6 +35,7 @@ KERNEL_SOURCES = [
         "quant.cpp",
         "bf16.cpp",
         "sampling.cpp",
+        "moe.cpp",
         "ops.cpp",
     )
 ]

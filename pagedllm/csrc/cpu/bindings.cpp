@@ -493,6 +493,118 @@ torch::Tensor quant_dequantize_rows(const CpuOps& ops, const QuantMatrix& w, tor
   return out;
 }
 
+// A mixture-of-experts MLP's weights for the kernels (MoeExperts, moe.cpp), checked once and kept alive: the router
+// as float32 panels [ceil(E / w), hidden, w] and its optional bias [E]; every expert's W13 [2 inter, hidden] (gate
+// rows, then up rows) and W2 [hidden, inter] either as QuantMatrix lists (one per expert) or stacked panels (float32
+// [E, ceil(2 inter / w), hidden, w] and [E, ceil(hidden / w), inter, w], or bf16 pair panels of the same weights,
+// [E, *bf16_panel_shape]); optional biases b13 [E, 2 inter] and b2 [E, hidden].
+class MoeLayer {
+ public:
+  MoeLayer(std::shared_ptr<CpuOps> ops, torch::Tensor router, std::optional<torch::Tensor> router_b, int64_t top_k,
+           int64_t scoring, bool renorm, int64_t act, double alpha, double limit, int64_t hidden, int64_t inter,
+           std::vector<std::shared_ptr<QuantMatrix>> w13_q, std::vector<std::shared_ptr<QuantMatrix>> w2_q,
+           std::optional<torch::Tensor> w13_p, std::optional<torch::Tensor> w2_p, std::optional<torch::Tensor> b13,
+           std::optional<torch::Tensor> b2)
+      : ops_(std::move(ops)), w13q_(std::move(w13_q)), w2q_(std::move(w2_q)) {
+    TORCH_CHECK(hidden > 0 && inter > 0, "hidden and inter must be positive");
+    TORCH_CHECK(scoring == PMS_SOFTMAX_TOPK || scoring == PMS_TOPK_SOFTMAX, "scoring must be 0 or 1");
+    TORCH_CHECK(act == PMA_SILU || act == PMA_SWIGLU_CLAMP, "act must be 0 (SiLU) or 1 (clamped SwiGLU)");
+    check_float(router, "router");
+    const int64_t w = ops_->panel_width();
+    TORCH_CHECK(router.dim() == 3 && router.size(1) == hidden && router.size(2) == w, "router must be panels [ceil(E / ",
+                w, "), ", hidden, ", ", w, "]");
+    const bool quant = !w13q_.empty();
+    const int64_t E = quant ? static_cast<int64_t>(w13q_.size()) : (w13_p.has_value() ? w13_p->size(0) : 0);
+    TORCH_CHECK(E >= 1 && router.size(0) == (E + w - 1) / w, "the router's panels must cover the ", E, " experts");
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in 1..", E, ", got ", top_k);
+    m_ = MoeExperts{};
+    m_.experts = E, m_.top_k = top_k, m_.hidden = hidden, m_.inter = inter;
+    m_.scoring = static_cast<int32_t>(scoring), m_.renorm = renorm ? 1 : 0, m_.act = static_cast<int32_t>(act);
+    m_.alpha = static_cast<float>(alpha), m_.limit = static_cast<float>(limit);
+    m_.router = router.data_ptr<float>();
+    keep_.push_back(router);
+    auto opt = [&](const std::optional<torch::Tensor>& t, int64_t numel, const char* name) -> const float* {
+      if (!t.has_value() || !t->defined() || t->numel() == 0) return nullptr;
+      check_float(*t, name);
+      TORCH_CHECK(t->numel() == numel, name, " must have ", numel, " elements");
+      keep_.push_back(*t);
+      return t->data_ptr<float>();
+    };
+    m_.router_b = opt(router_b, E, "router bias");
+    m_.b13 = opt(b13, E * 2 * inter, "b13");
+    m_.b2 = opt(b2, E * hidden, "b2");
+    if (quant) {
+      TORCH_CHECK(w2q_.size() == static_cast<size_t>(E) && !w13_p.has_value() && !w2_p.has_value(),
+                  "quantized experts: one W13 and one W2 QuantMatrix per expert, no panels");
+      for (int64_t e = 0; e < E; ++e) {
+        TORCH_CHECK(w13q_[e] && w2q_[e], "expert ", e, ": a QuantMatrix for W13 and W2");
+        TORCH_CHECK(w13q_[e]->out_features() == 2 * inter && w13q_[e]->in_features() == hidden, "expert ", e,
+                    ": W13 must be [", 2 * inter, ", ", hidden, "]");
+        TORCH_CHECK(w2q_[e]->out_features() == hidden && w2q_[e]->in_features() == inter, "expert ", e,
+                    ": W2 must be [", hidden, ", ", inter, "]");
+        q13_.push_back(w13q_[e]->matrix());
+        q2_.push_back(w2q_[e]->matrix());
+      }
+      m_.w13_q = q13_.data(), m_.w2_q = q2_.data();
+      return;
+    }
+    TORCH_CHECK(w13_p.has_value() && w2_p.has_value() && w2q_.empty(), "experts: QuantMatrix lists or two panel tensors");
+    const torch::Tensor &a = *w13_p, &b = *w2_p;
+    TORCH_CHECK(a.size(0) == E && b.size(0) == E, "W13 and W2 panels of ", E, " experts");
+    if (a.scalar_type() == torch::kBFloat16) {
+      for (int64_t e = 0; e < E; ++e) {
+        ops_->check_bf16_panels(a[e], 2 * inter, hidden, "W13");
+        ops_->check_bf16_panels(b[e], hidden, inter, "W2");
+      }
+      TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "stacked panels must be contiguous");
+      m_.w13_16 = reinterpret_cast<const uint32_t*>(a.data_ptr()), m_.w2_16 = reinterpret_cast<const uint32_t*>(b.data_ptr());
+      m_.s13_16 = a[0].numel() / 2, m_.s2_16 = b[0].numel() / 2;
+    } else {
+      check_float(a, "W13");
+      check_float(b, "W2");
+      for (int64_t e = 0; e < E; ++e) {
+        ops_->check_panels(a[e], 2 * inter, hidden, "W13");
+        ops_->check_panels(b[e], hidden, inter, "W2");
+      }
+      m_.w13_f = a.data_ptr<float>(), m_.w2_f = b.data_ptr<float>();
+      m_.s13_f = a[0].numel(), m_.s2_f = b[0].numel();
+    }
+    keep_.push_back(a);
+    keep_.push_back(b);
+  }
+
+  const MoeExperts& experts() const { return m_; }
+  int64_t num_experts() const { return m_.experts; }
+  int64_t hidden() const { return m_.hidden; }
+  int64_t inter() const { return m_.inter; }
+
+  // y [T, hidden] for x [T, hidden]; int8: a bool [T] mask of the rows whose inputs to quantized experts are int8,
+  // or one bool for all rows.
+  torch::Tensor forward(torch::Tensor x, py::object int8) const {
+    check_float(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == m_.hidden, "x must be [T, ", m_.hidden, "]");
+    torch::Tensor mask;
+    int32_t all = 0;
+    if (py::isinstance<py::bool_>(int8)) {
+      all = int8.cast<bool>() ? 1 : 0;
+    } else {
+      mask = int8.cast<torch::Tensor>().to(torch::kUInt8).contiguous();
+      TORCH_CHECK(mask.dim() == 1 && mask.size(0) == x.size(0), "int8 must be a bool or a [", x.size(0), "] mask");
+    }
+    auto y = torch::empty_like(x);
+    ops_->table()->moe_forward(y.data_ptr<float>(), x.data_ptr<float>(), &m_, x.size(0),
+                               mask.defined() ? mask.data_ptr<uint8_t>() : nullptr, all, at::get_num_threads());
+    return y;
+  }
+
+ private:
+  std::shared_ptr<CpuOps> ops_;
+  std::vector<std::shared_ptr<QuantMatrix>> w13q_, w2q_;
+  std::vector<QMatrix> q13_, q2_;
+  std::vector<torch::Tensor> keep_;
+  MoeExperts m_{};
+};
+
 // A bias or an optional norm: an empty tensor means none.
 const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* name) {
   if (!t.defined() || t.numel() == 0) return nullptr;
@@ -517,8 +629,8 @@ class DecodeModel {
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
               std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
-              double residual_mult, torch::Tensor final_norm_b)
-      : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)) {
+              double residual_mult, torch::Tensor final_norm_b, std::vector<std::shared_ptr<MoeLayer>> moe)
+      : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)), moe_(std::move(moe)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
     TORCH_CHECK(windows.empty() || windows.size() == layers, "windows: none, or one per layer (0: full attention)");
@@ -548,17 +660,23 @@ class DecodeModel {
     auto qm = [&](size_t l, int j) -> const QuantMatrix* { return quant_.empty() ? nullptr : quant_[kLinears * l + j].get(); };
     constexpr int kSlot[kLinears] = {1, 5, 8, 10};  // where each linear's panels sit among a layer's tensors
     auto bf16 = [](const torch::Tensor& p) { return p.scalar_type() == torch::kBFloat16; };
-    auto in_of = [&](int j) -> int64_t {  // input size of layer 0's linear j
-      const QuantMatrix* q = qm(0, j);
+    TORCH_CHECK(moe_.empty() || moe_.size() == layers, "moe: none, or one entry (a MoeLayer or None) per layer");
+    auto moe_at = [&](size_t l) -> const MoeLayer* { return moe_.empty() ? nullptr : moe_[l].get(); };
+    auto in_of = [&](size_t l, int j) -> int64_t {  // input size of layer l's linear j
+      const QuantMatrix* q = qm(l, j);
       if (q != nullptr) return q->in_features();
-      const torch::Tensor& p = layer_w[kSlot[j]];
+      const torch::Tensor& p = layer_w[kPerLayer * l + kSlot[j]];
       if (bf16(p) && p.dim() == 4) return 2 * p.size(1);  // bf16 pair panels (even input sizes)
       TORCH_CHECK(p.dim() == 3, "the linear weights must be panels, bf16 panels or quantized");
       return p.size(1);
     };
-    s.hidden = in_of(0), s.inter = in_of(3), s.q_heads = in_of(1) / s.head_dim;
+    s.hidden = in_of(0, 0), s.q_heads = in_of(0, 1) / s.head_dim;
+    s.inter = 0;  // the dense MLP's intermediate size (any MoE layer's where every layer is one)
+    for (size_t l = 0; l < layers && s.inter == 0; ++l)
+      if (moe_at(l) == nullptr) s.inter = in_of(l, 3);
+    for (size_t l = 0; l < layers && s.inter == 0; ++l) s.inter = moe_at(l)->inter();
     const int64_t d = s.head_dim, qkv_out = (s.q_heads + 2 * s.kv_heads) * d;
-    TORCH_CHECK(s.q_heads > 0 && s.q_heads % s.kv_heads == 0 && in_of(1) == s.q_heads * d,
+    TORCH_CHECK(s.q_heads > 0 && s.q_heads % s.kv_heads == 0 && in_of(0, 1) == s.q_heads * d,
                 "o's input must be Hq D with Hq a multiple of the caches' Hkv");
     TORCH_CHECK(final_norm.numel() == s.hidden, "final_norm must be [H]");
     TORCH_CHECK(cos_sin[0].dim() == 2, "rotary tables must be [max_position, rot]");
@@ -576,11 +694,15 @@ class DecodeModel {
       const float* panels[kLinears];
       const uint32_t* panels16[kLinears];
       QMatrix quants[kLinears];
+      const MoeLayer* moe = moe_at(l);
+      TORCH_CHECK(moe == nullptr || moe->hidden() == s.hidden, "layer ", l, ": the experts' hidden size must be ",
+                  s.hidden);
       for (int j = 0; j < kLinears; ++j) {
         const QuantMatrix* q = qm(l, j);
         quants[j] = QMatrix{};
         panels[j] = nullptr;
         panels16[j] = nullptr;
+        if (moe != nullptr && j >= 2) continue;  // the experts replace gate_up and down
         if (q != nullptr) {
           TORCH_CHECK(q->out_features() == outs[j] && q->in_features() == ins[j], names[j],
                       ": quantized weight must be [", outs[j], ", ", ins[j], "]");
@@ -616,6 +738,7 @@ class DecodeModel {
       L.k_cache = const_cast<void*>(c.k), L.v_cache = const_cast<void*>(c.v);
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
+      L.moe = moe != nullptr ? &moe->experts() : nullptr;
       L.window = windows.empty() ? 0 : windows[l];
       L.group = groups.empty() ? 0 : groups[l];
       L.softcap = softcaps.empty() ? 0.f : static_cast<float>(softcaps[l]);
@@ -702,6 +825,7 @@ class DecodeModel {
   std::vector<DecoderLayer> layers_;
   std::vector<torch::Tensor> keep_;
   std::vector<std::shared_ptr<QuantMatrix>> quant_;  // kept alive with their tensors
+  std::vector<std::shared_ptr<MoeLayer>> moe_;       // one per layer (null: dense), or none
   void* handle_ = nullptr;
 };
 
@@ -819,18 +943,37 @@ PYBIND11_MODULE(_C, m) {
            py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("segments"), py::arg("scale"),
            py::arg("window") = 0, py::arg("softcap") = 0.0)
       .def(
+          "moe_layer",
+          [](std::shared_ptr<CpuOps> self, torch::Tensor router, std::optional<torch::Tensor> router_b, int64_t top_k,
+             int64_t scoring, bool renorm, int64_t act, double alpha, double limit, int64_t hidden, int64_t inter,
+             std::vector<std::shared_ptr<QuantMatrix>> w13_quant, std::vector<std::shared_ptr<QuantMatrix>> w2_quant,
+             std::optional<torch::Tensor> w13_panels, std::optional<torch::Tensor> w2_panels,
+             std::optional<torch::Tensor> b13, std::optional<torch::Tensor> b2) {
+            return std::make_shared<MoeLayer>(std::move(self), router, router_b, top_k, scoring, renorm, act, alpha,
+                                              limit, hidden, inter, std::move(w13_quant), std::move(w2_quant),
+                                              w13_panels, w2_panels, b13, b2);
+          },
+          py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("scoring"), py::arg("renorm"),
+          py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("hidden"), py::arg("inter"),
+          py::arg("w13_quant") = std::vector<std::shared_ptr<QuantMatrix>>{},
+          py::arg("w2_quant") = std::vector<std::shared_ptr<QuantMatrix>>{}, py::arg("w13_panels") = py::none(),
+          py::arg("w2_panels") = py::none(), py::arg("b13") = py::none(), py::arg("b2") = py::none(),
+          "a mixture-of-experts MLP's weights for the fused experts kernel (MoeExperts in kernels.h)")
+      .def(
           "decode_model",
           [](std::shared_ptr<CpuOps> self, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
              torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
              std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
-             double residual_mult, std::optional<torch::Tensor> final_norm_b) {
+             double residual_mult, std::optional<torch::Tensor> final_norm_b,
+             std::vector<std::shared_ptr<MoeLayer>> moe) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
                                                  act, std::move(groups), std::move(softcaps), std::move(kinds),
-                                                 residual_mult, final_norm_b.value_or(torch::Tensor()));
+                                                 residual_mult, final_norm_b.value_or(torch::Tensor()),
+                                                 std::move(moe));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
@@ -838,9 +981,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("act") = 0, py::arg("groups") = std::vector<int64_t>{},
           py::arg("softcaps") = std::vector<double>{}, py::arg("kinds") = std::vector<int64_t>{},
           py::arg("residual_mult") = 1.0, py::arg("final_norm_b") = py::none(),
+          py::arg("moe") = std::vector<std::shared_ptr<MoeLayer>>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");
+  py::class_<MoeLayer, std::shared_ptr<MoeLayer>>(m, "MoeLayer")
+      .def_property_readonly("num_experts", &MoeLayer::num_experts)
+      .def_property_readonly("hidden", &MoeLayer::hidden)
+      .def_property_readonly("inter", &MoeLayer::inter)
+      .def("__call__", &MoeLayer::forward, py::arg("x"), py::arg("int8"),
+           "y [T, hidden] = the MoE MLP of x [T, hidden]; int8: a bool, or a bool [T] mask of the rows whose inputs "
+           "to quantized experts are int8 (generated tokens)");
   py::class_<QuantMatrix, std::shared_ptr<QuantMatrix>>(m, "QuantMatrix")
       .def_property_readonly("out_features", &QuantMatrix::out_features)
       .def_property_readonly("in_features", &QuantMatrix::in_features)

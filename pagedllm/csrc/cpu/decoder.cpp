@@ -38,6 +38,8 @@
 // panels (quant_panel_rows_range: builds with AVX512-BF16; the bindings refuse it elsewhere), and their attention
 // is paged_prefill's (prefill_rows_any), tiles of rows x query heads shared between the threads.
 //
+// Mixture-of-experts layers (DecoderLayer::moe) run their experts through moe_rows in the same region.
+//
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
 #include <utility>
@@ -147,6 +149,11 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
   float* gu = act + R * inter;
   float* part = gu + R * 2 * inter;
   float* ao = part + nt * R * pd;
+
+  int64_t moe_floats = 0;  // the MoE layers' shared scratch (moe_rows)
+  for (const DecoderLayer& w : dec.layers)
+    if (w.moe != nullptr) moe_floats = std::max(moe_floats, moe_shared_floats(*w.moe, R));
+  std::vector<float> moe_shared(moe_floats);
 
 #pragma omp parallel num_threads(nt)
   {
@@ -305,6 +312,9 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       if (!s.parallel)
         for (int64_t r = 0; r < R; ++r)
           add_norm(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, w.norm2_b);
+      if (w.moe != nullptr) {  // the experts (moe.cpp): their own barriers, this thread's columns of xp at the end
+        moe_rows(*w.moe, h, R, nullptr, prompt ? 0 : 1, xp, moe_shared.data(), t, n);
+      } else {
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, ia, ib);
       if (!s.plain_mlp)
@@ -326,6 +336,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
 #pragma omp barrier
       quantize(w.down_q, w.down16, act, inter);
       linear(w.down, w.down_q, w.down16, act, inter, reduce ? nullptr : w.down_b, xp, hidden, ra, rb);
+      }
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(xp, R * hidden, s.reduce_ctx);

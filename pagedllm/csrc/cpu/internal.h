@@ -109,6 +109,18 @@ void quant_gemv_rows(const QMatrix& w, const int8_t* q, const float* d, const fl
 void quant_panel_rows_range(const QMatrix& w, const uint32_t* xt, int64_t rows, const float* bias, float* y,
                             int64_t ldy, int64_t o0, int64_t o1, float* t);
 
+// quant_panel_rows_range on float32 panels (builds without AVX512-BF16): xb the rows in pack_row_blocks' blocks; t
+// scratch of max(rows, kPanelBlock) * kPanel floats; the sums quant_linear's float32 panels give each row.
+void quant_f32_panel_rows_range(const QMatrix& w, const float* xb, int64_t rows, const float* bias, float* y,
+                                int64_t ldy, int64_t o0, int64_t o1, float* t);
+
+// The MoE MLP of R rows x [R, hidden] into y (moe.cpp), called by every thread of an enclosing parallel region (t of
+// n); it meets the others at three barriers and returns with its own share of y's columns written (the caller's
+// next barrier completes y). shared: moe_shared_floats(m, R) floats, the same for every thread.
+int64_t moe_shared_floats(const MoeExperts& m, int64_t rows);
+void moe_rows(const MoeExperts& m, const float* x, int64_t R, const uint8_t* int8_rows, int32_t int8, float* y,
+              float* shared, int t, int n);
+
 // Rows of x [mb, in] in blocks of kPanelBlock (the last one shorter), each block of n rows transposed: row m0 + m's
 // input i at xb[m0 * in + i * n + m].
 void pack_row_blocks(const float* x, int64_t mb, int64_t in, float* xb);
@@ -179,6 +191,8 @@ int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in);
 void quant_linear(float* y, const float* x, const QMatrix* w, const float* bias, int64_t rows, int32_t int8,
                   int threads);
 void quant_dequantize_rows(float* out, const QMatrix* w, const int64_t* ids, int64_t n, int threads);
+void moe_forward(float* y, const float* x, const MoeExperts* m, int64_t rows, const uint8_t* int8_rows, int32_t int8,
+                 int threads);
 void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, int threads);
 void bf16_panel_linear(float* y, const float* x, const uint32_t* panels, const float* bias, int64_t rows, int64_t in,
                        int64_t out, int threads);

@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 17
+#define PAGEDLLM_CPU_ABI 18
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -99,6 +99,35 @@ struct QMatrix {
   int64_t out, in;
 };
 
+// A mixture-of-experts MLP (moe.cpp). The router (float32 panels of [experts, hidden], pack_panels, and an optional
+// bias) scores each row; `scoring` picks its top_k experts and their weights:
+//   PMS_SOFTMAX_TOPK: softmax over all experts' logits (float32), the top_k largest; with `renorm` divided by their
+//                     sum (Mixtral, Qwen3-MoE, OLMoE);
+//   PMS_TOPK_SOFTMAX: the top_k logits, softmax over them alone (gpt-oss).
+// Expert e is a gated MLP: g|u = x W13_e^T (+ b13_e) with W13_e [2 inter, hidden] (gate rows, then up rows), then
+//   PMA_SILU:         a = silu(g) * u
+//   PMA_SWIGLU_CLAMP: g = min(g, limit), u = clamp(u, -limit, limit), a = (u + 1) * g * sigmoid(alpha g) (gpt-oss)
+// and its output a W2_e^T (+ b2_e), W2_e [hidden, inter]. A row's output is the sum of its experts' outputs times
+// their weights, added in ascending expert order (as transformers' eager loop adds them). All experts' weights are
+// of one kind: quantized (w13_q[e], w2_q[e]), bf16 pair panels (bf16_pack_panels, expert e at w13_16 + e * s13_16
+// uint32s, w2_16 + e * s2_16), or float32 panels (w13_f + e * s13_f floats, w2_f + e * s2_f). Under tensor
+// parallelism `inter` is this rank's share of every expert's intermediate dimension and the output a partial sum.
+enum PagedllmMoeScoring { PMS_SOFTMAX_TOPK = 0, PMS_TOPK_SOFTMAX = 1 };
+enum PagedllmMoeAct { PMA_SILU = 0, PMA_SWIGLU_CLAMP = 1 };
+
+struct MoeExperts {
+  int64_t experts, top_k, hidden, inter;
+  int32_t scoring, renorm, act;
+  float alpha, limit;
+  const float *router, *router_b;
+  const QMatrix *w13_q, *w2_q;
+  const uint32_t *w13_16, *w2_16;
+  int64_t s13_16, s2_16;
+  const float *w13_f, *w2_f;
+  int64_t s13_f, s2_f;
+  const float *b13, *b2;  // [experts, 2 inter], [experts, hidden]; null: none
+};
+
 // One decoder layer's weights for the fused decoder; linear weights as panels (see pack_panels), or quantized where
 // the layer's QMatrix has segments, or in bf16 pair panels where its *16 pointer is set (bf16_pack_panels; the
 // float32 panel pointer is then unused); a null bias or q/k norm means none.
@@ -115,6 +144,7 @@ struct DecoderLayer {
   int64_t group;            // the KV cache group whose slots and block tables the layer reads (see decoder_run)
   float softcap;            // attention-logit soft-capping (as PagedDecodeArgs); 0: none
   const float *norm1_b, *norm2_b;  // LayerNorm biases (DecoderSpec::layer_norm; null: none)
+  const MoeExperts* moe;           // a mixture-of-experts MLP (its gate_up and down unused); null: the dense MLP
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
@@ -217,6 +247,11 @@ struct PagedllmCpuOps {
   // the CPU and the OS have it, -1 asks; returns whether it is on (on by default where it can be, unless the
   // environment sets PAGEDLLM_AMX=0). Each row's sums are still independent of the other rows.
   int32_t (*bf16_amx)(int32_t mode);
+  // y [rows, hidden] = the MoE MLP of x [rows, hidden] (MoeExperts). Row r's inputs to quantized experts are int8
+  // where int8_rows[r] != 0 (int8_rows null: every row as `int8` says), else bf16 or float32 panels de-quantized per
+  // call, as quant_linear runs generated and prompt rows. Each row's result is what it would be alone.
+  void (*moe_forward)(float* y, const float* x, const MoeExperts* m, int64_t rows, const uint8_t* int8_rows,
+                      int32_t int8, int threads);
   // The sampler's pieces alone (sample_rows below runs them; the tests hold them to the torch path's tokens):
   // out[r] = the token at u[r] in [0, 1) of row r's cumulative distribution (probs [rows, vocab], unnormalised;
   // sampling.cpp).

@@ -35,6 +35,7 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::bf16_panel_linear,
       pagedllm::bf16_has_native,
       pagedllm::bf16_amx,
+      pagedllm::moe_forward,
       pagedllm::sample_inverse,
       pagedllm::top_k_mask,
       pagedllm::top_p_mask,

@@ -1689,6 +1689,33 @@ void quant_panel_rows_range(const QMatrix& w, const uint32_t* xt, int64_t rows, 
   }
 }
 
+void quant_f32_panel_rows_range(const QMatrix& w, const float* xb, int64_t rows, const float* bias, float* y,
+                                int64_t ldy, int64_t o0, int64_t o1, float* t) {
+  // quant_linear_panels' float32 branch over [o0, o1): the same panels, the same panel_block calls.
+  const int64_t in = w.in;
+  float* panel = scratch<float, 1>(in * kPanel);
+  float* row = scratch<float, 2>(in);
+  float* acc = scratch<float, 3>(std::max<int64_t>(rows, kPanelBlock) * kPanel);
+  for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
+    const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, w.out - base);
+    const int64_t lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, nout);
+    bool done = false;
+#if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
+    done = packed_f32_panel(w, base, panel);
+#endif
+    for (int64_t k = 0; !done && k < kPanel; ++k) {
+      if (k < nout) {
+        dequant_matrix_row(w, base + k, row);
+        for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
+      } else {
+        for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
+      }
+    }
+    panel_block(panel, xb, rows, in, t, kPanel, bias ? bias + base : nullptr, nout, acc);
+    for (int64_t m = 0; m < rows; ++m) std::copy(t + m * kPanel + lo, t + m * kPanel + hi, y + m * ldy + base + lo);
+  }
+}
+
 void quant_linear(float* y, const float* x, const QMatrix* wp, const float* bias, int64_t rows, int32_t int8,
                   int threads) {
   const QMatrix& w = *wp;

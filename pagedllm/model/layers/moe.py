@@ -14,6 +14,13 @@ those rows in ascending expert order, as transformers' eager experts loop adds t
 Checkpoint tensors reach the stacked weights through `weight_loader(param, tensor, expert, part)`: one expert's
 `gate_proj`, `up_proj` or `down_proj` [I, hidden] / [hidden, I] (`expert` its index), or all experts at once as
 transformers 5 holds them in memory (`gate_up_proj` [E, 2I, hidden], `down_proj` [E, hidden, I]; `expert` None).
+A GGUF expert's quantized tensor (QuantTensor) is kept as stored where the native ops run its type and this rank's
+share of it is whole rows (gate, up) or whole blocks (down); when every expert's weights are so kept the layer runs
+them quantized, else all are de-quantized.
+
+With the native CPU ops the layer runs on the fused experts kernel (csrc/cpu/moe.cpp, `ops.moe_layer`): routing,
+each expert once for all its rows, and the weighted sum in one call, the experts' weights quantized as stored, in
+bf16 panels (`--dtype bfloat16`) or float32 panels; the torch loop above is the reference and the path without them.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model import hugepages
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds
-from pagedllm.model.quant import QuantTensor
+from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,15 +76,23 @@ class MoEMLP(nn.Module):
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
         self.act = SiluAndMul(ops)  # the dense MLP's gate (native on the CPU)
+        self.ops = ops
+        # GGUF experts kept as stored, per expert, until pack_weights: W13 (gate rows, then up rows) and W2.
+        self.quant13 = [QuantParts(2 * local, hidden_size) for _ in range(num_experts)]
+        self.quant2 = [QuantParts(hidden_size, local) for _ in range(num_experts)]
+        self.native: Any = None  # the kernels' MoeLayer, once packed
+        self.quantized = False  # whether the experts run quantized as stored
 
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor | QuantTensor, expert: int | None = None, part: str = ""
     ) -> None:
         """One checkpoint tensor into `param` (see the module docstring); this rank's rows of the intermediate
         dimension only."""
+        first, count, inter = self.shard.first, self.shard.count, self.intermediate_size
+        if isinstance(tensor, QuantTensor) and expert is not None and self._keep_quant(param, tensor, expert, part):
+            return
         if isinstance(tensor, QuantTensor):
             tensor = tensor.dequantize()
-        first, count, inter = self.shard.first, self.shard.count, self.intermediate_size
         experts = range(self.num_experts) if expert is None else [expert]
         if expert is not None:
             if not 0 <= expert < self.num_experts:
@@ -96,7 +112,91 @@ class MoEMLP(nn.Module):
                 raise ValueError(f"{part} of experts {experts[0]}..: shape {tuple(tensor.shape)}, expected {want}")
             param.data[experts[0] : experts[-1] + 1].copy_(tensor[:, :, first : first + count])
 
+    def _keep_quant(self, param: nn.Parameter, tensor: QuantTensor, expert: int, part: str) -> bool:
+        """Keep one expert's GGUF tensor as stored (this rank's rows of gate/up, its block-aligned columns of
+        down) where the native ops run it; False: the caller de-quantizes it."""
+        first, count, inter, hidden = self.shard.first, self.shard.count, self.intermediate_size, self.hidden_size
+        if not 0 <= expert < self.num_experts or tensor.is_half:
+            return False
+        if param is self.w13_weight and part in ("gate_proj", "up_proj") and tuple(tensor.shape) == (inter, hidden):
+            if not keeps(self.ops, tensor, hidden):
+                return False
+            self.quant13[expert].add(0 if part == "gate_proj" else count, tensor.narrow(0, first, count))
+            return True
+        if param is self.w2_weight and part == "down_proj" and tuple(tensor.shape) == (hidden, inter):
+            part_cols = tensor.narrow(1, first, count)
+            if not isinstance(part_cols, QuantTensor) or not keeps(self.ops, part_cols, count):
+                return False
+            self.quant2[expert].add(0, part_cols)
+            return True
+        return False
+
+    def settle_quant(self) -> None:
+        """After loading: the experts run quantized only if every expert's W13 and W2 were kept as stored; else the
+        kept ones are de-quantized into the float weights. A quantized router is de-quantized (it runs on float32
+        panels)."""
+        parts = self.quant13 + self.quant2
+        if any(p.parts for p in parts) and not all(p.complete() for p in parts):
+            for e in range(self.num_experts):
+                self.quant13[e].dequantize_into(self.w13_weight.data[e])
+                self.quant2[e].dequantize_into(self.w2_weight.data[e])
+        if self.gate.quant is not None:
+            self.gate.quant.dequantize_into(self.gate.weight.data)
+            self.gate.quant = None
+
+    def pack_weights(
+        self, panels_out: torch.Tensor | None = None, quant_out: list[torch.Tensor] | None = None, bf16: bool = False
+    ) -> bool:
+        """Build the kernels' MoeLayer: the router's float32 panels, and the experts quantized as stored (each
+        expert's bytes in one huge-page arena), else in bf16 panels (`bf16`) or float32 panels. Without native ops:
+        nothing (the torch loop runs)."""
+        ops = self.ops
+        if ops is None or self.w13_weight.device.type != "cpu" or self.w13_weight.dtype != torch.float32:
+            return False
+        self.settle_quant()
+        router = ops.pack_panels(self.gate.weight.detach().contiguous())
+        router_bias = self.gate.bias.detach() if self.gate.bias is not None else None
+        inter = self.shard.count
+        kwargs: dict[str, Any] = {}
+        if all(p.complete() for p in self.quant13 + self.quant2):
+            shapes = [p.shapes() for p in self.quant13 + self.quant2]
+            _, views = hugepages.arena([shape for expert in shapes for shape in expert], torch.uint8)
+            built = []
+            for p, expert in zip(self.quant13 + self.quant2, shapes, strict=True):
+                built.append(p.build(ops, views[: len(expert)]))
+                views = views[len(expert) :]
+            kwargs.update(w13_quant=built[: self.num_experts], w2_quant=built[self.num_experts :])
+            self.quantized = True
+        else:
+            pack = ops.bf16_pack_panels if bf16 else ops.pack_panels
+            shape_of = ops.bf16_panel_shape if bf16 else self._panel_shape
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            shape13 = tuple(shape_of(2 * inter, self.hidden_size))
+            shape2 = tuple(shape_of(self.hidden_size, inter))
+            E = self.num_experts
+            _, (w13, w2) = hugepages.arena([(E, *shape13), (E, *shape2)], dtype)
+            for e in range(E):
+                pack(self.w13_weight.data[e].contiguous(), w13[e])
+                pack(self.w2_weight.data[e].contiguous(), w2[e])
+            kwargs.update(w13_panels=w13, w2_panels=w2)
+        self.native = ops.moe_layer(
+            router, router_bias, self.top_k, 0, self.renormalize, 0, 0.0, 0.0, self.hidden_size, inter, **kwargs
+        )
+        empty = torch.empty(0, dtype=self.w13_weight.dtype)
+        self.w13_weight.data, self.w2_weight.data = empty, empty.clone()
+        return True
+
+    def _panel_shape(self, out_features: int, in_features: int) -> tuple[int, int, int]:
+        width = self.ops.panel_width()
+        return -(-out_features // width), in_features, width
+
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
+        if self.native is not None:
+            if rows is None and self.quantized:
+                raise ValueError("quantized experts need the kinds of their input rows (RowKinds), none was given")
+            state = False if rows is None else rows.state
+            int8 = state if isinstance(state, bool) else rows.mask
+            return self.tp.all_reduce(self.native(x.contiguous(), int8))
         weights, ids = route(self.gate(x, rows), self.top_k, self.renormalize)
         out = torch.zeros_like(x)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts)
