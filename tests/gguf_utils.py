@@ -70,7 +70,10 @@ _GEMMA_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # HF model_type -> GGUF general.architecture, where they differ
-_GGUF_ARCH = {"gemma3_text": "gemma3", "phi": "phi2"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "phi": "phi2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+# A MoE layer's tensors: the router, and every expert's projection stacked [experts, rows, cols] (HF per-expert
+# checkpoint names: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, the others' mlp.experts.E.gate/up/down_proj)
+_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # Architectures whose tensor names come from gguf-py's own HF -> GGUF name map (the one convert_hf_to_gguf.py uses):
 # the writer then names them as llama.cpp's converter does, independently of the loader's tables.
 _NAME_MAPPED = ("granite", "olmo2", "smollm3", "stablelm", "starcoder2", "phi2", "phi3")
@@ -104,7 +107,7 @@ def tensor_type(layout: str, name: str, cols: int, n_layers: int, tied: bool) ->
             "Q8_0": Q8_0,
             "IQ4_XS": Q5_K,
         }[layout]
-    elif ".ffn_down." in name:
+    elif ".ffn_down." in name or ".ffn_down_exps." in name:
         more = _use_more_bits(layer, n_layers)
         qtype = {
             "Q4_K_M": Q6_K if more else Q4_K,
@@ -137,7 +140,29 @@ def _name_map(arch: str) -> Any:
     return gguf.get_tensor_name_map(kind, 64)
 
 
+def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert HF tensors stacked as llama.cpp stores them: `model.layers.N.mlp.experts.<part>_exps`
+    [experts, rows, cols] (named by gguf_name), the router as `model.layers.N.mlp.gate.weight`."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, t in weights.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"] and parts[6] in _EXPERT_PARTS:
+            stacks.setdefault((parts[2], _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = t
+        else:
+            out[name] = t
+    for (layer, part), experts in stacks.items():
+        out[f"model.layers.{layer}.mlp.experts.{part}_exps"] = np.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    parts = hf_name.split(".")
+    if len(parts) == 6 and parts[3:5] == ["mlp", "experts"] and parts[5].endswith("_exps"):
+        return f"blk.{parts[2]}.ffn_{parts[5]}.weight"  # stacked experts (_stack_experts)
+    if hf_name.endswith(".mlp.gate.weight") and parts[:2] == ["model", "layers"]:
+        return f"blk.{parts[2]}.ffn_gate_inp.weight"
     if arch in _NAME_MAPPED:
         return _name_map(arch).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if hf_name == "model.embed_tokens.weight":
@@ -248,6 +273,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
     for file in sorted(os.listdir(folder)):
         if file.endswith(".safetensors"):
             weights.update(load_file(os.path.join(folder, file)))
+    weights = _stack_experts(weights)
     tied = "lm_head.weight" not in weights or bool(cfg.get("tie_word_embeddings"))
     n_layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -272,6 +298,12 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         w.add_value_length(int(cfg.get("head_dim") or hidden // heads))
         w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts:  # what convert_hf_to_gguf.py writes for a MoE model
+        w.add_expert_count(experts)
+        w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
     if arch in ("gemma2", "gemma3"):  # llama.cpp reads the window; its layers alternate (gemma3: five local, one
         w.add_sliding_window(int(cfg["sliding_window"]))  # global; gemma2: one and one)
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters writes both caps
@@ -292,10 +324,10 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
             t = _permute(t, heads)
         elif arch in _PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, kv_heads)
-        if t.ndim == 1:
+        if t.ndim == 1 or name.endswith("ffn_gate_inp.weight"):  # llama-quantize leaves the router in F32
             w.add_tensor(name, t)
             continue
-        qtype = (overrides or {}).get(name) or tensor_type(layout, name, t.shape[1], n_layers, tied)
+        qtype = (overrides or {}).get(name) or tensor_type(layout, name, t.shape[-1], n_layers, tied)
         types[name] = qtype
         if qtype in (0, 1, 30):  # F32, F16, BF16
             if qtype == 0:
@@ -310,8 +342,8 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
             continue
         key = (os.path.join(folder, hf_name), qtype, t.shape[0])
-        if key not in _quantized:
-            _quantized[key] = quantize(t, qtype)
+        if key not in _quantized:  # stacked experts: each row of each expert a row of the matrix
+            _quantized[key] = quantize(t.reshape(-1, t.shape[-1]), qtype).reshape(*t.shape[:-1], -1)
         w.add_tensor(name, _quantized[key], raw_dtype=gguf.GGMLQuantizationType(qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -334,7 +366,20 @@ def hf_on_dequantized(hf: Any, path: str, arch: str) -> Any:
     cfg = hf.config
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     state = {}
+
+    def expert_stack(part: str, layer: str) -> torch.Tensor:
+        t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        return torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
+
     for name, param in hf.state_dict().items():
+        parts = name.split(".")
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's experts in memory: [E, 2I, H], [E, H, I]
+            state[name] = torch.cat([expert_stack("gate", parts[2]), expert_stack("up", parts[2])], dim=1)
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            state[name] = expert_stack("down", parts[2])
+            continue
         gname = gguf_name(name, arch)
         if gname is None or gname not in tensors:
             continue

@@ -119,6 +119,26 @@ class GgufConfig:
         return f"GgufConfig({self.__dict__!r})"
 
 
+def _moe_llama(get: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    # Mixtral: llama's layers with experts as wide as feed_forward_length, top-k renormalised
+    return dict(architectures=["MixtralForCausalLM"])
+
+
+def _moe_qwen3(get: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    # Every layer sparse (llama.cpp builds no dense qwen3moe layer), experts expert_feed_forward_length wide, top-k
+    # renormalised (llama.cpp hard-codes it for qwen3moe)
+    inter = int(get("expert_feed_forward_length") or fields["intermediate_size"])
+    return dict(moe_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _moe_olmoe(get: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    # OLMoE: top-k weights not renormalised (llama.cpp builds its experts so), no q/k/v clamp in the file
+    return dict(norm_topk_prob=False, clip_qkv=None)
+
+
+_MOE_ARCHS = {"llama": _moe_llama, "qwen3moe": _moe_qwen3, "olmoe": _moe_olmoe}
+
+
 def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPES:
@@ -129,10 +149,11 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    if get("expert_count"):
+    experts = int(get("expert_count") or 0)
+    if experts and arch not in _MOE_ARCHS:
         raise ValueError(
-            f"GGUF architecture {arch!r} with {get('expert_count')} experts: mixture-of-experts GGUF files are not "
-            "supported yet (their HF folders are: MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM)"
+            f"GGUF architecture {arch!r} with {experts} experts is not supported (mixture-of-experts GGUF files: "
+            f"{', '.join(sorted(_MOE_ARCHS))}, with llama's experts run as Mixtral)"
         )
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -152,6 +173,9 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         architectures=[MODEL_TYPES[arch]],
     )
+    if experts:  # what llama.cpp reads of a mixture-of-experts file (docs/moe-notes.md)
+        kwargs.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(get("expert_used_count")))
+        kwargs.update(_MOE_ARCHS[arch](get, kwargs))
     theta = float(get("rope.freq_base", 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = get("rope.scaling.type")

@@ -19,6 +19,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +54,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# A MoE layer's experts, stacked in one tensor [experts, rows, cols] (numpy order): the loader yields each expert's
+# slice under the name its checkpoint gives it (model/layers/moe.py), as it does for older Mixtral files that store
+# one tensor per expert (blk.N.ffn_gate.E.weight).
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Where an architecture's layer names differ: Gemma's norms around attention and the MLP (llama.cpp's ffn_norm is
 # its pre-feedforward norm there, not Llama's post-attention one), OLMo 2's post norms, the MLPs without a gate, and
 # the fused q/k/v (phi2 may store it; phi3 does) and gate/up (phi3's ffn_up) that the model splits at load.
@@ -84,7 +91,12 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     model does not use (e.g. rope_freqs)."""
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
+    m = _GGUF_EXPERT_RE.fullmatch(name)
+    if m:
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
     m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _GGUF_EXPERTS and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[m.group(2)]}.weight"  # {}: each expert
     names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch or "", {})}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -95,6 +107,39 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of q/k weights (and biases)."""
     shape = w.shape
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _expert_slices(
+    t: Any, name: str, shape: tuple[int, ...], qtype: int, keep_quantized: bool, dequantized: set[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """Each expert's [rows, cols] of a stacked GGUF expert tensor: a QuantTensor view of the mapped file where the
+    layers keep it as stored, else float32."""
+    import warnings
+
+    import gguf
+
+    if len(shape) != 3:
+        raise ValueError(f"GGUF tensor {t.name!r}: experts must be stacked [experts, rows, cols], got {shape}")
+    experts, rows, cols = shape
+    if keep_quantized and qtype != F32:
+        if qtype not in (*NATIVE_TYPES, *HALF_TYPES):
+            raise ValueError(
+                f"GGUF tensor {t.name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
+                f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
+                "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(experts, rows, -1))
+        for e in range(experts):
+            yield name.format(e), QuantTensor(qtype, data[e], (rows, cols))
+        return
+    if qtype not in (int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16)):
+        dequantized.add(type_name(qtype))
+    for e in range(experts):  # one expert at a time: the whole stack in float32 may be many GB
+        raw = np.asarray(t.data).reshape(experts, -1)[e]
+        w = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32).reshape(rows, cols)
+        yield name.format(e), torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 
 def iterate_gguf(
@@ -124,6 +169,9 @@ def iterate_gguf(
                 heads = n_kv
         shape = tuple(reversed([int(d) for d in t.shape]))  # numpy order: [rows (out), cols (in)]
         qtype = int(t.tensor_type)
+        if "{}" in name:  # stacked experts [E, rows, cols]: each expert's matrix under its own name
+            yield from _expert_slices(t, name, shape, qtype, keep_quantized, dequantized)
+            continue
         as_stored = keep_quantized and len(shape) == 2 and qtype != F32  # a matrix the layers keep as stored
         if as_stored and qtype not in (*NATIVE_TYPES, *HALF_TYPES):
             raise ValueError(

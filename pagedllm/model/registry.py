@@ -46,6 +46,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",  # llama.cpp's name
     "smollm3": "SmolLM3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
