@@ -3,7 +3,8 @@
 Contract. `CpuDecodeRunner.create(model, ops)` returns a runner when the model can run fused (a model with a layer
 description, model/layers/description.py, whose layers have what it names: every architecture of model/models/;
 float32 activations, every linear with its panels, its
-bf16 panels (`--dtype bfloat16`) or its quantized weight, one rank or ranks sharing the native all-reduce), else
+bf16 panels (`--dtype bfloat16`) or its quantized weight, every mixture-of-experts MLP on the native fused experts
+kernel (csrc/cpu/moe.cpp, run inside the decoder's region), one rank or ranks sharing the native all-reduce), else
 None. Once the KV cache is bound, `runner(input_ids, positions, slot_mapping, block_table, table_rows)` computes the
 final hidden states [R, hidden] of a step's decoding requests: each one's decode token, or it and its draft tokens
 (speculative decoding: consecutive positions), at most `max_rows` rows a call (the model runner makes as many calls
@@ -54,6 +55,14 @@ def _linears(model: nn.Module, layer: nn.Module) -> list[Any]:
     return [_get(layer, path) for path in model.description.linears]
 
 
+def _experts(layer: nn.Module) -> Any:
+    """The layer's mixture-of-experts MLP (model/layers/moe.py), None for a dense one."""
+    from pagedllm.model.layers.moe import MoEMLP
+
+    mlp = getattr(layer, "mlp", None)
+    return mlp if isinstance(mlp, MoEMLP) else None
+
+
 MAX_ROWS = 256  # rows of one call (the model runner makes as many calls as a step needs)
 
 
@@ -95,15 +104,18 @@ class CpuDecodeRunner:
         layers = getattr(inner, "layers", None)
         if desc is None or inner is None or not layers or getattr(inner, "norm", None) is None:
             return False
-        if desc.mlp == "moe":
-            return False  # no expert kind in the native decoder yet: decode steps run layer by layer
         if desc.qk_norm == "full" and world_size > 1:
             return False  # a norm over every head would need the ranks' sums
         eps = inner.norm.eps
         layer_norm = desc.norm == "layer"
         for layer in layers:
             attn = _get(layer, "self_attn")
-            for lin in _linears(model, layer):
+            experts = _experts(layer)
+            if experts is not None and experts.native is None:
+                return False  # experts without the native kernel (not packed for it)
+            for j, lin in enumerate(_linears(model, layer)):
+                if experts is not None and j >= 2:
+                    continue  # the experts replace gate|up and down
                 forms = ("panels", "bf16_panels", "qweight")  # float32 panels, bf16 panels, quantized
                 runs = lin is not None and any(getattr(lin, f, None) is not None for f in forms)
                 if not runs or getattr(lin, "tp_size", 1) != world_size:
@@ -159,7 +171,7 @@ class CpuDecodeRunner:
             qkv, o, gate_up, down = _linears(self.model, layer)
 
             def bias(lin: Any) -> torch.Tensor:
-                return none if lin.bias is None else lin.bias
+                return none if lin is None or lin.bias is None else lin.bias
 
             def norm(n: Any) -> torch.Tensor:
                 return none if n is None else n.weight
@@ -168,6 +180,8 @@ class CpuDecodeRunner:
                 return none if n is None or getattr(n, "bias", None) is None else n.bias
 
             def panels(lin: Any) -> torch.Tensor:
+                if lin is None:  # the experts' (a MoE layer)
+                    return none
                 if getattr(lin, "bf16_panels", None) is not None:
                     return lin.bf16_panels.data
                 return none if lin.panels is None else lin.panels.data
@@ -182,7 +196,9 @@ class CpuDecodeRunner:
 
     def _quant_weights(self) -> list[Any]:
         """Four entries per layer (qkv, o, gate_up, down): the layer's QuantMatrix, or None for its panels."""
-        return [lin.qweight for layer in self.model.model.layers for lin in _linears(self.model, layer)]
+        return [
+            getattr(lin, "qweight", None) for layer in self.model.model.layers for lin in _linears(self.model, layer)
+        ]
 
     def _decoder(self) -> Any:
         """The native DecodeModel, built once per KV cache allocation (it holds the caches' pointers)."""
@@ -202,6 +218,8 @@ class CpuDecodeRunner:
                 _ACTS[desc.act], [a.attn.kv_group for a in attns], [a.attn.logit_softcap for a in attns],
                 [int(desc.norm == "layer"), int(desc.mlp == "plain"), int(desc.parallel), int(desc.qk_norm == "full")],
                 desc.residual_multiplier, norm_bias,
+                [None if _experts(layer) is None else _experts(layer).native for layer in layers],
+                [getattr(a, "clip_qkv", None) or 0.0 for a in attns],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

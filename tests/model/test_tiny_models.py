@@ -137,6 +137,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # half of each head, as Phi-4-mini's partial rotary
     "phi3": ("Phi3ForCausalLM", dict(seed=21)),
     "phi3-longrope-partial": ("Phi3ForCausalLM", dict(seed=22, **PHI3_LONGROPE)),
+    # mixture-of-experts MLPs on the fused experts kernel (tests/model/test_moe.py runs their scheduler paths)
+    "mixtral": ("MixtralForCausalLM", dict(seed=31, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3-moe-dense-layer": (
+        "Qwen3MoeForCausalLM",
+        dict(seed=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, mlp_only_layers=[1]),
+    ),
+    "olmoe-clip": ("OlmoeForCausalLM", dict(seed=33, num_experts=8, num_experts_per_tok=2, clip_qkv=1.5)),
 }
 # Architectures whose layers the fused decoder does not run (their decode steps take the layer path): none since the
 # layer description (model/layers/description.py) covers every architecture here.
@@ -175,6 +182,9 @@ BREADTH_ONLY = {
     "olmo2",
     "phi3",
     "phi3-longrope-partial",
+    "mixtral",
+    "qwen3-moe-dense-layer",
+    "olmoe-clip",
 }
 
 

@@ -629,7 +629,8 @@ class DecodeModel {
               torch::Tensor final_norm, uintptr_t all_reduce_fn, uintptr_t all_reduce_ctx,
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
               std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
-              double residual_mult, torch::Tensor final_norm_b, std::vector<std::shared_ptr<MoeLayer>> moe)
+              double residual_mult, torch::Tensor final_norm_b, std::vector<std::shared_ptr<MoeLayer>> moe,
+              std::vector<double> clips)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)), moe_(std::move(moe)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
@@ -661,6 +662,7 @@ class DecodeModel {
     constexpr int kSlot[kLinears] = {1, 5, 8, 10};  // where each linear's panels sit among a layer's tensors
     auto bf16 = [](const torch::Tensor& p) { return p.scalar_type() == torch::kBFloat16; };
     TORCH_CHECK(moe_.empty() || moe_.size() == layers, "moe: none, or one entry (a MoeLayer or None) per layer");
+    TORCH_CHECK(clips.empty() || clips.size() == layers, "clips: none, or one per layer (0: none)");
     auto moe_at = [&](size_t l) -> const MoeLayer* { return moe_.empty() ? nullptr : moe_[l].get(); };
     auto in_of = [&](size_t l, int j) -> int64_t {  // input size of layer l's linear j
       const QuantMatrix* q = qm(l, j);
@@ -739,6 +741,8 @@ class DecodeModel {
       L.qkv_q = quants[0], L.o_q = quants[1], L.gate_up_q = quants[2], L.down_q = quants[3];
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
       L.moe = moe != nullptr ? &moe->experts() : nullptr;
+      L.clip_qkv = clips.empty() ? 0.f : static_cast<float>(clips[l]);
+      TORCH_CHECK(L.clip_qkv >= 0.f, "layer ", l, ": clip_qkv must be 0 (none) or positive");
       L.window = windows.empty() ? 0 : windows[l];
       L.group = groups.empty() ? 0 : groups[l];
       L.softcap = softcaps.empty() ? 0.f : static_cast<float>(softcaps[l]);
@@ -967,13 +971,13 @@ PYBIND11_MODULE(_C, m) {
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
              std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
              double residual_mult, std::optional<torch::Tensor> final_norm_b,
-             std::vector<std::shared_ptr<MoeLayer>> moe) {
+             std::vector<std::shared_ptr<MoeLayer>> moe, std::vector<double> clips) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
                                                  act, std::move(groups), std::move(softcaps), std::move(kinds),
                                                  residual_mult, final_norm_b.value_or(torch::Tensor()),
-                                                 std::move(moe));
+                                                 std::move(moe), std::move(clips));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
@@ -981,7 +985,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("act") = 0, py::arg("groups") = std::vector<int64_t>{},
           py::arg("softcaps") = std::vector<double>{}, py::arg("kinds") = std::vector<int64_t>{},
           py::arg("residual_mult") = 1.0, py::arg("final_norm_b") = py::none(),
-          py::arg("moe") = std::vector<std::shared_ptr<MoeLayer>>{},
+          py::arg("moe") = std::vector<std::shared_ptr<MoeLayer>>{}, py::arg("clips") = std::vector<double>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

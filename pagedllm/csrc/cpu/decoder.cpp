@@ -247,6 +247,8 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
           float* v = qkv + r * qkv_out + hh * d;
           if (head_norms && hh < hq && w.q_norm != nullptr) rms_row(v, v, w.q_norm, d, ep);
           if (head_norms && hh >= hq && hh < hq + hkv && w.k_norm != nullptr) rms_row(v, v, w.k_norm, d, ep);
+          if (w.clip_qkv > 0.f)
+            for (int64_t k = 0; k < d; ++k) v[k] = std::min(std::max(v[k], -w.clip_qkv), w.clip_qkv);
           if (hh < hq + hkv) rotate_head(v, w.cos_sin + pos[r] * s.rot, half);
           if (hh >= hq) {  // a key or value head: to the cache
             const int64_t off = slots[r] * row + (hh - (hh >= hq + hkv ? hq + hkv : hq)) * d;

@@ -145,6 +145,7 @@ struct DecoderLayer {
   float softcap;            // attention-logit soft-capping (as PagedDecodeArgs); 0: none
   const float *norm1_b, *norm2_b;  // LayerNorm biases (DecoderSpec::layer_norm; null: none)
   const MoeExperts* moe;           // a mixture-of-experts MLP (its gate_up and down unused); null: the dense MLP
+  float clip_qkv;                  // > 0: q, k (after their norms) and v clamped to +-clip_qkv (OLMoE); 0: none
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
