@@ -60,6 +60,7 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Phi-3 LongRoPE over half of each head with an original context of 32 tokens (past it, the long factors)

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,36 @@ SHAPES = {
     "llama-3.2-3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, inter=8192, tied=True),
     # Llama-3.2-1B: 16 layers, hidden 2048, 32 over 8 heads of 64, intermediate 8192, tied head.
     "llama-3.2-1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, tied=True),
+    # OLMoE-1B-7B (olmoe): 16 layers, hidden 2048, 16 heads of 128 (no GQA), q/k norms over the whole projection,
+    # 64 experts of 1024, 8 per token, untied head. (Its own vocabulary has 50,304 tokens; this one has 151,936.)
+    "olmoe-1b-7b": dict(
+        arch="olmoe",
+        layers=16,
+        hidden=2048,
+        heads=16,
+        kv_heads=16,
+        head_dim=128,
+        inter=1024,
+        tied=False,
+        experts=64,
+        used=8,
+        qk_norm="full",
+    ),
+    # Qwen3-30B-A3B (qwen3moe): 48 layers, hidden 2048, 32 query heads over 4 KV heads of 128, per-head q/k norms,
+    # 128 experts of 768, 8 per token, untied head.
+    "qwen3-30b-a3b": dict(
+        arch="qwen3moe",
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        inter=768,
+        tied=False,
+        experts=128,
+        used=8,
+        qk_norm="head",
+    ),
 }
 FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "IQ4_XS": 30}
 
@@ -41,7 +72,8 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
     source = open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
     tokens = source.fields["tokenizer.ggml.tokens"].contents()
     vocab = len(tokens)
-    w = gguf.GGUFWriter(path, "llama")
+    arch = shape.get("arch", "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_name(f"synthetic {os.path.basename(path)}")
     w.add_block_count(shape["layers"])
     w.add_context_length(8192)
@@ -53,7 +85,12 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
     w.add_value_length(shape["head_dim"])
     w.add_rope_dimension_count(shape["head_dim"])
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(500000.0)
+    w.add_rope_freq_base(500000.0 if arch == "llama" else 10000.0)
+    if shape.get("experts"):
+        w.add_expert_count(shape["experts"])
+        w.add_expert_used_count(shape["used"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(shape["inter"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
@@ -67,27 +104,47 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
     rng = np.random.default_rng(seed)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+    def matrix(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
 
-    h, d = shape["hidden"], shape["head_dim"]
-    w.add_tensor("token_embd.weight", matrix(vocab, h))
-    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    h, d, inter, experts = shape["hidden"], shape["head_dim"], shape["inter"], shape.get("experts", 0)
+    # (name, numpy shape, maker): declared first, then written one at a time (a MoE model's F16 experts are ~13 GB)
+    ones = lambda n: lambda: np.ones(n, dtype=np.float32)  # noqa: E731
+    tensors: list[tuple[str, tuple[int, ...], Any]] = [("token_embd.weight", (vocab, h), lambda: matrix(vocab, h))]
+    tensors.append(("output_norm.weight", (h,), ones(h)))
     if not shape["tied"]:
-        w.add_tensor("output.weight", matrix(vocab, h))
+        tensors.append(("output.weight", (vocab, h), lambda: matrix(vocab, h)))
+    q_out, kv_out = shape["heads"] * d, shape["kv_heads"] * d
     for i in range(shape["layers"]):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", matrix(shape["heads"] * d, h))
-        w.add_tensor(f"blk.{i}.attn_k.weight", matrix(shape["kv_heads"] * d, h))
-        w.add_tensor(f"blk.{i}.attn_v.weight", matrix(shape["kv_heads"] * d, h))
-        w.add_tensor(f"blk.{i}.attn_output.weight", matrix(h, shape["heads"] * d))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(shape["inter"], h))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", matrix(shape["inter"], h))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", matrix(h, shape["inter"]))
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (h,), ones(h)), (b + "ffn_norm.weight", (h,), ones(h))]
+        if shape.get("qk_norm"):
+            full = shape["qk_norm"] == "full"
+            tensors.append((b + "attn_q_norm.weight", (q_out if full else d,), ones(q_out if full else d)))
+            tensors.append((b + "attn_k_norm.weight", (kv_out if full else d,), ones(kv_out if full else d)))
+        for name, dims in (("attn_q", (q_out, h)), ("attn_k", (kv_out, h)), ("attn_v", (kv_out, h))):
+            tensors.append((b + name + ".weight", dims, lambda dims=dims: matrix(*dims)))
+        tensors.append((b + "attn_output.weight", (h, q_out), lambda: matrix(h, q_out)))
+        if experts:
+            router = lambda: rng.standard_normal((experts, h), dtype=np.float32) * 0.02  # noqa: E731
+            tensors.append((b + "ffn_gate_inp.weight", (experts, h), router))
+            for name, dims in (
+                ("gate", (experts, inter, h)),
+                ("up", (experts, inter, h)),
+                ("down", (experts, h, inter)),
+            ):
+                tensors.append((b + f"ffn_{name}_exps.weight", dims, lambda dims=dims: matrix(*dims)))
+            continue
+        for name, dims in (("ffn_gate", (inter, h)), ("ffn_up", (inter, h)), ("ffn_down", (h, inter))):
+            tensors.append((b + name + ".weight", dims, lambda dims=dims: matrix(*dims)))
+    for name, dims, _ in tensors:
+        dtype = np.float32 if len(dims) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
+        w.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, _, make in tensors:
+        w.write_tensor_data(make())
     w.close()
 
 

@@ -295,12 +295,14 @@ def weight_bytes(model: nn.Module) -> int:
         q = getattr(module, "qweight", None)
         if q is not None:
             quant[id(q)] = q.nbytes
+        quant[id(module)] = getattr(module, "expert_nbytes", 0)  # a MoE layer's experts (model/layers/moe.py)
     return sum(storages.values()) + sum(quant.values())
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Weight bytes one decode token reads: every linear layer's and the LM head's, in the form the few-row path
-    runs (quantized as stored, else the float32 or bf16 panels or the plain weight), and the norms."""
+    runs (quantized as stored, else the float32 or bf16 panels or the plain weight), and the norms; of a MoE layer
+    the router and top_k experts' worth of its experts' bytes (a token reads only the experts it is routed to)."""
     from pagedllm.model.layers.embedding import ParallelLMHead
     from pagedllm.model.layers.linear import LinearBase
     from pagedllm.model.layers.norm import RMSNorm
@@ -318,4 +320,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
                 total += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, RMSNorm):
             total += module.weight.numel() * module.weight.element_size()
+        experts = getattr(module, "expert_nbytes", 0)
+        if experts:
+            total += experts * module.top_k // module.num_experts
     return total

@@ -220,6 +220,7 @@ class CpuDecodeRunner:
                 desc.residual_multiplier, norm_bias,
                 [None if _experts(layer) is None else _experts(layer).native for layer in layers],
                 [getattr(a, "clip_qkv", None) or 0.0 for a in attns],
+                [torch.empty(0) if a.attn.sinks is None else a.attn.sinks.detach() for a in attns],
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]

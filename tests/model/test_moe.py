@@ -24,6 +24,10 @@ from tests.model_utils import OracleProposer, PreemptionCounter, hf_greedy, make
 MAX_TOKENS = 24
 ENGINE: dict[str, Any] = dict(dtype="float32", num_threads=1, engine_client="inproc", max_model_len=256)
 
+# gpt-oss's rope (factor 32, beta_fast 32, beta_slow 1, truncate false) over an original context of 64 tokens
+GPT_OSS_YARN = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=64
+)
 # Tiny MoE shapes: 8 experts, 2 or 3 per token, experts narrower than the dense MLP.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralForCausalLM", dict(seed=31, num_local_experts=8, num_experts_per_tok=2)),
@@ -38,6 +42,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
             norm_topk_prob=True,
         ),
+    ),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding (16) and full layers alternating, YaRN rope (truncate
+    # false); a biased router taking the top 2 logits then a softmax; biased experts with the clamped SwiGLU
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        dict(seed=34, num_local_experts=8, num_experts_per_tok=2, sliding_window=16, rope_scaling=GPT_OSS_YARN),
     ),
     # top-k weights not renormalised; q/k norms over the whole projection, clamped q, k and v
     "olmoe": (
@@ -159,7 +169,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(moe_dir: str) -> No
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "gpt-oss"])
 def test_tensor_parallel_2_matches_hf(variant: str, tiny_model_dir: Path) -> None:
     """Each rank holds its share of every expert's intermediate dimension; the partial sums meet in one
     all-reduce a layer."""

@@ -144,6 +144,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(seed=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, mlp_only_layers=[1]),
     ),
     "olmoe-clip": ("OlmoeForCausalLM", dict(seed=33, num_experts=8, num_experts_per_tok=2, clip_qkv=1.5)),
+    # attention sinks, biases everywhere, alternating windows, the clamped SwiGLU experts
+    "gpt-oss": ("GptOssForCausalLM", dict(seed=34, num_local_experts=8, num_experts_per_tok=2, sliding_window=16)),
 }
 # Architectures whose layers the fused decoder does not run (their decode steps take the layer path): none since the
 # layer description (model/layers/description.py) covers every architecture here.
@@ -185,6 +187,7 @@ BREADTH_ONLY = {
     "mixtral",
     "qwen3-moe-dense-layer",
     "olmoe-clip",
+    "gpt-oss",
 }
 
 

@@ -401,7 +401,7 @@ static void attend_item(float* out, const float* q, const KV* kp, const KV* vp, 
   attend_span<D, KV>(s.mx.data(), s.sum.data(), s.acc.data(), q, kp + kv0 * d, vp + kv0 * d, table, l0, len, bs,
                      row, rows, g, d, sc, s.scores);
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / s.sum[r];
+    const float inv = sc.inv_sum(s.mx[r], s.sum[r], kv0 * g + r);
     float* orow = out + r * d;
     const float* ar = s.acc.data() + r * d;
     for (int64_t x = 0; x < d; ++x) orow[x] = ar[x] * inv;
@@ -545,7 +545,7 @@ static void prefill_tile(float* out, int64_t ostride, const float* qt, int64_t n
     }
   }
   for (int64_t i = 0; i < nrows; ++i) {
-    const float inv = 1.f / l[i];
+    const float inv = sc.inv_sum(m[i], l[i], 0);  // sinks: this head's first (prefill_rows_any)
     float* orow = out + i * ostride;
     for (int64_t x = 0; x < d; ++x) orow[x] = ot[x * R + i] * inv;
   }
@@ -574,15 +574,15 @@ static void decode_typed(const PagedDecodeArgs* a) {
   switch (d) {
     case 64:
       decode_loop<64, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                          c.block_size, a->table_width, 64, ScoreScale(a->scale, a->softcap), a->threads);
+                          c.block_size, a->table_width, 64, ScoreScale(a->scale, a->softcap, a->sinks), a->threads);
       break;
     case 128:
       decode_loop<128, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                           c.block_size, a->table_width, 128, ScoreScale(a->scale, a->softcap), a->threads);
+                           c.block_size, a->table_width, 128, ScoreScale(a->scale, a->softcap, a->sinks), a->threads);
       break;
     default:
       decode_loop<0, KV>(a->out, a->q, kp, vp, a->block_table, a->seq_lens, a->window, a->n, a->q_heads, c.kv_heads,
-                         c.block_size, a->table_width, d, ScoreScale(a->scale, a->softcap), a->threads);
+                         c.block_size, a->table_width, d, ScoreScale(a->scale, a->softcap, a->sinks), a->threads);
   }
 }
 
@@ -612,7 +612,7 @@ static void prefill_all(const PagedPrefillArgs* a) {
       const int64_t start = sp[3 * task.seg] + task.i0, len = sp[3 * task.seg + 1], ctx = sp[3 * task.seg + 2];
       prefill_rows_any(a->out + start * hq * d, hq * d, a->q + start * qstride, qstride,
                        std::min<int64_t>(R, len - task.i0), ctx + task.i0, a->window, task.h, c.k, c.v, c.kv_dtype,
-                       tp + task.seg * width, c.block_size, row, g, d, ScoreScale(a->scale, a->softcap), scratch);
+                       tp + task.seg * width, c.block_size, row, g, d, ScoreScale(a->scale, a->softcap, a->sinks), scratch);
     }
   }
 }
@@ -632,6 +632,7 @@ void prefill_rows_any(float* out, int64_t ostride, const float* q, int64_t qstri
     for (int64_t x = 0; x < d; ++x) qt[x * R + i] = i < n ? qrow[i * qstride + x] * sc : 0.f;
   float* orow = out + h * d;
   const int64_t kv = (h / g) * d;
+  if (sc.sinks != nullptr) sc.sinks += h;  // prefill_tile normalises with this head's sink
   auto run = [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     switch (d) {

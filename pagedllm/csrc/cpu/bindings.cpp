@@ -284,6 +284,15 @@ class CpuOps {
                 what, " panels must be [ceil(", out, " / ", w, "), ", in, ", ", w, "]");
   }
 
+  // Attention sinks [heads] as a pointer (null when absent), checked.
+  static const float* sinks_ptr(const std::optional<torch::Tensor>& sinks, int64_t heads) {
+    if (!sinks.has_value() || !sinks->defined() || sinks->numel() == 0) return nullptr;
+    check_float(*sinks, "sinks");
+    TORCH_CHECK(sinks->numel() == heads, "sinks must have one logit per query head (", heads, "), got ",
+                sinks->numel());
+    return sinks->data_ptr<float>();
+  }
+
   // A linear layer's optional bias [O] as a pointer (null when absent), checked.
   static const float* bias_ptr(const std::optional<torch::Tensor>& bias, int64_t out_features) {
     if (!bias.has_value()) return nullptr;
@@ -355,7 +364,7 @@ class CpuOps {
 
   void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                              int64_t window, double softcap) const {
+                              int64_t window, double softcap, std::optional<torch::Tensor> sinks) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
@@ -373,13 +382,14 @@ class CpuOps {
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
     TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, got ", softcap);
     const PagedDecodeArgs args{out.data_ptr<float>(), q.data_ptr<float>(), c, tp, lp, n, q.size(1), width, window,
-                               static_cast<float>(scale), at::get_num_threads(), static_cast<float>(softcap)};
+                               static_cast<float>(scale), at::get_num_threads(), static_cast<float>(softcap),
+                               sinks_ptr(sinks, q.size(1))};
     t_->paged_decode(&args);
   }
 
   void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor segments, double scale,
-                               int64_t window, double softcap) const {
+                               int64_t window, double softcap, std::optional<torch::Tensor> sinks) const {
     const PagedCache c = paged_cache(k_cache, v_cache);
     check_queries(out, q, c);
     check_index(block_tables, "block_tables");
@@ -402,7 +412,8 @@ class CpuOps {
     TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, got ", softcap);
     const PagedPrefillArgs args{out.data_ptr<float>(), q.data_ptr<float>(), q.stride(0), tokens, q.size(1), c, tp,
                                 sp, nseg, width, window, static_cast<float>(scale), at::get_num_threads(),
-                                static_cast<float>(softcap)};
+                                static_cast<float>(softcap),
+                                sinks_ptr(sinks, q.size(1))};
     t_->paged_prefill(&args);
   }
 
@@ -630,7 +641,7 @@ class DecodeModel {
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
               std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
               double residual_mult, torch::Tensor final_norm_b, std::vector<std::shared_ptr<MoeLayer>> moe,
-              std::vector<double> clips)
+              std::vector<double> clips, std::vector<torch::Tensor> sinks)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)), moe_(std::move(moe)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
@@ -663,6 +674,7 @@ class DecodeModel {
     auto bf16 = [](const torch::Tensor& p) { return p.scalar_type() == torch::kBFloat16; };
     TORCH_CHECK(moe_.empty() || moe_.size() == layers, "moe: none, or one entry (a MoeLayer or None) per layer");
     TORCH_CHECK(clips.empty() || clips.size() == layers, "clips: none, or one per layer (0: none)");
+    TORCH_CHECK(sinks.empty() || sinks.size() == layers, "sinks: none, or one tensor per layer (empty: none)");
     auto moe_at = [&](size_t l) -> const MoeLayer* { return moe_.empty() ? nullptr : moe_[l].get(); };
     auto in_of = [&](size_t l, int j) -> int64_t {  // input size of layer l's linear j
       const QuantMatrix* q = qm(l, j);
@@ -742,6 +754,7 @@ class DecodeModel {
       L.qkv16 = panels16[0], L.o16 = panels16[1], L.gate_up16 = panels16[2], L.down16 = panels16[3];
       L.moe = moe != nullptr ? &moe->experts() : nullptr;
       L.clip_qkv = clips.empty() ? 0.f : static_cast<float>(clips[l]);
+      L.sinks = sinks.empty() ? nullptr : CpuOps::sinks_ptr(sinks[l], s.q_heads);
       TORCH_CHECK(L.clip_qkv >= 0.f, "layer ", l, ": clip_qkv must be 0 (none) or positive");
       L.window = windows.empty() ? 0 : windows[l];
       L.group = groups.empty() ? 0 : groups[l];
@@ -768,6 +781,7 @@ class DecodeModel {
     for (auto* list : {&k_caches, &v_caches, &cos_sin}) keep_.insert(keep_.end(), list->begin(), list->end());
     keep_.push_back(final_norm);
     if (final_norm_b.defined()) keep_.push_back(final_norm_b);
+    keep_.insert(keep_.end(), sinks.begin(), sinks.end());
   }
 
   ~DecodeModel() { t_->decoder_destroy(handle_); }
@@ -942,10 +956,10 @@ PYBIND11_MODULE(_C, m) {
            "rows `ids` of a QuantMatrix in float32: [*ids.shape, in]")
       .def("paged_decode_attention", &CpuOps::paged_decode_attention, py::arg("out"), py::arg("q"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
-           py::arg("softcap") = 0.0)
+           py::arg("softcap") = 0.0, py::arg("sinks") = py::none())
       .def("paged_prefill_attention", &CpuOps::paged_prefill_attention, py::arg("out"), py::arg("q"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("segments"), py::arg("scale"),
-           py::arg("window") = 0, py::arg("softcap") = 0.0)
+           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none())
       .def(
           "moe_layer",
           [](std::shared_ptr<CpuOps> self, torch::Tensor router, std::optional<torch::Tensor> router_b, int64_t top_k,
@@ -971,13 +985,13 @@ PYBIND11_MODULE(_C, m) {
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
              std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
              double residual_mult, std::optional<torch::Tensor> final_norm_b,
-             std::vector<std::shared_ptr<MoeLayer>> moe, std::vector<double> clips) {
+             std::vector<std::shared_ptr<MoeLayer>> moe, std::vector<double> clips, std::vector<torch::Tensor> sinks) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
                                                  act, std::move(groups), std::move(softcaps), std::move(kinds),
                                                  residual_mult, final_norm_b.value_or(torch::Tensor()),
-                                                 std::move(moe), std::move(clips));
+                                                 std::move(moe), std::move(clips), std::move(sinks));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
@@ -986,6 +1000,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("softcaps") = std::vector<double>{}, py::arg("kinds") = std::vector<int64_t>{},
           py::arg("residual_mult") = 1.0, py::arg("final_norm_b") = py::none(),
           py::arg("moe") = std::vector<std::shared_ptr<MoeLayer>>{}, py::arg("clips") = std::vector<double>{},
+          py::arg("sinks") = std::vector<torch::Tensor>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");

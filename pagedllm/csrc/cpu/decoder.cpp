@@ -219,7 +219,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       const DecoderLayer& w = dec.layers[l];
       const int64_t* slots = slot_groups + w.group * R;  // the layer's KV cache group's slots and block tables
       const int64_t* tables = table_groups + w.group * reqs * width;
-      const ScoreScale ss(sc, w.softcap);
+      const ScoreScale ss(sc, w.softcap, w.sinks);
       const float* post_mlp = l > 0 ? dec.layers[l - 1].post_mlp_norm : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         if (l == 0) {
@@ -295,7 +295,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
 #pragma omp simd
             for (int64_t k = 0; k < d; ++k) o[k] += f * au[k];
           }
-          const float inv = 1.f / total;
+          const float inv = ss.inv_sum(mx, total, q);
 #pragma omp simd
           for (int64_t k = 0; k < d; ++k) o[k] *= inv;
         }

@@ -24,9 +24,19 @@ T* scratch(std::size_t n) {
 // The attention scale and, for soft-capped attention logits (Gemma 2), the cap: a score s = q.k * scale becomes
 // cap * tanh(s / cap) before the softmax (cap 0: none), as transformers computes it. It converts to the scale where
 // only that is needed (queries pre-scaled, products scaled).
+// Attention sinks (gpt-oss): one learned logit per query head that joins each row's softmax denominator without a
+// value, sinks[h] for head h (null: none); inv_sum gives the factor that turns a row's accumulator into its output.
 struct ScoreScale {
   float scale, cap;
-  ScoreScale(float s, float c = 0.f) : scale(s), cap(c) {}  // NOLINT: a plain scale converts implicitly
+  const float* sinks = nullptr;
+  ScoreScale(float s, float c = 0.f, const float* k = nullptr) : scale(s), cap(c), sinks(k) {}  // NOLINT: a plain scale converts implicitly
+  // 1 / l without a sink; with one (head h), the output acc * exp(m - top) / (l exp(m - top) + exp(sink - top)),
+  // top = max(m, sink): m and l are the row's score max and its sum of exp(score - m).
+  float inv_sum(float m, float l, int64_t h) const {
+    if (sinks == nullptr) return 1.f / l;
+    const float s = sinks[h], top = std::max(m, s), a = expf(m - top);
+    return a / (l * a + expf(s - top));
+  }
   operator float() const { return scale; }                    // NOLINT
   // s[0, n) soft-capped in place (before any masking: -inf must stay -inf).
   // tanh(z) as 1 - 2 / (e^2z + 1), vectorised through expf (scalar std::tanh cost Gemma 2's decode ~10%); its

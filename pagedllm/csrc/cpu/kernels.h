@@ -44,6 +44,7 @@ struct PagedDecodeArgs {
   float scale;
   int threads;
   float softcap;  // > 0: each score s (scaled) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
+  const float* sinks;  // [q_heads]: each head's sink logit in its softmax's denominator (gpt-oss); null: none
 };
 
 // Causal attention of each segment's query rows over its context and itself: segments[3 s .. 3 s + 2] = query start,
@@ -61,6 +62,7 @@ struct PagedPrefillArgs {
   float scale;
   int threads;
   float softcap;  // as PagedDecodeArgs
+  const float* sinks;  // as PagedDecodeArgs
 };
 
 // GGML block-quantized weights as the GGUF file stores them (the values are GGML's type ids). A row of `in` weights
@@ -146,6 +148,7 @@ struct DecoderLayer {
   const float *norm1_b, *norm2_b;  // LayerNorm biases (DecoderSpec::layer_norm; null: none)
   const MoeExperts* moe;           // a mixture-of-experts MLP (its gate_up and down unused); null: the dense MLP
   float clip_qkv;                  // > 0: q, k (after their norms) and v clamped to +-clip_qkv (OLMoE); 0: none
+  const float* sinks;              // [q_heads] attention sinks (gpt-oss, as PagedDecodeArgs); null: none
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.kv_group = 0
         # Attention-logit soft-capping (Gemma 2): each scaled score s becomes cap * tanh(s / cap); 0: none.
         self.logit_softcap = 0.0
+        # Attention sinks (gpt-oss): one logit per (this rank's) query head [num_heads] in each row's softmax
+        # denominator, with no value; None: none. The model that has them sets this parameter and loads it.
+        self.sinks: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""

@@ -37,10 +37,19 @@ from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds
 from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
+SCORINGS = ("softmax_topk", "topk_softmax")  # csrc/cpu/kernels.h PagedllmMoeScoring, in order
+ACTS = ("silu", "swiglu_clamp")  # PagedllmMoeAct, in order
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax_topk"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) of router logits [T, E]: softmax over all experts in float32,
-    the k largest (descending), renormalised to sum 1 where asked."""
+    the k largest (descending), renormalised to sum 1 where asked; or ("topk_softmax", gpt-oss) the k largest
+    logits and a softmax over them alone."""
+    if scoring == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -59,22 +68,40 @@ class MoEMLP(nn.Module):
         dtype: torch.dtype = torch.float32,
         ops: Any = None,
         tp: TensorParallelGroup | None = None,
+        scoring: str = "softmax_topk",
+        act: str = "silu",
+        bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
+        """`scoring` (route), `act` ("silu", or gpt-oss's "swiglu_clamp" with `alpha` and `limit`) and `bias` (a
+        router bias and the experts' biases, gpt-oss) as kernels.h's MoeExperts says."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts} (the experts), got {top_k}")
+        if scoring not in SCORINGS or act not in ACTS:
+            raise ValueError(f"MoE scoring must be one of {SCORINGS} and act one of {ACTS}, got {scoring!r}, {act!r}")
         self.tp = tp or TensorParallelGroup()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.scoring, self.act_kind, self.alpha, self.limit = scoring, act, float(alpha), float(limit)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shard = self.tp.shard(intermediate_size)  # this rank's rows of every expert's intermediate dimension
         local = self.shard.count
-        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype, ops)  # the router
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias, dtype, ops)  # the router
         self.w13_weight = nn.Parameter(
             torch.zeros(num_experts, 2 * local, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, local, dtype=dtype), requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
+        # gpt-oss's expert biases: gate|up [E, 2 I_local] (this rank's share), down [E, hidden] (rank 0 adds it: the
+        # ranks' partial sums are all-reduced)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * local, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            self.w13_bias.weight_loader = self._bias_loader
+            self.w2_bias.weight_loader = self._bias_loader
         self.act = SiluAndMul(ops)  # the dense MLP's gate (native on the CPU)
         self.ops = ops
         # GGUF experts kept as stored, per expert, until pack_weights: W13 (gate rows, then up rows) and W2.
@@ -82,6 +109,7 @@ class MoEMLP(nn.Module):
         self.quant2 = [QuantParts(hidden_size, local) for _ in range(num_experts)]
         self.native: Any = None  # the kernels' MoeLayer, once packed
         self.quantized = False  # whether the experts run quantized as stored
+        self.expert_nbytes = 0  # bytes of every expert's weights as the kernel holds them, once packed
 
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor | QuantTensor, expert: int | None = None, part: str = ""
@@ -111,6 +139,22 @@ class MoEMLP(nn.Module):
             if part != "down_proj" or tuple(tensor.shape) != want:
                 raise ValueError(f"{part} of experts {experts[0]}..: shape {tuple(tensor.shape)}, expected {want}")
             param.data[experts[0] : experts[-1] + 1].copy_(tensor[:, :, first : first + count])
+
+    def _bias_loader(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        """gate|up biases [E, 2I] (gate columns, then up) to this rank's columns; down biases [E, hidden] on rank 0
+        (zero elsewhere)."""
+        E, inter, first, count = self.num_experts, self.intermediate_size, self.shard.first, self.shard.count
+        if param is self.w13_bias:
+            if tuple(tensor.shape) != (E, 2 * inter):
+                raise ValueError(f"gate_up bias of shape {tuple(tensor.shape)}, expected {(E, 2 * inter)}")
+            for half in (0, 1):
+                param.data[:, half * count : (half + 1) * count].copy_(
+                    tensor[:, half * inter + first : half * inter + first + count]
+                )
+            return
+        if tuple(tensor.shape) != (E, self.hidden_size):
+            raise ValueError(f"down bias of shape {tuple(tensor.shape)}, expected {(E, self.hidden_size)}")
+        param.data.copy_(tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
 
     def _keep_quant(self, param: nn.Parameter, tensor: QuantTensor, expert: int, part: str) -> bool:
         """Keep one expert's GGUF tensor as stored (this rank's rows of gate/up, its block-aligned columns of
@@ -167,6 +211,7 @@ class MoEMLP(nn.Module):
                 views = views[len(expert) :]
             kwargs.update(w13_quant=built[: self.num_experts], w2_quant=built[self.num_experts :])
             self.quantized = True
+            self.expert_nbytes = sum(q.nbytes for q in built)
         else:
             pack = ops.bf16_pack_panels if bf16 else ops.pack_panels
             shape_of = ops.bf16_panel_shape if bf16 else self._panel_shape
@@ -179,9 +224,14 @@ class MoEMLP(nn.Module):
                 pack(self.w13_weight.data[e].contiguous(), w13[e])
                 pack(self.w2_weight.data[e].contiguous(), w2[e])
             kwargs.update(w13_panels=w13, w2_panels=w2)
+            self.expert_nbytes = sum(t.numel() * t.element_size() for t in (w13, w2))
+        biases = {}
+        if self.w13_bias is not None:
+            biases = dict(b13=self.w13_bias.detach().contiguous(), b2=self.w2_bias.detach().contiguous())
         self.native = ops.moe_layer(
-            router, router_bias, self.top_k, 0, self.renormalize, 0, 0.0, 0.0, self.hidden_size, inter, **kwargs
-        )
+            router, router_bias, self.top_k, SCORINGS.index(self.scoring), self.renormalize,
+            ACTS.index(self.act_kind), self.alpha, self.limit, self.hidden_size, inter, **kwargs, **biases,
+        )  # fmt: skip
         empty = torch.empty(0, dtype=self.w13_weight.dtype)
         self.w13_weight.data, self.w2_weight.data = empty, empty.clone()
         return True
@@ -197,12 +247,20 @@ class MoEMLP(nn.Module):
             state = False if rows is None else rows.state
             int8 = state if isinstance(state, bool) else rows.mask
             return self.tp.all_reduce(self.native(x.contiguous(), int8))
-        weights, ids = route(self.gate(x, rows), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x, rows), self.top_k, self.renormalize, self.scoring)
         out = torch.zeros_like(x)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        biased = self.w13_bias is not None
         for e in hit.nonzero().flatten().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
-            gu = F.linear(x[token], self.w13_weight[e])
-            y = F.linear(self.act(gu), self.w2_weight[e])
+            gu = F.linear(x[token], self.w13_weight[e], self.w13_bias[e] if biased else None)
+            y = F.linear(self._activate(gu), self.w2_weight[e], self.w2_bias[e] if biased else None)
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return self.tp.all_reduce(out)
+
+    def _activate(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.act_kind == "silu":
+            return self.act(gu)
+        gate, up = gu.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)

@@ -72,7 +72,7 @@ class CpuNativeAttentionBackend(AttentionBackend):
             # The decodes are the first rows: the kernel writes straight into them.
             self.ops.paged_decode_attention(
                 out[:nd], q[:nd].contiguous(), k_cache, v_cache, metadata.decode_tables, metadata.decode_seq_lens,
-                layer.scale, window, softcap,
+                layer.scale, window, softcap, layer.sinks,
             )  # fmt: skip
         if metadata.prefill_segments is not None:
             self.ops.paged_prefill_attention(
@@ -85,5 +85,6 @@ class CpuNativeAttentionBackend(AttentionBackend):
                 layer.scale,
                 window,
                 softcap,
+                layer.sinks,
             )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

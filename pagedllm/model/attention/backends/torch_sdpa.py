@@ -114,11 +114,13 @@ def sdpa(
     is_causal: bool,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch's scaled_dot_product_attention ([B, H, Lq, D] queries, [B, Hkv, Lk, D] keys and values, a boolean mask
-    of what is seen), or, with an attention-logit soft-cap (Gemma 2), the same written out: scores scaled, capped to
-    cap * tanh(s / cap), masked, softmax, values."""
-    if not softcap:
+    of what is seen), or, with an attention-logit soft-cap (Gemma 2) or attention sinks (gpt-oss: one logit per head
+    [H] joining each row's softmax without a value), the same written out: scores scaled, capped to
+    cap * tanh(s / cap), masked, softmax (over the row and its head's sink), values."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )
@@ -126,13 +128,18 @@ def sdpa(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -203,6 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
             False,
             layer.scale,
             getattr(layer, "logit_softcap", 0.0),
+            getattr(layer, "sinks", None),
         )
         return o.view(n, layer.num_heads, d)
 
@@ -220,7 +228,7 @@ class TorchAttentionBackend(AttentionBackend):
         if seg.context_len == 0:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = sdpa(qh, kh, vh, mask, mask is None, layer.scale, getattr(layer, "logit_softcap", 0.0))
+            o = sdpa(qh, kh, vh, mask, mask is None, layer.scale, getattr(layer, "logit_softcap", 0.0), layer.sinks)
         else:
             k_cache, v_cache = layer.kv_cache
             total = seg.context_len + seg.query_len
@@ -228,5 +236,5 @@ class TorchAttentionBackend(AttentionBackend):
             table = seg.block_table
             kh = self._gather(k_cache, table, 0, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
             vh = self._gather(v_cache, table, 1, q.dtype).view(-1, hkv, d)[:total].transpose(0, 1).unsqueeze(0)
-            o = sdpa(qh, kh, vh, mask, False, layer.scale, getattr(layer, "logit_softcap", 0.0))
+            o = sdpa(qh, kh, vh, mask, False, layer.scale, getattr(layer, "logit_softcap", 0.0), layer.sinks)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
