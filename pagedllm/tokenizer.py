@@ -56,11 +56,7 @@ def _load_tokenizer(model_config: ModelConfig) -> tuple[Any, str]:
             return tokenizer, "GGUF conversion from the cache"
         except Exception as e:  # a damaged cache entry is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_config.tokenizer, gguf_file=model_config.gguf_file, local_files_only=True
-    )
+    tokenizer = _convert_gguf_tokenizer(model_config.tokenizer, model_config.gguf_file)
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
@@ -70,6 +66,27 @@ def _load_tokenizer(model_config: ModelConfig) -> tuple[Any, str]:
     except OSError as e:  # a read-only home only costs the conversion next time
         logger.warning("could not cache the converted tokenizer at %s: %s", cached, e)
     return tokenizer, "converted from the GGUF"
+
+
+def _convert_gguf_tokenizer(folder: str, gguf_file: str) -> Any:
+    """transformers' conversion of a GGUF file's tokenizer. transformers reads a file's metadata only for the
+    architectures it models, though the tokenizer's fields (`tokenizer.ggml.*`) do not depend on the architecture:
+    for another one (e.g. `olmoe`), the architecture is let through for this read alone."""
+    from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from pagedllm.model.gguf_file import open_gguf
+
+    arch = open_gguf(os.path.join(folder, gguf_file)).fields["general.architecture"].contents()
+    known = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
+    added = arch not in known
+    if added:
+        known.append(arch)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    finally:
+        if added:
+            known.remove(arch)
 
 
 def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:

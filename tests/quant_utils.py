@@ -3,7 +3,7 @@
 Contract:
 
 * `quantize(w, qtype)` takes float32 [rows, cols] and returns uint8 [rows, row_bytes] in GGML type `qtype`, one of
-  `TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (ids as in
+  `TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 (ids as in
   `gguf.GGMLQuantizationType`). cols must be a whole number of the type's blocks (`block_size(qtype)` gives
   (weights, bytes) of one block: 32 or 256 weights), else ValueError. A row is cols / weights blocks in
   ggml-common.h's layouts. Deterministic, and each block depends on its own weights only.
@@ -15,7 +15,8 @@ Contract:
   (the one of largest magnitude is stored as the most negative, -32 or -128, so about half are negative); Q6_K's
   quants span [-32, 31], Q3_K's [-4, 3], with its 6-bit scales stored as sc + 32; Q4_1, Q5_1, Q2_K, Q4_K and Q5_K
   store an unsigned scale and a min.
-* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the `gguf` package's quantizers (ports of llama.cpp's, bit for bit). The
+* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 are the `gguf` package's quantizers (ports of llama.cpp's, bit for bit;
+  MXFP4's shared exponent per block from the block's largest magnitude, its nibbles signed E2M1 values). The
   others are vectorised numpy ports of llama.cpp's code, in float32 with its order of operations and of summation:
   Q3_K, Q6_K, IQ4_NL and IQ4_XS come out as llama.cpp's bytes. Q2_K, Q4_K and Q5_K simplify one thing:
   make_qkx2_quants' search for the best scale and min tries a subset of llama.cpp's candidates (`_QKX2_TRIES`), so
@@ -29,7 +30,8 @@ import numpy as np
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
-TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+MXFP4 = 39
+TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
 
 # (weights, bytes) of one block (ggml-common.h)
 _BLOCK = {
@@ -45,9 +47,10 @@ _BLOCK = {
     Q6_K: (256, 210),
     IQ4_NL: (32, 18),
     IQ4_XS: (256, 136),
+    MXFP4: (32, 17),
 }
 
-_GGUF_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+_GGUF_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4)
 _EPS = np.float32(1e-15)  # GROUP_MAX_EPS
 _KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 

@@ -28,7 +28,8 @@ from pagedllm.model import hugepages
 
 # GGML type ids (gguf.GGMLQuantizationType) with a native kernel.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
-NATIVE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+MXFP4 = 39  # gpt-oss's experts
+NATIVE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
 # Float types a GGUF file may hold a weight in: float32 runs as float32, float16 and bfloat16 on bf16 panels.
 F32, F16, BF16 = 0, 1, 30
 HALF_TYPES = (F16, BF16)

@@ -25,7 +25,9 @@ from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, TYPES, b
 NAMES = {t: type_name(t) for t in TYPES}
 # Byte offsets of each type's float16 fields within its block (the rest of a block is integers and bit fields).
 F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2]}
-F16_FIELDS |= {14: [208], 20: [0], 23: [0]}
+F16_FIELDS |= {14: [208], 20: [0], 23: [0], 39: []}
+# Byte offsets of E8M0 exponents (MXFP4's block scale 2^(e - 127)): set to the range real weights have.
+E8M0_FIELDS = {39: [0]}
 
 
 @pytest.fixture
@@ -68,6 +70,8 @@ def _random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
     for at in F16_FIELDS[qtype]:
         d = (rng.standard_normal(blocks.shape[:2]) * 0.002).astype(np.float16)
         blocks[:, :, at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    for at in E8M0_FIELDS.get(qtype, []):
+        blocks[:, :, at] = rng.integers(112, 124, size=blocks.shape[:2])  # scales 2^-15 .. 2^-4
     return blocks.reshape(rows, -1)
 
 

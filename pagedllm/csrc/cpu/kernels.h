@@ -80,6 +80,7 @@ enum PagedllmQuantType {
   PQ_Q6_K = 14,
   PQ_IQ4_NL = 20,
   PQ_IQ4_XS = 23,
+  PQ_MXFP4 = 39,  // OCP microscaling FP4 (gpt-oss experts): an E8M0 scale byte, 32 E2M1 nibbles as IQ4_NL's
 };
 
 // `rows` consecutive output rows of one type; the first `packed` of them (a multiple of 16, see quant_pack) in the

@@ -1,5 +1,5 @@
 // Linear layers on GGUF block-quantized weights, run as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-// Q6_K, IQ4_NL and IQ4_XS.
+// Q6_K, IQ4_NL, IQ4_XS and MXFP4 (IQ4_NL's layout with FP4 values, twice over, and a power-of-two scale: exact int8).
 //
 // A weight is a QMatrix (kernels.h): up to four row segments, each the GGUF file's own bytes of consecutive output
 // rows of one type (a merged q|k|v or gate|up may mix types, as a Q4_K_M file does). Every type is read in chunks of
@@ -87,6 +87,7 @@ constexpr int64_t block_bytes(int32_t type) {
     case PQ_Q6_K: return 210;
     case PQ_IQ4_NL: return 18;
     case PQ_IQ4_XS: return 136;
+    case PQ_MXFP4: return 17;
     default: return 0;
   }
 }
@@ -94,6 +95,12 @@ constexpr int64_t block_bytes(int32_t type) {
 // The 16 values of IQ4_NL and IQ4_XS nibbles (llama.cpp's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 16 values of MXFP4 nibbles (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), doubled to integers
+// (llama.cpp's kvalues_mxfp4); the block scale is then 2^(e - 128) (ggml_e8m0_to_fp32_half).
+alignas(16) constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) { return std::ldexp(1.f, static_cast<int>(e) - 128); }
 
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
@@ -148,6 +155,15 @@ void decode_chunk(int32_t type, const uint8_t* row, int64_t c, Chunk& k) {
         const int lo = qs[l] & 0xF, hi = qs[l] >> 4;
         k.q[l] = static_cast<int8_t>(type == PQ_IQ4_NL ? kIq4Values[lo] : lo);
         k.q[l + 16] = static_cast<int8_t>(type == PQ_IQ4_NL ? kIq4Values[hi] : hi);
+      }
+      return;
+    }
+    case PQ_MXFP4: {
+      const uint8_t* blk = row + c * 17;
+      k.a = e8m0_half(blk[0]);
+      for (int l = 0; l < 16; ++l) {
+        k.q[l] = kMxfp4Values[blk[1 + l] & 0xF];
+        k.q[l + 16] = kMxfp4Values[blk[1 + l] >> 4];
       }
       return;
     }
@@ -357,6 +373,10 @@ inline __m256i iq4_table() {
   return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
 }
 
+inline __m256i mxfp4_table() {
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+}
+
 // Calls f(c, q, sc16, a, b, m16, bm) for every chunk of a row: q the chunk's 32 integers as bytes (unsigned for the
 // types with kSigned false), sc16 the 16-bit multipliers of the 16 pair sums (vpmaddubsw's output lanes 0-7 cover
 // weights 0-15), a and b its float scale and offset; Q2_K's per-16 mins in m16 (like sc16) with their float scale bm
@@ -380,6 +400,12 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
       if constexpr (T == PQ_Q8_0)
         f(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), ones, d, 0.f, none, 0.f);
       if constexpr (T == PQ_IQ4_NL) f(c, _mm256_shuffle_epi8(table, nibbles16(blk + 2)), ones, d, 0.f, none, 0.f);
+    }
+  } else if constexpr (T == PQ_MXFP4) {
+    const __m256i table = mxfp4_table();
+    for (int64_t c = 0; c < in / 32; ++c) {
+      const uint8_t* blk = row + c * 17;
+      f(c, _mm256_shuffle_epi8(table, nibbles16(blk + 1)), ones, e8m0_half(blk[0]), 0.f, none, 0.f);
     }
   } else if constexpr (T == PQ_Q5_0 || T == PQ_Q5_1) {
     constexpr int64_t bytes = block_bytes(T), qh_at = T == PQ_Q5_0 ? 2 : 4;
@@ -493,7 +519,8 @@ inline void visit_row(const uint8_t* row, int64_t in, F&& f) {
 }
 
 template <int32_t T>
-constexpr bool kSigned = T == PQ_Q8_0 || T == PQ_Q6_K || T == PQ_Q3_K || T == PQ_IQ4_NL || T == PQ_IQ4_XS;
+constexpr bool kSigned =
+    T == PQ_Q8_0 || T == PQ_Q6_K || T == PQ_Q3_K || T == PQ_IQ4_NL || T == PQ_IQ4_XS || T == PQ_MXFP4;
 template <int32_t T>  // b != 0
 constexpr bool kOffset = T == PQ_Q4_0 || T == PQ_Q4_1 || T == PQ_Q5_0 || T == PQ_Q5_1 || T == PQ_Q4_K || T == PQ_Q5_K;
 template <int32_t T>
@@ -1474,6 +1501,7 @@ void dequant_row(int32_t type, const uint8_t* row, int64_t in, float* out) {
     case PQ_Q6_K: return dequant_row_avx2<PQ_Q6_K>(row, in, out);
     case PQ_IQ4_NL: return dequant_row_avx2<PQ_IQ4_NL>(row, in, out);
     case PQ_IQ4_XS: return dequant_row_avx2<PQ_IQ4_XS>(row, in, out);
+    case PQ_MXFP4: return dequant_row_avx2<PQ_MXFP4>(row, in, out);
     default: return;
   }
 #else
@@ -1525,6 +1553,7 @@ DotFn dot_fn(int32_t type, int mb) {
     case PQ_Q6_K: return dot_for<PQ_Q6_K>(mb);
     case PQ_IQ4_NL: return dot_for<PQ_IQ4_NL>(mb);
     case PQ_IQ4_XS: return dot_for<PQ_IQ4_XS>(mb);
+    case PQ_MXFP4: return dot_for<PQ_MXFP4>(mb);
     default: return nullptr;
   }
 }

@@ -88,10 +88,12 @@ class MoEMLP(nn.Module):
         self.shard = self.tp.shard(intermediate_size)  # this rank's rows of every expert's intermediate dimension
         local = self.shard.count
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias, dtype, ops)  # the router
+        # Uninitialised (as the dense linears' weights): experts kept quantized never touch these pages, so a GGUF
+        # model's float32 copies (24 GB for OLMoE-1B-7B) are never resident.
         self.w13_weight = nn.Parameter(
-            torch.zeros(num_experts, 2 * local, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype), requires_grad=False
         )
-        self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, local, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, local, dtype=dtype), requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
         # gpt-oss's expert biases: gate|up [E, 2 I_local] (this rank's share), down [E, hidden] (rank 0 adds it: the
