@@ -32,6 +32,7 @@ import numpy as np
 from tests.quant_utils import (
     IQ4_NL,
     IQ4_XS,
+    MXFP4,
     Q2_K,
     Q3_K,
     Q4_K,
@@ -70,7 +71,7 @@ _GEMMA_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # HF model_type -> GGUF general.architecture, where they differ
-_GGUF_ARCH = {"gemma3_text": "gemma3", "phi": "phi2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "phi": "phi2", "mixtral": "llama", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 # A MoE layer's tensors: the router, and every expert's projection stacked [experts, rows, cols] (HF per-expert
 # checkpoint names: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, the others' mlp.experts.E.gate/up/down_proj)
 _EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -91,6 +92,8 @@ def tensor_type(layout: str, name: str, cols: int, n_layers: int, tied: bool) ->
     ("F32": every matrix in float32, as convert_hf_to_gguf.py --outtype f32 writes them)."""
     if layout == "F32":
         return F32
+    if layout == "MXFP4_MOE":  # gpt-oss as released: experts MXFP4, every other matrix Q8_0
+        return MXFP4 if "_exps." in name else Q8_0
     if layout not in _BASE:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS} or F32")
     base = _BASE[layout]
@@ -154,15 +157,39 @@ def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[name] = t
     for (layer, part), experts in stacks.items():
         out[f"model.layers.{layer}.mlp.experts.{part}_exps"] = np.stack([experts[e] for e in sorted(experts)])
+    for name in [n for n in out if ".mlp.experts." in n and n.split(".")[-1] in _GPT_OSS_EXPERTS]:
+        # gpt-oss's experts, stacked in x @ W orientation with gate and up interleaved: de-interleaved and
+        # transposed as convert_hf_to_gguf.py writes them
+        t, prefix, kind = out.pop(name), name.rsplit(".", 1)[0], name.rsplit(".", 1)[1]
+        if kind == "gate_up_proj":
+            out[prefix + ".gate_exps"] = np.ascontiguousarray(t[..., 0::2].transpose(0, 2, 1))
+            out[prefix + ".up_exps"] = np.ascontiguousarray(t[..., 1::2].transpose(0, 2, 1))
+        elif kind == "down_proj":
+            out[prefix + ".down_exps"] = np.ascontiguousarray(t.transpose(0, 2, 1))
+        elif kind == "gate_up_proj_bias":
+            out[prefix + ".gate_exps_bias"], out[prefix + ".up_exps_bias"] = t[..., 0::2].copy(), t[..., 1::2].copy()
+        else:
+            out[prefix + ".down_exps_bias"] = t
+    for name in [n for n in out if ".mlp.router." in n]:
+        out[name.replace(".mlp.router.", ".mlp.gate.")] = out.pop(name)
     return out
+
+
+_GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     parts = hf_name.split(".")
     if len(parts) == 6 and parts[3:5] == ["mlp", "experts"] and parts[5].endswith("_exps"):
         return f"blk.{parts[2]}.ffn_{parts[5]}.weight"  # stacked experts (_stack_experts)
-    if hf_name.endswith(".mlp.gate.weight") and parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.ffn_gate_inp.weight"
+    if len(parts) == 6 and parts[3:5] == ["mlp", "experts"] and parts[5].endswith("_exps_bias"):
+        return f"blk.{parts[2]}.ffn_{parts[5][: -len('_bias')]}.bias"
+    if parts[:2] == ["model", "layers"] and hf_name.endswith((".mlp.gate.weight", ".mlp.gate.bias")):
+        return f"blk.{parts[2]}.ffn_gate_inp.{parts[-1]}"
+    if parts[:2] == ["model", "layers"] and hf_name.endswith(".self_attn.sinks"):
+        return f"blk.{parts[2]}.attn_sinks.weight"
+    if arch == "gpt-oss" and hf_name.endswith(".post_attention_layernorm.weight"):
+        return f"blk.{parts[2]}.post_attention_norm.weight"  # its name for the norm before the experts
     if arch in _NAME_MAPPED:
         return _name_map(arch).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if hf_name == "model.embed_tokens.weight":
@@ -304,6 +331,13 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
         if arch == "qwen3moe":
             w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+        if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+            w.add_expert_feed_forward_length(int(cfg["intermediate_size"]))
+            w.add_sliding_window(int(cfg["sliding_window"]))
+            if rope.get("rope_type") == "yarn":
+                w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                w.add_rope_scaling_factor(float(rope["factor"]))
+                w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if arch in ("gemma2", "gemma3"):  # llama.cpp reads the window; its layers alternate (gemma3: five local, one
         w.add_sliding_window(int(cfg["sliding_window"]))  # global; gemma2: one and one)
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters writes both caps
@@ -324,7 +358,7 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
             t = _permute(t, heads)
         elif arch in _PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, kv_heads)
-        if t.ndim == 1 or name.endswith("ffn_gate_inp.weight"):  # llama-quantize leaves the router in F32
+        if t.ndim == 1 or name.endswith(("ffn_gate_inp.weight", ".bias")):  # the router and biases stay F32
             w.add_tensor(name, t)
             continue
         qtype = (overrides or {}).get(name) or tensor_type(layout, name, t.shape[-1], n_layers, tied)
@@ -372,8 +406,32 @@ def hf_on_dequantized(hf: Any, path: str, arch: str) -> Any:
         shape = tuple(reversed([int(d) for d in t.shape]))
         return torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
 
+    def bias(part: str, layer: str) -> torch.Tensor:
+        t = tensors[f"blk.{layer}.ffn_{part}_exps.bias"]
+        return torch.from_numpy(np.asarray(t.data, np.float32).reshape(tuple(reversed([int(d) for d in t.shape]))))
+
     for name, param in hf.state_dict().items():
         parts = name.split(".")
+        if arch == "gpt-oss" and ".mlp.experts." in name:  # x @ W orientation, gate and up interleaved
+            kind = parts[-1]
+            if kind in ("gate_up_proj", "gate_up_proj_bias"):
+                gate, up = (
+                    (expert_stack(p, parts[2]).transpose(1, 2) for p in ("gate", "up"))
+                    if kind == "gate_up_proj"
+                    else (bias(p, parts[2]) for p in ("gate", "up"))
+                )
+                both = torch.empty(*gate.shape[:-1], 2 * gate.shape[-1])
+                both[..., 0::2], both[..., 1::2] = gate, up
+                state[name] = both
+            else:
+                state[name] = (
+                    expert_stack("down", parts[2]).transpose(1, 2) if kind == "down_proj" else bias("down", parts[2])
+                )
+            continue
+        if arch == "gpt-oss" and ".mlp.router." in name:
+            t = tensors[f"blk.{parts[2]}.ffn_gate_inp.{parts[-1]}"]
+            state[name] = torch.from_numpy(np.asarray(t.data, np.float32).reshape(param.shape).copy())
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's experts in memory: [E, 2I, H], [E, H, I]
             state[name] = torch.cat([expert_stack("gate", parts[2]), expert_stack("up", parts[2])], dim=1)
             continue

@@ -136,7 +136,21 @@ def _moe_olmoe(get: Any, fields: dict[str, Any]) -> dict[str, Any]:
     return dict(norm_topk_prob=False, clip_qkv=None)
 
 
-_MOE_ARCHS = {"llama": _moe_llama, "qwen3moe": _moe_qwen3, "olmoe": _moe_olmoe}
+def _moe_gpt_oss(get: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    # gpt-oss: experts expert_feed_forward_length wide; layers alternate sliding window (even) and full attention
+    # (`attention.sliding_window_pattern`, 2 by default, as llama.cpp reads it); q/k/v/o biases; the clamped SwiGLU's
+    # limit, which llama.cpp hard-codes (no key)
+    layers, period = fields["num_hidden_layers"], int(get("attention.sliding_window_pattern") or 2)
+    return dict(
+        intermediate_size=int(get("expert_feed_forward_length") or fields["intermediate_size"]),
+        sliding_window=int(get("attention.sliding_window") or 128),
+        layer_types=["sliding_attention" if i % period < period - 1 else "full_attention" for i in range(layers)],
+        attention_bias=True,
+        swiglu_limit=7.0,
+    )
+
+
+_MOE_ARCHS = {"llama": _moe_llama, "qwen3moe": _moe_qwen3, "olmoe": _moe_olmoe, "gpt-oss": _moe_gpt_oss}
 
 
 def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
@@ -181,6 +195,15 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling == "yarn":  # as llama.cpp runs it: its correction dims always rounded to whole dims (truncate)
+        rope.update(
+            rope_type="yarn",
+            factor=float(get("rope.scaling.factor")),
+            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+            beta_fast=float(get("rope.scaling.yarn_beta_fast") or 32.0),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow") or 1.0),
+            truncate=True,
+        )
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
     if arch in ARCH_FIELDS:  # what llama.cpp's hyper-parameters of this architecture say beyond Llama's

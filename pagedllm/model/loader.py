@@ -76,6 +76,8 @@ _GGUF_ARCH_LAYER_NAMES = {
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "phi2": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: its post_attention_norm is the norm before the experts (Llama's ffn_norm), not a post norm
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
 # Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rotary (LlamaModel and its
 # subclasses); the others (OLMo 2, StableLM, Starcoder2, Phi) keep HF's rotate-half rows.
@@ -97,6 +99,10 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     m = _LAYER_RE.fullmatch(name)
     if m and m.group(2) in _GGUF_EXPERTS and m.group(3) == "weight":
         return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERTS[m.group(2)]}.weight"  # {}: each expert
+    if m and m.group(2) in _GGUF_EXPERTS:  # gpt-oss's expert biases, [E, I] or [E, H]: all experts at once
+        return f"model.layers.{m.group(1)}.mlp.experts.{_GGUF_EXPERTS[m.group(2)]}_bias"
+    if m and m.group(2) == "attn_sinks":  # gpt-oss's sinks: a parameter of the attention, no .weight
+        return f"model.layers.{m.group(1)}.self_attn.sinks"
     names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch or "", {})}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"

@@ -36,6 +36,7 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",  # llama.cpp's name
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

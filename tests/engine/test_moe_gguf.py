@@ -4,7 +4,8 @@ back to the legacy types, as llama.cpp's quantizer does) is written by the tests
 the router in F32, each projection's experts stacked in one tensor [experts, rows, cols], the metadata keys
 convert_hf_to_gguf.py writes), then:
   - in F32: pagedllm's greedy tokens identical to HF transformers running the original folder;
-  - in llama.cpp's Q4_K_M layout, the experts run as stored on the fused experts kernel: against HF transformers
+  - in llama.cpp's Q4_K_M layout (gpt-oss: its release's, MXFP4 experts), the experts run as stored on the fused
+    experts kernel: against HF transformers
     running the file's de-quantized weights, teacher-forced over a prompt of 150 tokens, the prompt's log-probabilities
     within MEAN_NOISE on average, top-1 agreement >= 0.9 and every disagreement a near-tie of HF's own top two.
 """
@@ -21,6 +22,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.moe import MoEMLP
 from tests.gguf_utils import hf_on_dequantized, write_gguf
 from tests.model_utils import hf_greedy, load_hf_model, make_tiny_model, random_prompts
+from tests.quant_utils import MXFP4
 
 # initializer_range 0.08: at 256 wide, 0.2 (the tiny models' default) gives logits so large that rounding moves the
 # log-probabilities of dense models as much as 0.14 nat
@@ -36,7 +38,28 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoeForCausalLM",
         dict(seed=63, num_experts=8, num_experts_per_tok=2, intermediate_size=96, norm_topk_prob=False),
     ),
+    # sinks, biases, alternating windows of 16, YaRN (truncated correction dims: llama.cpp's, which a GGUF gets)
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        dict(
+            seed=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=96,
+            sliding_window=16,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=True,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
 }
+# The quantized layout each file is written in: llama.cpp's Q4_K_M, or gpt-oss's release (MXFP4 experts, Q8_0 else)
+LAYOUT = {"gpt-oss": "MXFP4_MOE"}
 ENGINE: dict[str, Any] = dict(
     engine_client="inproc", num_threads=2, max_model_len=256, kv_cache_memory_bytes="16MiB", dtype="float32"
 )
@@ -72,12 +95,16 @@ def test_f32_gguf_matches_hf(folder: tuple[str, str], tmp_path: Any) -> None:
         assert list(o.outputs[0].token_ids) == ref, f"prompt of {len(p)} tokens"
 
 
-def test_q4_k_m_experts_as_stored_agree_with_hf_on_dequantized(folder: tuple[str, str], tmp_path: Any) -> None:
+def test_quantized_experts_as_stored_agree_with_hf_on_dequantized(folder: tuple[str, str], tmp_path: Any) -> None:
     arch, path_hf = folder
-    path = str(tmp_path / f"tiny-{arch}-moe-q4_k_m.gguf")
-    types = write_gguf(path_hf, path, "Q4_K_M")
+    layout = LAYOUT.get(arch, "Q4_K_M")
+    path = str(tmp_path / f"tiny-{arch}-moe-{layout}.gguf")
+    types = write_gguf(path_hf, path, layout)
     exps = {t for name, t in types.items() if "_exps" in name}
-    assert len(exps) >= 2, types  # K types for gate/up (256 wide rows), legacy ones for the 96-wide down
+    if layout == "Q4_K_M":  # K types for gate/up (256 wide rows), legacy ones for the 96-wide down
+        assert len(exps) >= 2, types
+    else:
+        assert exps == {MXFP4}, types
     ids = random_prompts([150], seed=8)[0]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     with LLM(path, tokenizer=path_hf, **ENGINE) as llm:
@@ -96,7 +123,7 @@ def test_q4_k_m_experts_as_stored_agree_with_hf_on_dequantized(folder: tuple[str
     mean = sum(noise) / len(noise)
     agreement = 1 - len(swapped) / len(tops)
     print(
-        f"\ntiny {arch} MoE Q4_K_M as stored vs HF on its de-quantized weights: mean |logprob difference| "
+        f"\ntiny {arch} MoE {layout} as stored vs HF on its de-quantized weights: mean |logprob difference| "
         f"{mean:.4f}, teacher-forced top-1 {agreement:.3f} (swapped tops within {max(margins, default=0):.3f} nat)"
     )
     assert mean <= MEAN_NOISE

@@ -7,7 +7,9 @@ g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha g) (
 Checkpoint names as transformers 5 holds them (docs/moe-notes.md): `self_attn.sinks` [heads]; `mlp.router.weight`
 [E, H] and `.bias` [E]; `mlp.experts.gate_up_proj` [E, H, 2I] in x @ W orientation with gate and up interleaved
 (even columns gate, odd up), `gate_up_proj_bias` [E, 2I] likewise, `down_proj` [E, I, H], `down_proj_bias` [E, H].
-`unfuse` turns them into the MoE layer's [E, 2I, H] (gate rows, then up rows) and [E, H, I]. Tensor parallel: the
+`unfuse` turns them into the MoE layer's [E, 2I, H] (gate rows, then up rows) and [E, H, I]. A GGUF file (llama.cpp's
+`gpt-oss`) holds them de-interleaved, per projection (loader.py), its experts usually MXFP4, run as stored; its
+yarn rope as llama.cpp runs it (truncated correction dims, config_loader.py). Tensor parallel: the
 sinks split with the query heads, the experts' intermediate dimension as every MoE layer's.
 """
 
@@ -64,6 +66,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_cls = GptOssModel
     hf_renames = ((".mlp.router.", ".mlp.gate."),)
 
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, kernels: KernelDispatch | None = None) -> None:
+        super().__init__(config, dtype, kernels)
+        self._pending_biases: dict[str, dict[str, torch.Tensor]] = {}  # a GGUF's gate / up biases, until paired
+
     @classmethod
     def layer_description(cls, config: Any) -> LayerDescription:
         return LayerDescription(mlp="moe")
@@ -82,5 +88,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
             )
         elif name.endswith(".mlp.experts.down_proj_bias"):
             yield name.replace(".experts.down_proj_bias", ".w2_bias"), tensor
+        elif name.endswith((".mlp.experts.gate_proj_bias", ".mlp.experts.up_proj_bias")):
+            # a GGUF file's gate and up biases [E, I], separate: the layer's [E, 2I] once both are read
+            key = name.rsplit(".", 1)[0]
+            pending = self._pending_biases.setdefault(key, {})
+            pending[name.rsplit(".", 1)[1]] = tensor
+            if len(pending) == 2:
+                del self._pending_biases[key]
+                joined = torch.cat([pending["gate_proj_bias"], pending["up_proj_bias"]], dim=-1)
+                yield key.replace(".mlp.experts", ".mlp.w13_bias"), joined
         else:
             yield from super().unfuse(name, tensor)
