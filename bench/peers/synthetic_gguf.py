@@ -60,7 +60,15 @@ SHAPES = {
         qk_norm="head",
     ),
 }
-FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "IQ4_XS": 30}
+# gpt-oss-20b (gpt-oss): 24 layers, hidden 2880, 64 query heads over 8 KV heads of 64, q/k/v/o biases, sinks,
+# alternating 128-token windows, YaRN (32 over 4096), 32 experts of 2880, 4 a token, untied head. Written directly
+# in its release's types (experts MXFP4, every other matrix Q8_0; --ftype MXFP4_MOE): its F16 source (~40 GB) does
+# not fit this machine's disk, and decode speed does not depend on the values, only on the types and shapes.
+SHAPES["gpt-oss-20b"] = dict(
+    arch="gpt-oss", layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, inter=2880, tied=False,
+    experts=32, used=4, window=128,
+)  # fmt: skip
+FTYPES = {"MXFP4_MOE": 38, "Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "IQ4_XS": 30}
 
 
 def write_f16(path: str, shape: dict, seed: int = 0) -> None:
@@ -148,6 +156,109 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
     w.close()
 
 
+def write_gpt_oss_direct(path: str, shape: dict, seed: int = 0) -> None:
+    """A gpt-oss GGUF of the shape in its release's types, random blocks written as stored: MXFP4 experts (E8M0
+    scales 2^-8 .. 2^-5, random nibbles), Q8_0 for the other matrices (float16 scales ~1e-3, random int8), float32
+    norms, biases, sinks and router, with the metadata llama.cpp's gpt-oss graph reads."""
+    import gguf
+
+    from pagedllm.model.gguf_file import open_gguf
+    from pagedllm.model.packaged import packaged_model
+
+    source = open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    vocab = len(tokens)
+    h, d, inter, experts = shape["hidden"], shape["head_dim"], shape["inter"], shape["experts"]
+    q_out, kv_out = shape["heads"] * d, shape["kv_heads"] * d
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_name(f"synthetic {os.path.basename(path)}")
+    w.add_block_count(shape["layers"])
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_expert_feed_forward_length(inter)
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_sliding_window(shape["window"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(shape["used"])
+    w.add_vocab_size(vocab)
+    w.add_file_type(38)  # MOSTLY_MXFP4_MOE
+    w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(tokens)
+    w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos", "eos", "padding"):
+        field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
+    rng = np.random.default_rng(seed)
+    Q8, MX = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+
+    def q8(*dims: int) -> np.ndarray:  # [..., cols / 32 * 34]: a float16 scale, then 32 int8
+        blocks = rng.integers(-127, 128, size=(*dims[:-1], dims[-1] // 32, 34), dtype=np.int8).view(np.uint8)
+        blocks[..., :2] = np.full(blocks.shape[:-1], 1e-3, np.float16).view(np.uint8).reshape(*blocks.shape[:-1], 2)
+        return blocks.reshape(*dims[:-1], -1)
+
+    def mx(*dims: int) -> np.ndarray:  # [..., cols / 32 * 17]: an E8M0 scale, then 16 bytes of nibbles
+        blocks = rng.integers(0, 256, size=(*dims[:-1], dims[-1] // 32, 17), dtype=np.uint8)
+        blocks[..., 0] = rng.integers(119, 123, size=blocks.shape[:-1], dtype=np.uint8)
+        return blocks.reshape(*dims[:-1], -1)
+
+    def f32(*dims: int, scale: float = 0.02) -> Any:
+        return lambda: (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float32)
+
+    ones = lambda n: lambda: np.ones(n, dtype=np.float32)  # noqa: E731
+    # (name, byte or element shape, dtype, GGML type or None, maker)
+    tensors: list[tuple[str, tuple[int, ...], Any, Any, Any]] = []
+
+    def add(name: str, dims: tuple[int, ...], qtype: Any, make: Any) -> None:
+        if qtype is None:
+            tensors.append((name, dims, np.float32, None, make))
+        else:
+            per = 34 if qtype == Q8 else 17
+            tensors.append((name, (*dims[:-1], dims[-1] // 32 * per), np.uint8, qtype, make))
+
+    add("token_embd.weight", (vocab, h), Q8, lambda: q8(vocab, h))
+    add("output_norm.weight", (h,), None, ones(h))
+    add("output.weight", (vocab, h), Q8, lambda: q8(vocab, h))
+    for i in range(shape["layers"]):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (h,), None, ones(h))
+        add(b + "post_attention_norm.weight", (h,), None, ones(h))
+        for name, rows, cols in (
+            ("attn_q", q_out, h),
+            ("attn_k", kv_out, h),
+            ("attn_v", kv_out, h),
+            ("attn_output", h, q_out),
+        ):
+            add(b + name + ".weight", (rows, cols), Q8, lambda rows=rows, cols=cols: q8(rows, cols))
+            add(b + name + ".bias", (rows,), None, f32(rows))
+        add(b + "attn_sinks.weight", (shape["heads"],), None, f32(shape["heads"], scale=1.0))
+        add(b + "ffn_gate_inp.weight", (experts, h), None, f32(experts, h))
+        add(b + "ffn_gate_inp.bias", (experts,), None, f32(experts))
+        for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
+            add(b + f"ffn_{name}_exps.weight", (experts, rows, cols), MX, lambda r=rows, c=cols: mx(experts, r, c))
+            add(b + f"ffn_{name}_exps.bias", (experts, rows), None, f32(experts, rows))
+    for name, dims, dtype, qtype, _ in tensors:
+        nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
+        w.add_tensor_info(name, dims, np.dtype(dtype), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, _, _, _, make in tensors:
+        w.write_tensor_data(make())
+    w.close()
+
+
 _QUANTIZE = """
 import sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
@@ -171,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    if SHAPES[args.shape].get("arch") == "gpt-oss":
+        if args.ftype != "MXFP4_MOE":
+            parser.error("gpt-oss shapes are written directly as its release stores them: --ftype MXFP4_MOE")
+        print(f"writing {args.shape} in MXFP4 / Q8_0 ...", file=sys.stderr, flush=True)
+        write_gpt_oss_direct(out + ".tmp", SHAPES[args.shape])
+        os.replace(out + ".tmp", out)
+        print(out)
+        return 0
     f16 = out + ".f16.tmp"
     print(f"writing the F16 model of {args.shape} ...", file=sys.stderr, flush=True)
     write_f16(f16, SHAPES[args.shape])

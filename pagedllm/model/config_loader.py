@@ -188,7 +188,10 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
         architectures=[MODEL_TYPES[arch]],
     )
     if experts:  # what llama.cpp reads of a mixture-of-experts file (docs/moe-notes.md)
-        kwargs.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(get("expert_used_count")))
+        used = get("expert_used_count")
+        if not used:
+            raise ValueError(f"GGUF architecture {arch!r} has {experts} experts but no {arch}.expert_used_count")
+        kwargs.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(used))
         kwargs.update(_MOE_ARCHS[arch](get, kwargs))
     theta = float(get("rope.freq_base", 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}

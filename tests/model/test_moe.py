@@ -213,3 +213,16 @@ def test_speculative_drafts_match_hf(moe_dir: str) -> None:
         stats = core.scheduler.total_spec_stats
     assert outs == hf_greedy(moe_dir, prompts, MAX_TOKENS)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_a_checkpoint_missing_an_expert_projection_is_a_clear_error() -> None:
+    """The expert weights start uninitialised: an expert whose up projection never arrives is a ValueError naming it,
+    not garbage."""
+    layer = MoEMLP(24, 20, 4, 2, True)
+    for e in range(4):
+        for part, shape in (("gate_proj", (20, 24)), ("up_proj", (20, 24)), ("down_proj", (24, 20))):
+            if (e, part) != (2, "up_proj"):
+                param = layer.w2_weight if part == "down_proj" else layer.w13_weight
+                layer.weight_loader(param, torch.zeros(shape), e, part)
+    with pytest.raises(ValueError, match="expert 2's up_proj"):
+        layer.settle_quant()

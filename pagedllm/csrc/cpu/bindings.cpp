@@ -520,6 +520,7 @@ class MoeLayer {
     TORCH_CHECK(hidden > 0 && inter > 0, "hidden and inter must be positive");
     TORCH_CHECK(scoring == PMS_SOFTMAX_TOPK || scoring == PMS_TOPK_SOFTMAX, "scoring must be 0 or 1");
     TORCH_CHECK(act == PMA_SILU || act == PMA_SWIGLU_CLAMP, "act must be 0 (SiLU) or 1 (clamped SwiGLU)");
+    TORCH_CHECK(act != PMA_SWIGLU_CLAMP || limit > 0, "the clamped SwiGLU needs a positive limit, got ", limit);
     check_float(router, "router");
     const int64_t w = ops_->panel_width();
     TORCH_CHECK(router.dim() == 3 && router.size(1) == hidden && router.size(2) == w, "router must be panels [ceil(E / ",

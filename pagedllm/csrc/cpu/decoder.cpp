@@ -153,7 +153,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
   int64_t moe_floats = 0;  // the MoE layers' shared scratch (moe_rows)
   for (const DecoderLayer& w : dec.layers)
     if (w.moe != nullptr) moe_floats = std::max(moe_floats, moe_shared_floats(*w.moe, R));
-  std::vector<float> moe_shared(moe_floats);
+  float* moe_shared = scratch<float, 15>(moe_floats);  // the calling thread's, handed to the team
 
 #pragma omp parallel num_threads(nt)
   {
@@ -315,7 +315,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         for (int64_t r = 0; r < R; ++r)
           add_norm(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, w.norm2_b);
       if (w.moe != nullptr) {  // the experts (moe.cpp): their own barriers, this thread's columns of xp at the end
-        moe_rows(*w.moe, h, R, nullptr, prompt ? 0 : 1, xp, moe_shared.data(), t, n);
+        moe_rows(*w.moe, h, R, nullptr, prompt ? 0 : 1, xp, moe_shared, t, n);
       } else {
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, ia, ib);

@@ -254,7 +254,8 @@ struct PagedllmCpuOps {
   int32_t (*bf16_amx)(int32_t mode);
   // y [rows, hidden] = the MoE MLP of x [rows, hidden] (MoeExperts). Row r's inputs to quantized experts are int8
   // where int8_rows[r] != 0 (int8_rows null: every row as `int8` says), else bf16 or float32 panels de-quantized per
-  // call, as quant_linear runs generated and prompt rows. Each row's result is what it would be alone.
+  // call: the row's kind decides for every type (quant_linear lets it decide for packed weights only, and runs a
+  // type it does not pack by the number of rows), so each row's result is what it would be alone.
   void (*moe_forward)(float* y, const float* x, const MoeExperts* m, int64_t rows, const uint8_t* int8_rows,
                       int32_t int8, int threads);
   // The sampler's pieces alone (sample_rows below runs them; the tests hold them to the torch path's tokens):

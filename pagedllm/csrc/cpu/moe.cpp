@@ -158,7 +158,6 @@ void moe_rows(const MoeExperts& m, const float* x, int64_t R, const uint8_t* int
   float* gu = reinterpret_cast<float*>(groups + 2 * E + 2);
   float* act = gu + A * 2 * I;
   float* ye = act + A * I;
-  const bool quant = m.w13_q != nullptr;
   // Routing: each thread its rows.
   for (int64_t r = t; r < R; r += n) {
     float* l = logits + r * E;
@@ -166,7 +165,9 @@ void moe_rows(const MoeExperts& m, const float* x, int64_t R, const uint8_t* int
     route_row(m, l, wts + r * k, ids + r * k);
   }
 #pragma omp barrier
-  auto is_int8 = [&](int64_t r) { return int8_rows ? int8_rows[r] != 0 : int8 != 0; };
+  const bool quant = m.w13_q != nullptr;
+  // float or bf16 experts take every row alike: one group an expert (the kinds split quantized experts only)
+  auto is_int8 = [&](int64_t r) { return !quant || (int8_rows ? int8_rows[r] != 0 : int8 != 0); };
   if (t == 0) {  // counting sort of the pairs by (expert, kind): groups[2e] int8 rows' start, groups[2e + 1] others'
     std::fill(groups, groups + 2 * E + 1, 0);
     for (int64_t a = 0; a < A; ++a) ++groups[2 * ids[a] + (is_int8(a / k) ? 0 : 1) + 1];
@@ -241,12 +242,12 @@ void moe_forward(float* y, const float* x, const MoeExperts* mp, int64_t rows, c
   const MoeExperts& m = *mp;
   constexpr int64_t kTile = 256;  // rows per pass: bounds the scratch (gate|up of every pair) for long prompts
   const int64_t tile = std::min(rows, kTile);
-  std::vector<float> shared(moe_shared_floats(m, tile));
+  float* shared = scratch<float, 15>(moe_shared_floats(m, tile));  // the calling thread's, handed to the team
   const int nt = std::max(1, threads);
   for (int64_t r0 = 0; r0 < rows; r0 += tile) {
     const int64_t R = std::min(tile, rows - r0);
 #pragma omp parallel num_threads(nt)
-    moe_rows(m, x + r0 * m.hidden, R, int8_rows ? int8_rows + r0 : nullptr, int8, y + r0 * m.hidden, shared.data(),
+    moe_rows(m, x + r0 * m.hidden, R, int8_rows ? int8_rows + r0 : nullptr, int8, y + r0 * m.hidden, shared,
              omp_get_thread_num(), omp_get_num_threads());
   }
 }

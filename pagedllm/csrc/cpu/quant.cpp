@@ -100,7 +100,12 @@ alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -
 // (llama.cpp's kvalues_mxfp4); the block scale is then 2^(e - 128) (ggml_e8m0_to_fp32_half).
 alignas(16) constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-inline float e8m0_half(uint8_t e) { return std::ldexp(1.f, static_cast<int>(e) - 128); }
+inline float e8m0_half(uint8_t e) {  // the float's bits built directly (ldexpf is a library call per block)
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {

@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP: a router picks each token's top-k experts, each a SiLU-gated MLP, and the token's
-output is the routing-weighted sum of its experts' outputs (Mixtral, Qwen3-MoE, OLMoE).
+"""A mixture-of-experts MLP: a router picks each token's top-k experts, each a gated MLP (SiLU, or gpt-oss's clamped
+SwiGLU), and the token's output is the routing-weighted sum of its experts' outputs (Mixtral, Qwen3-MoE, OLMoE,
+gpt-oss).
 
 Contract. `MoEMLP(hidden, inter, num_experts, top_k, renormalize, dtype, ops, tp)` holds the router [E, hidden] (`gate`,
 a replicated linear) and every expert's weights stacked: `w13_weight` [E, 2 I_local, hidden] (gate rows, then up rows)
@@ -20,11 +21,13 @@ them quantized, else all are de-quantized.
 
 With the native CPU ops the layer runs on the fused experts kernel (csrc/cpu/moe.cpp, `ops.moe_layer`): routing,
 each expert once for all its rows, and the weighted sum in one call, the experts' weights quantized as stored, in
-bf16 panels (`--dtype bfloat16`) or float32 panels; the torch loop above is the reference and the path without them.
+bf16 panels (`--dtype bfloat16`) or float32 panels; the torch loop (`forward`) is the reference and the path without
+them. Every expert's gate, up and down must be loaded (settle_quant raises otherwise: the weights start uninitialised).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -36,6 +39,8 @@ from pagedllm.model import hugepages
 from pagedllm.model.layers.activation import SiluAndMul
 from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds
 from pagedllm.model.quant import QuantParts, QuantTensor, keeps
+
+logger = logging.getLogger(__name__)
 
 SCORINGS = ("softmax_topk", "topk_softmax")  # csrc/cpu/kernels.h PagedllmMoeScoring, in order
 ACTS = ("silu", "swiglu_clamp")  # PagedllmMoeAct, in order
@@ -112,6 +117,7 @@ class MoEMLP(nn.Module):
         self.native: Any = None  # the kernels' MoeLayer, once packed
         self.quantized = False  # whether the experts run quantized as stored
         self.expert_nbytes = 0  # bytes of every expert's weights as the kernel holds them, once packed
+        self.loaded: set[tuple[int, str]] = set()  # (expert, gate / up / down) loaded so far
 
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor | QuantTensor, expert: int | None = None, part: str = ""
@@ -119,6 +125,9 @@ class MoEMLP(nn.Module):
         """One checkpoint tensor into `param` (see the module docstring); this rank's rows of the intermediate
         dimension only."""
         first, count, inter = self.shard.first, self.shard.count, self.intermediate_size
+        names = {"gate_proj": ["gate"], "up_proj": ["up"], "gate_up_proj": ["gate", "up"], "down_proj": ["down"]}
+        for e in range(self.num_experts) if expert is None else [expert]:
+            self.loaded.update((e, name) for name in names.get(part, []))
         if isinstance(tensor, QuantTensor) and expert is not None and self._keep_quant(param, tensor, expert, part):
             return
         if isinstance(tensor, QuantTensor):
@@ -181,8 +190,22 @@ class MoEMLP(nn.Module):
         """After loading: the experts run quantized only if every expert's W13 and W2 were kept as stored; else the
         kept ones are de-quantized into the float weights. A quantized router is de-quantized (it runs on float32
         panels)."""
+        missing = [(e, n) for e in range(self.num_experts) for n in ("gate", "up", "down") if (e, n) not in self.loaded]
+        if missing and self.loaded:  # (nothing loaded: a model built without weights, e.g. in a test)
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} expert projections, e.g. expert {missing[0][0]}'s "
+                f"{missing[0][1]}_proj"
+            )
         parts = self.quant13 + self.quant2
         if any(p.parts for p in parts) and not all(p.complete() for p in parts):
+            logger.warning(
+                "a MoE layer's experts cannot all stay quantized (this rank's share of a down projection is not whole "
+                "blocks of its type, tensor parallel %d, or a type without a kernel): all %d experts de-quantized to "
+                "float32, %.1f GB",
+                self.tp.world_size,
+                self.num_experts,
+                (self.w13_weight.numel() + self.w2_weight.numel()) * 4 / 1e9,
+            )
             for e in range(self.num_experts):
                 self.quant13[e].dequantize_into(self.w13_weight.data[e])
                 self.quant2[e].dequantize_into(self.w2_weight.data[e])

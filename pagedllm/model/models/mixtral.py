@@ -1,8 +1,8 @@
 """Mixtral (MixtralForCausalLM): the Mistral decoder whose MLP is a mixture of experts: a router over
 `num_local_experts` SiLU-gated experts, the top `num_experts_per_tok` of each token's softmax renormalised
 (model/layers/moe.py). Checkpoints name the block `block_sparse_moe` and each expert's projections w1 (gate), w3
-(up) and w2 (down): `hf_renames` maps them to the MoE layer's names. The fused decoder has no expert kind yet:
-decode steps run layer by layer.
+(up) and w2 (down): `hf_renames` maps them to the MoE layer's names. The experts run on the fused experts kernel, in
+the fused decoder for decode steps.
 """
 
 from __future__ import annotations
