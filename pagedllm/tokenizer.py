@@ -69,24 +69,22 @@ def _load_tokenizer(model_config: ModelConfig) -> tuple[Any, str]:
 
 
 def _convert_gguf_tokenizer(folder: str, gguf_file: str) -> Any:
-    """transformers' conversion of a GGUF file's tokenizer. transformers reads a file's metadata only for the
-    architectures it models, though the tokenizer's fields (`tokenizer.ggml.*`) do not depend on the architecture:
-    for another one (e.g. `olmoe`), the architecture is let through for this read alone."""
+    """transformers' conversion of a GGUF file's tokenizer (AutoTokenizer: the model's own tokenizer class). It reads
+    the file's metadata only for the architectures transformers models (and its gpt-oss reader fails on the files
+    llama.cpp writes), though the tokenizer (`tokenizer.ggml.*`) does not depend on the architecture: for those,
+    the same conversion (`get_gguf_tokenizer`, `convert_gguf_tokenizer`) wrapped in a plain fast tokenizer."""
     from transformers import AutoTokenizer
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from pagedllm.model.gguf_file import open_gguf
-
-    arch = open_gguf(os.path.join(folder, gguf_file)).fields["general.architecture"].contents()
-    known = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
-    added = arch not in known
-    if added:
-        known.append(arch)
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    finally:
-        if added:
-            known.remove(arch)
+    except (ValueError, TypeError, KeyError) as exc:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(os.path.join(folder, gguf_file))
+        logger.info("GGUF tokenizer of architecture %r converted without its model class (%s)", arch, exc)
+        backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
