@@ -456,3 +456,30 @@ def hf_on_dequantized(hf: Any, path: str, arch: str) -> Any:
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
     return hf
+
+
+def check_against_dequantized(
+    out: Any, ids: list[int], hf: Any, path: str, arch: str, label: str, mean_noise: float, near_tie: float
+) -> None:
+    """A GGUF run as stored (`out`: its RequestOutput of `ids` with prompt_logprobs=1) against HF transformers on
+    the file's de-quantized weights (`hf`, an HF model of the file's config: hf_on_dequantized loads them into it),
+    teacher-forced over the prompt: the prompt tokens' log-probabilities within `mean_noise` nat on average, top-1
+    agreement >= 0.9, and every disagreement a near-tie of HF's own top two (within `near_tie`)."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_on_dequantized(hf, path, arch)(torch.tensor([ids])).logits[0, :-1]
+    ref = torch.log_softmax(logits.float(), dim=-1)  # row i: the distribution of token i + 1
+    entries = out.prompt_logprobs[1:]
+    noise = [abs(d[t].logprob - float(ref[i, t])) for i, (d, t) in enumerate(zip(entries, ids[1:], strict=True))]
+    tops = [next(t for t, lp in d.items() if lp.rank == 1) for d in entries]
+    swapped = [i for i, t in enumerate(tops) if t != int(ref[i].argmax())]
+    margins = [float(ref[i].topk(2).values[0] - ref[i].topk(2).values[1]) for i in swapped]
+    mean = sum(noise) / len(noise)
+    agreement = 1 - len(swapped) / len(tops)
+    print(
+        f"\n{label} as stored vs HF on its de-quantized weights: mean |logprob difference| {mean:.4f}, "
+        f"teacher-forced top-1 {agreement:.3f} (swapped tops within {max(margins, default=0):.3f} nat)"
+    )
+    assert mean <= mean_noise
+    assert agreement >= 0.9 and all(m <= near_tie for m in margins), list(zip(swapped, margins))
