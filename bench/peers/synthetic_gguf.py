@@ -71,15 +71,32 @@ SHAPES["gpt-oss-20b"] = dict(
 FTYPES = {"MXFP4_MOE": 38, "Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "IQ4_XS": 30}
 
 
-def write_f16(path: str, shape: dict, seed: int = 0) -> None:
-    import gguf
-
+def _tokenizer_source() -> Any:
+    """The packaged Qwen2.5-Coder GGUF, whose tokenizer (a real BPE vocabulary both engines load) the models take."""
     from pagedllm.model.gguf_file import open_gguf
     from pagedllm.model.packaged import packaged_model
 
-    source = open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
-    tokens = source.fields["tokenizer.ggml.tokens"].contents()
-    vocab = len(tokens)
+    return open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
+
+
+def _copy_tokenizer(w: Any, source: Any) -> None:
+    """The source file's tokenizer metadata into writer `w`."""
+    w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos", "eos", "padding"):
+        field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
+
+
+def write_f16(path: str, shape: dict, seed: int = 0) -> None:
+    import gguf
+
+    source = _tokenizer_source()
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
     arch = shape.get("arch", "llama")
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"synthetic {os.path.basename(path)}")
@@ -101,15 +118,7 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
             w.add_expert_feed_forward_length(shape["inter"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens)
-    w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos", "eos", "padding"):
-        field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
+    _copy_tokenizer(w, source)
     rng = np.random.default_rng(seed)
 
     def matrix(*dims: int) -> np.ndarray:
@@ -162,12 +171,8 @@ def write_gpt_oss_direct(path: str, shape: dict, seed: int = 0) -> None:
     norms, biases, sinks and router, with the metadata llama.cpp's gpt-oss graph reads."""
     import gguf
 
-    from pagedllm.model.gguf_file import open_gguf
-    from pagedllm.model.packaged import packaged_model
-
-    source = open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
-    tokens = source.fields["tokenizer.ggml.tokens"].contents()
-    vocab = len(tokens)
+    source = _tokenizer_source()
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
     h, d, inter, experts = shape["hidden"], shape["head_dim"], shape["inter"], shape["experts"]
     q_out, kv_out = shape["heads"] * d, shape["kv_heads"] * d
     w = gguf.GGUFWriter(path, "gpt-oss")
@@ -191,15 +196,7 @@ def write_gpt_oss_direct(path: str, shape: dict, seed: int = 0) -> None:
     w.add_expert_used_count(shape["used"])
     w.add_vocab_size(vocab)
     w.add_file_type(38)  # MOSTLY_MXFP4_MOE
-    w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens)
-    w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos", "eos", "padding"):
-        field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field.contents()))
+    _copy_tokenizer(w, source)
     rng = np.random.default_rng(seed)
     Q8, MX = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
 

@@ -115,6 +115,16 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _require_runs_as_stored(name: str, qtype: int) -> None:
+    """ValueError for a GGUF matrix of a type no kernel runs as stored (the model must be loaded de-quantized)."""
+    if qtype not in (*NATIVE_TYPES, *HALF_TYPES):
+        raise ValueError(
+            f"GGUF tensor {name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
+            f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
+            "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
+        )
+
+
 def _expert_slices(
     t: Any, name: str, shape: tuple[int, ...], qtype: int, keep_quantized: bool, dequantized: set[str]
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
@@ -128,12 +138,7 @@ def _expert_slices(
         raise ValueError(f"GGUF tensor {t.name!r}: experts must be stacked [experts, rows, cols], got {shape}")
     experts, rows, cols = shape
     if keep_quantized and qtype != F32:
-        if qtype not in (*NATIVE_TYPES, *HALF_TYPES):
-            raise ValueError(
-                f"GGUF tensor {t.name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
-                f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
-                "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
-            )
+        _require_runs_as_stored(t.name, qtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(experts, rows, -1))
@@ -179,12 +184,8 @@ def iterate_gguf(
             yield from _expert_slices(t, name, shape, qtype, keep_quantized, dequantized)
             continue
         as_stored = keep_quantized and len(shape) == 2 and qtype != F32  # a matrix the layers keep as stored
-        if as_stored and qtype not in (*NATIVE_TYPES, *HALF_TYPES):
-            raise ValueError(
-                f"GGUF tensor {t.name!r} is {type_name(qtype)}, which pagedllm does not run as stored (it runs "
-                f"{', '.join(type_name(q) for q in NATIVE_TYPES)}, F16, BF16 and F32); load the model with "
-                "quantization='none' (--quantization none) to de-quantize it to the model's dtype"
-            )
+        if as_stored:
+            _require_runs_as_stored(t.name, qtype)
         if as_stored:
             if qtype == F16:
                 halves.add(t.name)

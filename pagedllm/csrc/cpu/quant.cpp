@@ -1630,6 +1630,23 @@ namespace {
 
 // The bf16 pair panel of W's outputs [base, base + nout) (nout <= kPanel): straight from whole packed groups where
 // it can be, else from its rows de-quantized into `rows` (scratch of kPanel * in floats).
+// Outputs [base, base + nout) of W de-quantized into a float32 panel [in, kPanel] (zero past nout): from the packed
+// groups directly where the build can, else row by row through `row` (scratch of in floats).
+void f32_panel_of(const QMatrix& w, int64_t base, int64_t nout, float* panel, float* row) {
+  const int64_t in = w.in;
+#if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
+  if (packed_f32_panel(w, base, panel)) return;
+#endif
+  for (int64_t k = 0; k < kPanel; ++k) {
+    if (k < nout) {
+      dequant_matrix_row(w, base + k, row);
+      for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
+    } else {
+      for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
+    }
+  }
+}
+
 void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpanel, float* rows) {
 #if defined(PAGEDLLM_QUANT_PACKED_BF16)
   if (packed_panel(w, base, bpanel)) return;  // whole packed groups: no float rows in between
@@ -1688,20 +1705,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
         run_panel(base, nout);
         continue;
       }
-#if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
-      if (!bf16 && packed_f32_panel(w, base, panel)) {
-        run_panel(base, nout);
-        continue;
-      }
-#endif
-      for (int64_t k = 0; k < kPanel; ++k) {
-        if (k < nout) {
-          dequant_matrix_row(w, base + k, row);
-          for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
-        } else {
-          for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
-        }
-      }
+      f32_panel_of(w, base, nout, panel, row);
       run_panel(base, nout);
     }
   }
@@ -1733,18 +1737,7 @@ void quant_f32_panel_rows_range(const QMatrix& w, const float* xb, int64_t rows,
   for (int64_t p = o0 / kPanel; p * kPanel < o1; ++p) {
     const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, w.out - base);
     const int64_t lo = std::max<int64_t>(o0 - base, 0), hi = std::min<int64_t>(o1 - base, nout);
-    bool done = false;
-#if defined(PAGEDLLM_QUANT_PACKED) && defined(PAGEDLLM_QUANT_AVX2)
-    done = packed_f32_panel(w, base, panel);
-#endif
-    for (int64_t k = 0; !done && k < kPanel; ++k) {
-      if (k < nout) {
-        dequant_matrix_row(w, base + k, row);
-        for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = row[i];
-      } else {
-        for (int64_t i = 0; i < in; ++i) panel[i * kPanel + k] = 0.f;
-      }
-    }
+    f32_panel_of(w, base, nout, panel, row);
     panel_block(panel, xb, rows, in, t, kPanel, bias ? bias + base : nullptr, nout, acc);
     for (int64_t m = 0; m < rows; ++m) std::copy(t + m * kPanel + lo, t + m * kPanel + hi, y + m * ldy + base + lo);
   }

@@ -37,7 +37,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model import hugepages
 from pagedllm.model.layers.activation import SiluAndMul
-from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds
+from pagedllm.model.layers.linear import ReplicatedLinear, RowKinds, panel_shape
 from pagedllm.model.quant import QuantParts, QuantTensor, keeps
 
 logger = logging.getLogger(__name__)
@@ -239,10 +239,9 @@ class MoEMLP(nn.Module):
             self.expert_nbytes = sum(q.nbytes for q in built)
         else:
             pack = ops.bf16_pack_panels if bf16 else ops.pack_panels
-            shape_of = ops.bf16_panel_shape if bf16 else self._panel_shape
             dtype = torch.bfloat16 if bf16 else torch.float32
-            shape13 = tuple(shape_of(2 * inter, self.hidden_size))
-            shape2 = tuple(shape_of(self.hidden_size, inter))
+            shape13 = panel_shape(self.w13_weight.data[0], ops, bf16)
+            shape2 = panel_shape(self.w2_weight.data[0], ops, bf16)
             E = self.num_experts
             _, (w13, w2) = hugepages.arena([(E, *shape13), (E, *shape2)], dtype)
             for e in range(E):
@@ -260,10 +259,6 @@ class MoEMLP(nn.Module):
         empty = torch.empty(0, dtype=self.w13_weight.dtype)
         self.w13_weight.data, self.w2_weight.data = empty, empty.clone()
         return True
-
-    def _panel_shape(self, out_features: int, in_features: int) -> tuple[int, int, int]:
-        width = self.ops.panel_width()
-        return -(-out_features // width), in_features, width
 
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         if self.native is not None:

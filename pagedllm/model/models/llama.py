@@ -189,11 +189,17 @@ class LlamaModel(nn.Module):
     `build_mlp`, `norm_eps`, `rotary_dim`. Layers with equal rotary tables share one copy."""
 
     embed_scale: float | None = None  # embeddings times this (Gemma's sqrt(hidden)); None: as looked up
+    display_name: str | None = None  # the architecture as errors name it (None: the class's name)
 
     def __init__(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
     ) -> None:
         super().__init__()
+        if desc.qk_norm == "full" and kernels.tp.world_size > 1:  # OLMo 2, OLMoE
+            raise ValueError(
+                f"{self.display_name or type(self).__name__} runs on one rank only: its query/key norms span every "
+                "head (tensor_parallel_size must be 1)"
+            )
         ops = kernels.cpu_for(dtype)
         hidden, eps = config.hidden_size, self.norm_eps(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, dtype, kernels.tp, ops)

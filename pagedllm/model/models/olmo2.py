@@ -9,28 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 
 
-def require_one_rank(kernels: KernelDispatch, model: str) -> None:
-    """ValueError at more than one tensor-parallel rank: q/k norms over the whole projection would need the ranks'
-    sums (OLMo 2, OLMoE)."""
-    if kernels.tp.world_size > 1:
-        raise ValueError(
-            f"{model} runs on one rank only: its query/key norms span every head (tensor_parallel_size must be 1)"
-        )
-
-
 class Olmo2Model(LlamaModel):
-    def __init__(
-        self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
-    ) -> None:
-        require_one_rank(kernels, "OLMo 2")
-        super().__init__(config, dtype, bias, desc, kernels)
+    display_name = "OLMo 2"  # one rank only: LlamaModel refuses full q/k norms split over ranks
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -15,14 +15,14 @@ from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaModel
 from pagedllm.model.models.mixtral import moe_mlp
-from pagedllm.model.models.olmo2 import require_one_rank
 
 
 class OlmoeModel(LlamaModel):
+    display_name = "OLMoE"  # one rank only: LlamaModel refuses full q/k norms split over ranks
+
     def __init__(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch
     ) -> None:
-        require_one_rank(kernels, "OLMoE")
         super().__init__(config, dtype, bias, desc, kernels)
         clip = getattr(config, "clip_qkv", None)
         for layer in self.layers:
