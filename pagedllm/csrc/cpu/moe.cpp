@@ -191,16 +191,43 @@ void moe_rows(const MoeExperts& m, const float* x, int64_t R, const uint8_t* int
   int64_t ia, ib, ra, rb;
   share(I, t, n, kPanel, ia, ib);
   share(H, t, n, kPanel, ra, rb);
+  // The int8 rows' copies, each row quantized once (every group it joins gathers them): q, d, s, s16 per row.
+  const int64_t nb = H / 32;
+  GroupInput all;
+  bool any_int8 = false;
+  for (int64_t b = 0; b < 2 * E && quant && ia < ib; b += 2) any_int8 = any_int8 || groups[b + 1] > groups[b];
+  if (any_int8) {
+    all.q = scratch<int8_t, 16>(R * H);
+    all.d = scratch<float, 16>(R * nb + 1);
+    all.s = scratch<float, 17>(R * nb + 1);
+    all.s16 = scratch<int32_t, 16>(R * 2 * nb + 2);
+    for (int64_t r = 0; r < R; ++r)
+      if (is_int8(r)) quantize_input(x + r * H, H, all.q + r * H, all.d + r * nb, all.s + r * nb, all.s16 + r * 2 * nb);
+  }
   // gate|up and the activation: this thread's intermediate columns of every group.
   for (int64_t b = 0; b < 2 * E && ia < ib; ++b) {
     const int64_t b0 = groups[b], b1 = groups[b + 1], rows = b1 - b0, e = b / 2;
     if (rows == 0) continue;
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* src = x + order[b0 + i] / k * H;
-      std::copy(src, src + H, rows_in + i * H);
-    }
     const Path path = path_of(b);
-    prepare(path, rows_in, rows, H, g);
+    if (path == kInt8) {  // gathered from the rows' quantized copies
+      g.q = scratch<int8_t, 10>(rows * H);
+      g.d = scratch<float, 10>(rows * nb + 1);
+      g.s = scratch<float, 11>(rows * nb + 1);
+      g.s16 = scratch<int32_t, 10>(rows * 2 * nb + 2);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = order[b0 + i] / k;
+        std::copy(all.q + r * H, all.q + (r + 1) * H, g.q + i * H);
+        std::copy(all.d + r * nb, all.d + (r + 1) * nb, g.d + i * nb);
+        std::copy(all.s + r * nb, all.s + (r + 1) * nb, g.s + i * nb);
+        std::copy(all.s16 + r * 2 * nb, all.s16 + (r + 1) * 2 * nb, g.s16 + i * 2 * nb);
+      }
+    } else {
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* src = x + order[b0 + i] / k * H;
+        std::copy(src, src + H, rows_in + i * H);
+      }
+      prepare(path, rows_in, rows, H, g);
+    }
     float* gb = gu + b0 * 2 * I;
     expert_linear(m, path, e, 0, g, rows, gb, 2 * I, ia, ib);
     expert_linear(m, path, e, 0, g, rows, gb, 2 * I, I + ia, I + ib);
