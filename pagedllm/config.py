@@ -197,6 +197,15 @@ class ModelConfig:
     # in `dtype` (an HF folder, or a GGUF de-quantized at load with --quantization none).
     quantization: str | None = None
     chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
+    # "generate" (sampled tokens) or "pooling" (embeddings, classification, scores: pooling_params.py)
+    runner: str = "generate"
+    # A pooling model: its PoolerConfig, the tasks it serves ("embed", "classify", "score", "encode"), and whether
+    # it is an encoder (bidirectional attention, no KV cache: BERT, XLM-RoBERTa).
+    pooler_config: Any = None
+    pooling_tasks: tuple[str, ...] = ()
+    is_encoder: bool = False
+    # A sentence-transformers folder's `do_lower_case`: the front end lower-cases input text first.
+    do_lower_case: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -241,6 +250,8 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # A prefill chunk larger than this is split even when the budget would allow more (0: no limit).
     long_prefill_token_threshold: int = 0
+    # False for encoder models (bidirectional attention): a prompt runs whole in one step, never in chunks.
+    chunked_prefill: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,14 @@
 
 `logprobs` is one dict per generated token (token id -> Logprob), holding the sampled token and the top-N;
 `prompt_logprobs` the same per prompt position, with None for the first (nothing predicts it).
+Pooling models' results: PoolingRequestOutput (raw tensor) and its typed forms (embedding, classification, score),
+as vLLM's classes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -59,3 +62,108 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# ---- pooling (vLLM's classes: pooling models' results) ---------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's raw result: a float32 torch tensor ([hidden], [num_labels], or [tokens, hidden])."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The result of one pooling request. `outputs` is one object (not a list, unlike RequestOutput.outputs): a
+    PoolingOutput, or for the typed subclasses an EmbeddingOutput, ClassificationOutput or ScoringOutput."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> EmbeddingOutput:
+        if output.data.dim() != 1:
+            raise ValueError(f"an embedding is one vector; the pooled data has shape {tuple(output.data.shape)}")
+        return EmbeddingOutput(output.data.tolist())
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ClassificationOutput:
+        if output.data.dim() != 1:
+            raise ValueError(f"class scores are one vector; the pooled data has shape {tuple(output.data.shape)}")
+        return ClassificationOutput(output.data.tolist())
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ScoringOutput:
+        data = output.data.squeeze()
+        if data.dim() != 0:
+            raise ValueError(f"a score is one number; the pooled data has shape {tuple(output.data.shape)}")
+        return ScoringOutput(float(data.item()))
+
+
+def _typed(kind: Any) -> Any:
+    """`from_base(request_output)` of a typed PoolingRequestOutput: the same request, its output as `kind`."""
+
+    def from_base(cls: Any, request_output: PoolingRequestOutput) -> Any:
+        return cls(
+            request_output.request_id,
+            kind.from_base(request_output.outputs),
+            request_output.prompt_token_ids,
+            request_output.num_cached_tokens,
+            request_output.finished,
+            request_output.prompt,
+        )
+
+    return classmethod(from_base)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """A PoolingRequestOutput whose `outputs` is an EmbeddingOutput (`from_base` converts)."""
+
+    __slots__ = ()
+    from_base = _typed(EmbeddingOutput)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """A PoolingRequestOutput whose `outputs` is a ClassificationOutput (`from_base` converts)."""
+
+    __slots__ = ()
+    from_base = _typed(ClassificationOutput)
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """A PoolingRequestOutput whose `outputs` is a ScoringOutput (`from_base` converts)."""
+
+    __slots__ = ()
+    from_base = _typed(ScoringOutput)

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int = 16,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -67,6 +69,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        # A pooling request: it finishes when its prompt is computed, with the pooled result instead of a token.
+        self.pooling_params = pooling_params
         # Resolved by the scheduler from max_model_len when the user left it open.
         self.max_tokens = max_tokens
         self.status = RequestStatus.WAITING
@@ -100,6 +104,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             max_tokens=max_tokens,
+            pooling_params=req.pooling_params,
         )
 
     @property

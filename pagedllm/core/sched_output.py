@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.engine.protocol import LogprobsLists, PooledData
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[list[int]]  # [num_kv_groups][blocks]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request (verified: task and defaults set)
 
 
 @dataclass(slots=True)
@@ -67,3 +69,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> of the sampled tokens
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # req_id -> for a chunk of the prompt
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens proposed for it
+    # req_id -> the pooled result of a pooling request whose prompt was completed this step
+    pooler_output: dict[str, PooledData] = field(default_factory=dict)

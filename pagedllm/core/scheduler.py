@@ -33,6 +33,11 @@ of known tokens are ever hashed, so the prefix cache never holds a draft) and ch
 token, dropping tokens after one that finishes the request. Under a grammar, only the drafts it accepts are
 scheduled, the bitmask has a row for each verified position, and the grammar advances by the tokens output.
 
+Pooling requests (a PoolingParams instead of sampling): scheduled as prompts are, they finish in the step that
+computes their last prompt token, with the worker's pooled result (`ModelRunnerOutput.pooler_output`) in their
+output. An encoder model's attention sees the whole prompt at once, so with `chunked_prefill` off a prompt is
+admitted only into a step with room for all of it (the budget is at least max_model_len then).
+
 For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
 SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
 first), PREEMPTED when it is preempted. They travel with the request's next EngineCoreOutput.
@@ -234,6 +239,8 @@ class Scheduler:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit)
+            if not self.config.chunked_prefill and n < req.num_tokens - num_hit:
+                break  # an encoder's prompt runs whole in one step: it waits for a step with room for all of it
             new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit, hit_blocks)
             if new_blocks is None:
                 break
@@ -260,6 +267,7 @@ class Scheduler:
                         req.eos_token_id,
                         block_ids,
                         num_hit,
+                        req.pooling_params,
                     )
                 )
             num_scheduled[req.request_id] = n
@@ -361,6 +369,22 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue  # aborted while the step ran
+            pooled = result.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request's prompt is computed: it finishes with its result
+                req.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=[],
+                        finish_reason=req.get_finish_reason(),
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        events=req.take_events(),
+                        pooling_output=pooled,
+                    )
+                )
+                self.running.remove(req)
+                self._free_request(req)
+                continue
             new_ids = result.sampled_token_ids[row]
             drafts = sched.scheduled_spec_decode_tokens.get(req_id)
             if drafts:

@@ -49,6 +49,7 @@ from pagedllm.config import (
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
+from pagedllm.model.registry import CONVERTS, RUNNERS
 from pagedllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,25 @@ class EngineArgs:
         "load to --dtype (the float32 reference path)",
         aliases=("-q",),
         choices=("gguf", "none"),
+    )
+    runner: str = _arg(
+        "auto",
+        "generate (sampled text) or pooling (embeddings, classification, scores: /v1/embeddings, /classify, /score, "
+        "/rerank); auto: pooling for pooling architectures (BERT, XLM-RoBERTa, *ForSequenceClassification)",
+        choices=RUNNERS,
+    )
+    convert: str = _arg(
+        "auto",
+        "serve a model as a pooling model it was not built as: embed (a causal LM's final hidden states, the last "
+        "token's by default) or classify (a causal LM checkpoint with a `score` head)",
+        choices=CONVERTS,
+    )
+    pooler_config: dict[str, Any] | str | None = _arg(
+        None,
+        'a pooling model\'s pooling, as JSON: \'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type MEAN, CLS, '
+        "LAST or ALL; normalize; softmax / use_activation for classifiers); wins over the model's own "
+        "(sentence-transformers' modules.json and 1_Pooling/config.json)",
+        metavar="JSON",
     )
     seed: int = _arg(0, "seed of the engine's random state")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's limit)")
@@ -228,24 +248,28 @@ class EngineArgs:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {data_parallel_rank}")
         model_config = self.create_model_config()
         device = self._device()
-        batched = self.max_num_batched_tokens
+        batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        if model_config.is_encoder:  # an encoder's prompt runs whole in one step: the budget holds the longest one
+            batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self._kv_cache_bytes(device),
-                enable_prefix_caching=self.enable_prefix_caching,
+                # Pooling reads every prompt token's hidden state: a cached prefix would skip some.
+                enable_prefix_caching=self.enable_prefix_caching and model_config.runner == "generate",
                 cache_dtype=self.kv_cache_dtype,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS if batched is None else batched,
+                max_num_batched_tokens=batched,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=model_config.max_model_len,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                chunked_prefill=not model_config.is_encoder,
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
@@ -281,6 +305,9 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             seed=self.seed,
             quantization=self.quantization,
+            runner=self.runner,
+            convert=self.convert,
+            pooler_config=self.pooler_config,
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
         if self.chat_template is not None:

@@ -31,7 +31,8 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm import start_front_end
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -141,16 +142,18 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> RequestOutputCollector:
-        """Validate, register and send a request; returns the collector its outputs go to."""
+        """Validate, register and send a request (a pooling one with PoolingParams); returns the collector its
+        outputs go to."""
         if self.errored is not None:
             raise (self.errored if isinstance(self.errored, EngineDeadError) else EngineDeadError(str(self.errored)))
         text, req = self.input_processor.process(request_id, prompt, params, time.time(), priority, add_special_tokens)
         self._ensure_handler()
-        collector = RequestOutputCollector(params.output_kind)
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        collector = RequestOutputCollector(kind)
         children = self.output_processor.add_engine_request(text, req, queue=collector)
         try:
             engine = None  # the n children of a request share an engine (and its prefix cache)
@@ -183,6 +186,26 @@ class AsyncLLM:
         finally:
             if not finished:
                 # No await here: a cancelled caller (a client that went away) could lose an awaited send.
+                self.abort_nowait(request_id)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request (its task in `pooling_params`): yields its one PoolingRequestOutput; leaving early (or
+        being cancelled) aborts it."""
+        collector = await self.add_request(request_id, prompt, pooling_params, priority, add_special_tokens)
+        finished = False
+        try:
+            out: Any = collector.get_nowait() or await collector.get()
+            finished = True
+            yield out
+        finally:
+            if not finished:
                 self.abort_nowait(request_id)
 
     async def abort(self, request_id: str) -> None:

@@ -1,5 +1,6 @@
 """InputProcessor: a prompt (text, token ids or a chat) -> validated `EngineCoreRequest`.
 
+Pooling requests (a PoolingParams) are checked against the model's pooling tasks and truncated here too.
 All user-input validation happens here, before anything reaches the engine core, so a rejected request
 never disturbs those in flight: every problem raises `ValueError` naming the bad value.
 """
@@ -12,11 +13,21 @@ from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20
 
 PromptType = str | list[int] | dict[str, Any]
+
+# A pooling request's sampling settings: a placeholder (it samples nothing) that reports only its end.
+_POOLING_PLACEHOLDER = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+_TASK_WORDS = {
+    "embed": "embedding generation",
+    "encode": "pooling",
+    "classify": "classification",
+    "score": "scoring",
+}
 
 
 def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
@@ -77,14 +88,22 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> tuple[str | None, EngineCoreRequest]:
-        """Tokenize and validate; returns (prompt text if any, the request)."""
+        """Tokenize and validate; returns (prompt text if any, the request). A PoolingParams makes a pooling request
+        (`process_pooling`)."""
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(request_id, prompt, params, arrival_time, priority, add_special_tokens)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if self.model_config.runner == "pooling":
+            raise ValueError(
+                f"model {self.model_config.served_model_name!r} runs as a pooling model (--runner pooling): it does "
+                "not generate text; use embeddings, classification or scores"
+            )
         text, ids = parse_prompt(prompt)
         if ids is None:
             ids = self.tokenize(text, add_special_tokens)  # type: ignore[arg-type]
@@ -98,6 +117,90 @@ class InputProcessor:
             priority=int(priority),
         )
         return text, req
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """A pooling request: `params.task` checked against what the model serves, unset fields from its pooler
+        config; the prompt tokenized (lower-cased first where the sentence-transformers folder says so) and cut by
+        `truncate_prompt_tokens` (text: the tokenizer's right truncation, special tokens kept; token ids: the last k,
+        as vLLM), else refused when longer than max_model_len."""
+        mc = self.model_config
+        params = self.verify_pooling(params)
+        text, ids = parse_prompt(prompt)
+        limit = params.truncate_prompt_tokens
+        if limit == -1:
+            limit = self.max_model_len
+        if limit is not None and limit > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens value ({limit}) is greater than max_model_len ({self.max_model_len}). "
+                "Please, select a smaller truncation size."
+            )
+        if ids is None:
+            assert text is not None
+            source = text.lower() if mc.do_lower_case else text
+            if limit is None:
+                ids = self.tokenize(source, add_special_tokens)
+            else:
+                enc = self.tokenizer(source, add_special_tokens=add_special_tokens, truncation=True, max_length=limit)
+                ids = list(enc["input_ids"])
+        elif limit is not None:
+            ids = ids[-limit:]
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids)} tokens in the input for {_TASK_WORDS[params.task]}. Please reduce the length of the "
+                "input, or set truncate_prompt_tokens."
+            )
+        self.validate(ids, _POOLING_PLACEHOLDER)
+        req = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=_POOLING_PLACEHOLDER,
+            eos_token_id=None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=int(priority),
+            pooling_params=params,
+        )
+        return text, req
+
+    def verify_pooling(self, params: PoolingParams) -> PoolingParams:
+        """`params` for this model: a task it serves (ValueError naming the runner otherwise), defaults filled."""
+        mc = self.model_config
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        if mc.runner != "pooling":
+            raise ValueError(
+                f"model {mc.served_model_name!r} runs as a generative model (--runner generate): it does not serve "
+                f"{params.task or 'pooling'} requests; start it with --runner pooling (a causal LM: --convert embed)"
+            )
+        task = params.task or mc.pooling_tasks[0]
+        if task not in mc.pooling_tasks:
+            raise ValueError(
+                f"model {mc.served_model_name!r} (--runner pooling) does not serve the {task} task; it serves "
+                f"{', '.join(mc.pooling_tasks)}"
+            )
+        return params.verify(task, mc.pooler_config, mc.served_model_name)
+
+    def encode_pair(self, text_1: str, text_2: str, truncate: int | None = None) -> tuple[list[int], int | None]:
+        """A cross-encoder's input for a pair: the tokenizer's pair encoding ([CLS] a [SEP] b [SEP] for BERT) and the
+        position where token type 1 starts (None: the tokenizer gives one type, e.g. XLM-RoBERTa), truncated
+        longest-first to `truncate` (or max_model_len)."""
+        mc = self.model_config
+        if mc.do_lower_case:
+            text_1, text_2 = text_1.lower(), text_2.lower()
+        limit = self.max_model_len if truncate in (None, -1) else truncate
+        enc = self.tokenizer(text_1, text_2, truncation=True, max_length=limit)
+        ids = list(enc["input_ids"])
+        types = enc.get("token_type_ids")
+        split = types.index(1) if types and 1 in types else None
+        return ids, split
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -18,7 +18,14 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import EngineCoreRequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
@@ -60,6 +67,40 @@ def start_front_end(
         client.shutdown()
         raise
     return tokenizer, *processors
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """The (text_1, text_2) pairs of a score call: 1 -> 1, 1 -> N (text_1 against each) or N -> N (in order)."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("score needs at least one text on each side")
+    if not all(isinstance(t, str) for t in first + second):
+        raise ValueError("score takes texts (strings) on both sides")
+    if len(first) == 1:
+        return [(first[0], t) for t in second]
+    if len(first) != len(second):
+        raise ValueError(f"score pairs 1 -> N or N -> N texts; got {len(first)} against {len(second)}")
+    return list(zip(first, second))
+
+
+def cosine_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
+    """The cosine similarity of two embedding outputs, as a ScoringRequestOutput of the pair (tokens: both)."""
+    import torch.nn.functional as F
+
+    from pagedllm.outputs import PoolingOutput
+
+    score = F.cosine_similarity(a.outputs.data.view(1, -1), b.outputs.data.view(1, -1)).view(1)
+    pair = PoolingRequestOutput(
+        f"{a.request_id}_{b.request_id}", PoolingOutput(score), a.prompt_token_ids + b.prompt_token_ids
+    )
+    return ScoringRequestOutput.from_base(pair)
+
+
+def _check_one_label(mc: Any) -> None:
+    labels = int(getattr(mc.hf_config, "num_labels", 1))
+    if labels != 1:
+        raise ValueError(f"Score API is only enabled for num_labels == 1 (this model has {labels} labels)")
 
 
 class LLM:
@@ -122,6 +163,117 @@ class LLM:
         # The template already holds the special tokens (BOS etc.); do not add them twice.
         return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False)
 
+    # ---- pooling models (--runner pooling) ---------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """The pooled states of each prompt (`pooling_task` "encode": the model's pooling, per token with pooling
+        type ALL), or another task's raw results, as PoolingRequestOutputs (the data a float32 tensor)."""
+        if self.config.model_config.runner != "pooling":
+            raise ValueError(
+                "LLM.encode() is only supported for pooling models. Try passing `--runner pooling` to use the model "
+                "as a pooling model."
+            )
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_pooling_list(pooling_params, len(prompt_list), pooling_task, truncate_prompt_tokens)
+        return self._run(prompt_list, params_list, None, use_tqdm, add_special_tokens=True)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (normalised unless the model or the params say otherwise)."""
+        self._require_task("embed", "Embedding API", "embed")
+        outs = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            pooling_task="embed",
+        )  # fmt: skip
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (the model's head; softmax, or sigmoid for one label)."""
+        self._require_task("classify", "Classification API", "classify")
+        outs = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            pooling_task="classify",
+        )  # fmt: skip
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each pair (1 -> 1, 1 -> N, or N -> N texts): a cross-encoder's head on the pair, or the cosine
+        similarity of an embedder's two embeddings."""
+        if self.config.model_config.runner != "pooling":
+            raise ValueError("LLM.score() is only supported for pooling models (--runner pooling)")
+        pairs = score_pairs(data_1, data_2)
+        params = pooling_params or PoolingParams()
+        if "classify" in self.config.model_config.pooling_tasks:
+            _check_one_label(self.config.model_config)
+            prompts, params_list = [], []
+            for a, b in pairs:
+                ids, split = self.input_processor.encode_pair(a, b, truncate_prompt_tokens)
+                prompts.append({"prompt_token_ids": ids})
+                params_list.append(params.clone(task="score", token_type_split=split))
+            outs = self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False)
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embeds = self.encode(
+            texts, params.clone(task=None), truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            pooling_task="embed",
+        )  # fmt: skip
+        by_text = dict(zip(texts, embeds))
+        return [cosine_score(by_text[a], by_text[b]) for a, b in pairs]
+
+    def _require_task(self, task: str, api: str, convert: str) -> None:
+        mc = self.config.model_config
+        if mc.runner != "pooling" or task not in mc.pooling_tasks:
+            raise ValueError(
+                f"{api} is not supported by this model. Try converting the model using `--convert {convert}`."
+            )
+
+    def _as_pooling_list(
+        self, params: Any, n: int, task: str, truncate_prompt_tokens: int | None
+    ) -> list[PoolingParams]:
+        if params is None or isinstance(params, PoolingParams):
+            params = [params or PoolingParams()] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} pooling params for {n} prompts")
+        out = []
+        for p in params:
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
+            if truncate_prompt_tokens is not None:
+                p = p.clone(truncate_prompt_tokens=truncate_prompt_tokens)
+            out.append(p if p.task is not None else p.clone(task=task))
+        return out
+
     def _as_prompt_list(self, prompts: Any) -> list[PromptType]:
         if isinstance(prompts, str | dict):
             return [prompts]
@@ -146,16 +298,17 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params_list: list[SamplingParams],
+        params_list: Sequence[SamplingParams | PoolingParams],
         priority: list[int] | None,
         use_tqdm: bool,
         add_special_tokens: bool,
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:
         # Validate everything first: a bad prompt rejects the call before any request enters the engine.
         now = time.time()
         staged = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            if isinstance(params, SamplingParams):
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = str(next(self._counter))
             text, req = self.input_processor.process(
                 request_id, prompt, params, now, priority[i] if priority else 0, add_special_tokens
@@ -164,7 +317,7 @@ class LLM:
         order = {req.request_id: i for i, (_, req) in enumerate(staged)}
         for text, req in staged:
             self._add(text, req)
-        results: list[RequestOutput | None] = [None] * len(staged)
+        results: list[Any] = [None] * len(staged)
         bar = tqdm(total=len(staged), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.output_processor.has_unfinished_requests():

@@ -32,7 +32,14 @@ from pagedllm.engine.protocol import (
     FinishReason,
     LogprobsLists,
 )
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -104,6 +111,7 @@ class RequestState:
     scheduled_ts: float | None = None  # the first SCHEDULED
     core_first_token_ts: float | None = None
     core_last_token_ts: float | None = None
+    pooling: bool = False  # a pooling request: one output, its pooled result (no detokenizer)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -232,6 +240,7 @@ class OutputProcessor:
                 index,
                 queue,
                 child.eos_token_id,
+                pooling=child.pooling_params is not None,
             )
         return children
 
@@ -246,9 +255,11 @@ class OutputProcessor:
         index: int = 0,
         queue: Any = None,
         eos_token_id: int | None = None,
+        pooling: bool = False,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        detokenizer = None if pooling else IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self.request_states[request_id] = RequestState(
             request_id=request_id,
             external_id=parent.request_id if parent else request_id,
@@ -256,11 +267,12 @@ class OutputProcessor:
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            detokenizer=detokenizer,  # type: ignore[arg-type]
             arrival_time=arrival_time,
             parent=parent,
             queue=queue,
             eos_token_id=eos_token_id,
+            pooling=pooling,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -290,6 +302,13 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller while the step ran
+            if state.pooling:
+                ro = self._pooling_output(state, out, now, engine_core_timestamp, stats)
+                if ro is not None and state.queue is not None:
+                    state.queue.put(ro)
+                elif ro is not None:
+                    request_outputs.append(ro)
+                continue
             stats.update_from_output(state, out, now, engine_core_timestamp)
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -331,6 +350,45 @@ class OutputProcessor:
                 else:
                     request_outputs.append(ro)
         return OutputProcessorOutput(request_outputs, to_abort, stats)
+
+    def _pooling_output(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        engine_core_timestamp: float | None,
+        stats: IterationStats,
+    ) -> PoolingRequestOutput | None:
+        """A pooling request's one output: its result as a float32 tensor (empty if it finished without one, e.g.
+        aborted); its prompt tokens and finish counted in the stats as a prefill's."""
+        import numpy as np
+        import torch
+
+        if out.events:
+            state.update_from_events(out.events)
+        if out.finish_reason is None:
+            return None
+        state.core_first_token_ts = state.core_last_token_ts = engine_core_timestamp
+        state.first_token_time = state.last_token_time = now
+        state.num_cached_tokens = out.num_cached_tokens
+        state.finish_reason = str(out.finish_reason)
+        state.stop_reason = out.stop_reason
+        self.request_states.pop(out.request_id, None)
+        stats.num_prompt_tokens += len(state.prompt_token_ids)
+        stats.update_from_finished(state, now)
+        pooled = out.pooling_output
+        if pooled is None:
+            data = torch.empty(0)
+        else:
+            data = torch.from_numpy(np.frombuffer(pooled.data, dtype=np.float32).copy()).view(pooled.shape)
+        return PoolingRequestOutput(
+            request_id=state.external_id,
+            outputs=PoolingOutput(data),
+            prompt_token_ids=state.prompt_token_ids,
+            num_cached_tokens=state.num_cached_tokens,
+            finished=True,
+            prompt=state.prompt,
+        )
 
     def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         result = []

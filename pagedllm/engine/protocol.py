@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,16 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    # A pooling request (its sampling_params then only a placeholder): the pooled output instead of tokens.
+    pooling_params: PoolingParams | None = None
+
+
+class PooledData(msgspec.Struct, array_like=True, gc=False):
+    """A pooling request's result: float32 values in C order (`bytes`, so that a vector crosses as one buffer) and
+    their shape ([hidden], [num_labels], or [tokens, hidden] for per-token states)."""
+
+    data: bytes
+    shape: list[int]
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -110,6 +121,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Events since the request's previous output, oldest first (None when there were none).
     events: list[EngineCoreEvent] | None = None
+    pooling_output: PooledData | None = None  # a pooling request's result (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,7 @@ from pagedllm.config import ModelConfig, cache_dir, dtype_name
 from pagedllm.model.gguf_arch import ARCH_FIELDS, phi3_rope
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.packaged import PACKAGED_MODELS, packaged_model
-from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, supported_architectures
+from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, resolve_runner, supported_architectures
 
 logger = logging.getLogger(__name__)
 QUANTIZATIONS = (None, "gguf", "none")
@@ -272,16 +272,29 @@ def load_model_config(
     served_model_name: str | None = None,
     seed: int = 0,
     quantization: str | None = None,
+    runner: str = "auto",
+    convert: str = "auto",
+    pooler_config: str | dict[str, Any] | None = None,
 ) -> ModelConfig:
     """The ModelConfig of an HF folder or .gguf file. `quantization`: None (a GGUF runs as stored), "gguf" (the
-    same, and the model must be a GGUF file) or "none" (a GGUF is de-quantized at load to `dtype`)."""
+    same, and the model must be a GGUF file) or "none" (a GGUF is de-quantized at load to `dtype`). `runner`,
+    `convert` and `pooler_config` as vLLM's flags (model/registry.py resolve_runner, pooling_params.py)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of gguf, none")
     path = os.path.abspath(os.path.expanduser(model))
     gguf_file = None
     if not os.path.exists(path) and model in PACKAGED_MODELS:  # a packaged model's name: its file, served as the name
         return load_model_config(
-            packaged_model(model), tokenizer, dtype, max_model_len, served_model_name or model, seed, quantization
+            packaged_model(model),
+            tokenizer,
+            dtype,
+            max_model_len,
+            served_model_name or model,
+            seed,
+            quantization,
+            runner,
+            convert,
+            pooler_config,
         )
     if os.path.isfile(path) and path.endswith(".gguf"):
         hf_config = gguf_to_hf_config(gguf_config_metadata(path))
@@ -299,6 +312,9 @@ def load_model_config(
                     served_model_name,
                     seed,
                     quantization,
+                    runner,
+                    convert,
+                    pooler_config,
                 )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
         from transformers import AutoConfig
@@ -314,6 +330,17 @@ def load_model_config(
             f"a .gguf file or a packaged model's name ({', '.join(PACKAGED_MODELS)}; models are never downloaded)"
         )
     arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    runner, kind, arch = resolve_runner(arch, runner, convert)
+    pooling: dict[str, Any] = {}
+    if kind is not None:
+        pooling = _pooling_settings(path if gguf_file is None else None, hf_config, arch, kind, pooler_config)
+        limit = pooling.pop("max_len")
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} must be between 1 and the model's limit {limit}")
+    elif pooler_config is not None:
+        raise ValueError("--pooler-config applies to pooling models only (--runner pooling)")
     return ModelConfig(
         model=path,
         tokenizer=os.path.abspath(tokenizer) if tokenizer else tok_dir,
@@ -325,4 +352,43 @@ def load_model_config(
         served_model_name=served_model_name or default_name,
         seed=seed,
         quantization=None if gguf_file is None or quantization == "none" else "gguf",
+        runner=runner,
+        **pooling,
     )
+
+
+def _pooling_settings(
+    folder: str | None, hf_config: Any, arch: str, kind: str, override: str | dict[str, Any] | None
+) -> dict[str, Any]:
+    """A pooling model's ModelConfig fields (pooler config, tasks, encoder, do_lower_case) and its longest input
+    (`max_len`: the position table's, at most sentence-transformers' max_seq_length)."""
+    from pagedllm.model.registry import POOLING_ARCHITECTURES, pooling_tasks
+    from pagedllm.pooling_params import pooler_config_for
+
+    encoder = POOLING_ARCHITECTURES.get(arch, (kind, False))[1]
+    default_type = "CLS" if encoder else "LAST"
+    pooler = pooler_config_for(folder, default_type, override, hf_config)
+    if kind == "classify" and pooler.pooling_type == "ALL":
+        raise ValueError("a classification model pools one state per input: pooling_type ALL does not apply")
+    tasks = pooling_tasks(kind) if pooler.pooling_type != "ALL" else ("encode",)
+    if encoder:  # the position table's rows; RoBERTa's start after its padding index (models/bert.py)
+        limit = int(hf_config.max_position_embeddings)
+        if "Roberta" in arch:
+            limit -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1
+    else:
+        limit = _max_len(hf_config, None)
+    lower = False
+    st_config = os.path.join(folder, "sentence_bert_config.json") if folder else None
+    if st_config and os.path.isfile(st_config):
+        with open(st_config, encoding="utf-8") as f:
+            st = json.load(f)
+        if st.get("max_seq_length"):
+            limit = min(limit, int(st["max_seq_length"]))
+        lower = bool(st.get("do_lower_case", False))
+    return {
+        "pooler_config": pooler,
+        "pooling_tasks": tasks,
+        "is_encoder": encoder,
+        "do_lower_case": lower,
+        "max_len": limit,
+    }

@@ -26,3 +26,12 @@ class StepPlan:
     attn_metadata: Any
     rows: RowKinds  # the kinds of the T rows (model/layers/linear.py); no default: a quantized weight never guesses
     order: list[str] = field(default_factory=list)  # the request of each run of rows, in row order
+
+
+@dataclass
+class EncoderPlan:
+    """An encoder model's step (models/bert.py): its requests' whole prompts back to back, no KV cache."""
+
+    positions: torch.Tensor  # [T] each token's position in its request
+    token_types: torch.Tensor | None  # [T] token type ids (a cross-encoder's pair); None: all type 0
+    starts: list[int]  # [num_reqs + 1] request i's tokens are rows [starts[i], starts[i + 1])

@@ -21,6 +21,7 @@ min_tokens). It equals what `SamplingMetadata.from_requests` builds from the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already reported (a recompute after preemption repeats none).
     num_prompt_logprobs_done: int = 0
     row: int = -1  # row in the batch arrays, -1 while not running
+    pooling_params: Any = None  # a pooling request's PoolingParams (verified)
+    pooled: Any = None  # its pooling so far, across prompt chunks (worker/pooler_runner.py)
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +96,13 @@ class InputBatch:
             if state is not None:
                 self._release_row(state)
         for new in sched.scheduled_new_reqs:
-            state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id)
+            state = CachedRequestState(
+                new.req_id,
+                new.prompt_token_ids,
+                new.sampling_params,
+                new.eos_token_id,
+                pooling_params=new.pooling_params,
+            )
             self.requests[new.req_id] = state
             self._take_row(state, new.block_ids)
             state.num_computed_tokens = new.num_computed_tokens

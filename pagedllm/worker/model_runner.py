@@ -12,6 +12,8 @@ Speculative decoding: a request with draft tokens scheduled has logits at its la
 rows), and the rejection sampler returns its accepted drafts and one token more. After sampling, the n-gram
 proposer drafts tokens for the requests the scheduler named (`num_spec_tokens_to_propose`); they return in
 `ModelRunnerOutput.spec_token_ids`.
+A pooling model (`--runner pooling`) samples nothing: worker/pooler_runner.py pools each request's hidden states
+once its prompt is computed (an encoder's whole prompt in one step, without the KV cache).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.pooler_runner import PoolerRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +86,18 @@ class ModelRunner:
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
         self.model = load_model(model_config, device, kernels)
         self.kv_layout = self._kv_layout(config.cache_config.hybrid_kv_cache)
-        self.decode_runner = CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
+        # A pooling model (worker/pooler_runner.py) pools its prompts' hidden states and never decodes; an encoder
+        # keeps no KV cache and computes each prompt whole in one step.
+        self.pooler = PoolerRunner(self.model, model_config, device) if model_config.runner == "pooling" else None
+        self.decode_runner = None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
         # on the int8 products of one row, any number of generated tokens where it is packed; a float32 head's one-row
         # kernel sums in another order than its several-row one (one row at a time); bf16 panels sum each row
         # alike whatever the rows (0: no chunks).
-        head = self.model.lm_head
+        head = getattr(self.model, "lm_head", None)  # none on a model with a score head (pooling)
         qweight = getattr(head, "qweight", None)
-        if cpu_ops is None or getattr(head, "bf16_panels", None) is not None:
+        if cpu_ops is None or head is None or getattr(head, "bf16_panels", None) is not None:
             self._logits_rows = 0
         elif qweight is not None:
             packed = qweight.packed_rows == qweight.out_features
@@ -134,6 +140,8 @@ class ModelRunner:
         group (`kv_group`: the block table it reads). Layers whose keys differ in shape share no tensors: one group
         of them all, full attention in its block accounting."""
         layers = self.model.attention_layers()
+        if not layers:  # an encoder: no KV cache; the scheduler's blocks are only accounting
+            return kv_cache_layout([0])
         uniform = len({(a.num_kv_heads, a.head_dim) for a in layers}) == 1
         layout = kv_cache_layout([a.sliding_window for a in layers], hybrid and uniform)
         for attn, group in zip(layers, layout.layer_group):
@@ -149,6 +157,8 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block id: every layer's block, or, with KV cache groups, `slots` layers' blocks."""
         layers = self.model.attention_layers()
+        if not layers:
+            return 0  # an encoder keeps no KV cache
         per_layer = [2 * attn.num_kv_heads * attn.head_dim for attn in layers]
         per_token = sum(per_layer) if self.kv_layout.slots == len(layers) else per_layer[0] * self.kv_layout.slots
         return per_token * self.block_size * torch.finfo(self.kv_dtype).bits // 8
@@ -179,6 +189,8 @@ class ModelRunner:
         batch.update(sched)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
+        if self.pooler is not None and self.pooler.encoder:
+            return self.pooler.run_encoder(batch, sched.num_scheduled_tokens)
         counts = sched.num_scheduled_tokens
         spec = sched.scheduled_spec_decode_tokens
         # Decodes first, shortest context first (so length groups are contiguous), then multi-token segments.
@@ -252,6 +264,8 @@ class ModelRunner:
             plan = StepPlan(self._t(positions[t:]), meta, RowKinds(generated[t:]), order[k:])
             parts.append(self.model(self._t(input_ids[t:]), plan))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.pooler is not None:  # a pooling model: the step's hidden states are pooled, nothing is sampled
+            return self.pooler.pool(order, states, starts, cu, hidden)
 
         # Which requests sample: those whose scheduled tokens reach the end of their known tokens. A request with
         # drafts has logits at its last known token and at each draft.

@@ -48,12 +48,15 @@ class Worker:
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        max_len = self.config.model_config.max_model_len
+        if per_block == 0:  # an encoder keeps no KV cache: blocks for every running request's accounting
+            max_seqs = self.config.scheduler_config.max_num_seqs
+            return max_seqs * -(-max_len // cache.block_size) + 1
         num_blocks = cache.kv_cache_memory_bytes // per_block
         source = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
             source = f"num_gpu_blocks_override={num_blocks}"
-        max_len = self.config.model_config.max_model_len
         # A request of max_model_len tokens must fit alone, or it could never be scheduled (the null block besides,
         # where a window group has one).
         layout = self.model_runner.kv_layout
