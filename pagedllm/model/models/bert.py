@@ -141,7 +141,8 @@ class BertModel(nn.Module):
         x = F.embedding(input_ids, self.word_embeddings)
         x = x + F.embedding(plan.positions + self.position_offset, self.position_embeddings)
         types = self.token_type_embeddings
-        x = x + (types[0] if plan.token_types is None else F.embedding(plan.token_types, types))
+        one_type = plan.token_types is None or types.shape[0] == 1  # XLM-R has one type, whatever a tokenizer says
+        x = x + (types[0] if one_type else F.embedding(plan.token_types, types))
         x = self.embed_norm(x.contiguous())
         for layer in self.layers:
             x = layer(x, plan.starts)
