@@ -126,16 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup,allreduce,structured} --help`",
-        usage="pagedllm bench {throughput,serve,latency,startup,allreduce,structured} [options]",
+        help="benchmarks: `pagedllm bench {throughput,serve,latency,startup,allreduce,structured,embed} --help`",
+        usage="pagedllm bench {throughput,serve,latency,startup,allreduce,structured,embed} [options]",
     )
     bench.add_argument(
         "bench_kind",
-        choices=["throughput", "serve", "latency", "startup", "allreduce", "structured"],
+        choices=["throughput", "serve", "latency", "startup", "allreduce", "structured", "embed"],
         help="throughput: offline vs HF transformers; serve: against a running OpenAI-compatible server; "
         "latency: one batch through LLM; startup: `pagedllm serve` launch -> first 200 on /health; "
         "allreduce: the shared-memory all-reduce vs gloo between ranks on this machine; structured: the same "
-        "requests with and without a JSON schema",
+        "requests with and without a JSON schema; embed: a pooling model's embeddings of a corpus (offline, a server, "
+        "or sentence-transformers)",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
