@@ -2,7 +2,9 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 GET /health, GET|POST /ping, GET /version, GET /load, GET /metrics, and with --enable-debug-routes
-GET /debug/kv_cache.
+GET /debug/kv_cache. For pooling models (--runner pooling): POST /v1/embeddings, POST /pooling, POST /classify,
+POST /score and /v1/score, POST /rerank, /v1/rerank and /v2/rerank (on a generative model, a 400 naming the
+runner; a pooling model answers the generation routes a 400 likewise).
 
 Contract:
 * Every error is OpenAI's JSON shape (see errors.py): invalid input (including what pydantic rejects) 400,
@@ -29,7 +31,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,20 +59,32 @@ from pagedllm.entrypoints.openai.openapi_spec import empty_ok, errors, install_o
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     LoadResponse,
     ModelCard,
     ModelList,
+    PoolingRequest,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -212,8 +226,10 @@ async def show_models(raw_request: Request) -> Response:
     responses={**streamable("The completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
 )
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    serving = raw_request.app.state.serving_completion
+    _check_generates(serving, request.model)
     try:
-        return await raw_request.app.state.serving_completion.create_completion(request, raw_request)
+        return await serving.create_completion(request, raw_request)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the generation was aborted
 
@@ -224,10 +240,71 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     responses={**streamable("The chat completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    serving = raw_request.app.state.serving_chat
+    _check_generates(serving, request.model)
     try:
-        return await raw_request.app.state.serving_chat.create_chat_completion(request, raw_request)
+        return await serving.create_chat_completion(request, raw_request)
     except ClientDisconnected:
         return Response(status_code=499)
+
+
+def _check_generates(serving: OpenAIServing, model: str | None) -> None:
+    """A pooling model generates no text: a 400 naming the runner before anything else (the engine would refuse the
+    request too, but a stream would have begun by then), after the model name's 404."""
+    serving.check_model(model)
+    mc = serving.engine.model_config
+    if getattr(mc, "runner", "generate") == "pooling":
+        raise OpenAIError(
+            f"model {mc.served_model_name!r} runs as a pooling model (--runner pooling): it does not generate text; "
+            "use /v1/embeddings, /pooling, /classify, /score or /rerank (the tasks it serves: "
+            f"{', '.join(mc.pooling_tasks)})",
+            400,
+        )
+
+
+# ---- pooling models --------------------------------------------------------------------------------------
+
+_POOLING_ERRORS = errors(400, 404, 503)
+
+
+async def _pooling(call: Awaitable[Response]) -> Response:
+    try:
+        return await call
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the engine requests were aborted
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POOLING_ERRORS)
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    """OpenAI's embeddings (vLLM's extras: truncate_prompt_tokens, add_special_tokens, priority, normalize)."""
+    return await _pooling(raw_request.app.state.serving_embedding.create_embedding(request, raw_request))
+
+
+@router.post("/pooling", response_model=PoolingResponse, responses=_POOLING_ERRORS)
+async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+    """The model's pooled states (task "encode"): one vector per input, or one per token with pooling type ALL."""
+    return await _pooling(raw_request.app.state.serving_embedding.create_pooling(request, raw_request))
+
+
+@router.post("/classify", response_model=ClassificationResponse, responses=_POOLING_ERRORS)
+async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+    """Class probabilities of each input, with the model's label of the likeliest class."""
+    return await _pooling(raw_request.app.state.serving_embedding.create_classify(request, raw_request))
+
+
+@router.post("/score", operation_id="score", response_model=ScoreResponse, responses=_POOLING_ERRORS)
+@router.post("/v1/score", operation_id="score_v1", response_model=ScoreResponse, responses=_POOLING_ERRORS)
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    """Scores of text pairs: a cross-encoder's, or the cosine similarity of an embedder's embeddings."""
+    return await _pooling(raw_request.app.state.serving_score.create_score(request, raw_request))
+
+
+@router.post("/rerank", operation_id="rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
+@router.post("/v1/rerank", operation_id="rerank_v1", response_model=RerankResponse, responses=_POOLING_ERRORS)
+@router.post("/v2/rerank", operation_id="rerank_v2", response_model=RerankResponse, responses=_POOLING_ERRORS)
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    """Jina's and Cohere's rerank: the documents by relevance to the query, best first."""
+    return await _pooling(raw_request.app.state.serving_score.create_rerank(request, raw_request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
@@ -343,6 +420,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
+    state.serving_embedding = OpenAIServingEmbedding(engine, names)
+    state.serving_score = OpenAIServingScore(engine, names)
     app.include_router(router)
     if getattr(args, "enable_debug_routes", False):
         app.include_router(debug_router)

@@ -5,7 +5,9 @@ validation handler); value ranges are checked once, by `SamplingParams` and the 
 server and the offline `LLM` reject the same things with the same messages. Unknown request fields are
 accepted and ignored with a warning, as vLLM does. Field names follow OpenAI, plus vLLM's extra sampling
 parameters (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Response models
-mirror OpenAI's objects (ids `cmpl-...`/`chatcmpl-...`, `created` in seconds, `usage` token counts).
+mirror OpenAI's objects (ids `cmpl-...`/`chatcmpl-...`, `created` in seconds, `usage` token counts); those of the
+pooling routes follow vLLM's (OpenAI's embeddings, Jina's and Cohere's rerank; ids `embd-`, `pool-`, `classify-`,
+`score-`, `rerank-`).
 """
 
 from __future__ import annotations
@@ -346,3 +348,177 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ---- pooling models: /v1/embeddings, /pooling, /classify, /score, /rerank ------------------------------------
+
+
+# A string, a list of strings, token ids, or a list of token-id lists: each one is one engine request.
+PoolingInput = str | list[str] | list[Int64] | list[list[Int64]]
+
+
+class PoolingFields(OpenAIBaseModel):
+    """What every pooling request may hold (vLLM's names). `truncate_prompt_tokens`: -1 cuts the input to
+    max_model_len, k > 0 to k tokens (text: the tokenizer's right truncation; token ids: the last k)."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    priority: Int64 = 0
+
+
+class EmbeddingRequest(PoolingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"input": "The food was delicious."},
+                {"input": ["Hello", "A second sentence"], "encoding_format": "base64"},
+            ]
+        }
+    )
+
+    input: PoolingInput
+    # "base64": the little-endian float32 bytes of each vector, base64-encoded (the openai client's default).
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None  # Matryoshka models only
+    normalize: bool | None = None  # default: the model's (sentence-transformers' Normalize module)
+    add_special_tokens: bool = True
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingRequest(EmbeddingRequest):
+    """/pooling: the model's raw pooled states (task "encode"): one vector, or one per token (pooling type ALL)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "The food was delicious."}]})
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | list[list[float]] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"pool-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+class ActivationFields(PoolingFields):
+    """Classification and scores: `use_activation` (softmax over the classes, sigmoid for one label; default the
+    model's); `softmax` and `activation` are vLLM's older names of it."""
+
+    use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
+
+
+class ClassificationRequest(ActivationFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": ["Loved it!", "Not my taste."]}]})
+
+    input: PoolingInput
+    add_special_tokens: bool = True
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None  # the model's id2label of the likeliest class
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"classify-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class ScoreRequest(ActivationFields):
+    """Pairs of texts: one text_1 against each text_2, or text_1[i] against text_2[i]."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"text_1": "What is the capital of France?", "text_2": ["Paris is in France.", "Bread is food."]}
+            ]
+        }
+    )
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"score-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankRequest(ActivationFields):
+    """Jina's and Cohere's rerank: the documents ranked by relevance to the query. A document is a string or
+    Cohere's {"text": ...}; `top_n` 0 (or absent, or at least the number of documents) returns them all."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"query": "What is the capital of France?", "documents": ["Paris is in France.", "Bread is food."]},
+                {"query": "capital", "documents": [{"text": "Paris"}, {"text": "bread"}], "top_n": 1},
+            ]
+        }
+    )
+
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: Int64 | None = None
+    return_documents: bool = True
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument | None = None  # left out with return_documents false
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{random_uuid()}")
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
