@@ -373,6 +373,15 @@ class LinearBase(nn.Module):
             x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows
         )
 
+    def forward_gelu(self, x: torch.Tensor, rows: RowKinds | None = None, approximate: str = "none") -> torch.Tensor:
+        """gelu(x W^T + b) (`approximate`: "none", the erf form, or "tanh"): on oneDNN's packed weight the GELU runs in
+        the GEMM's epilogue (the same values as torch's, without a second pass over the output); else after it."""
+        packed = self.packed_weight
+        few = self.panels is not None and self.ops is not None and x.shape[0] <= PANEL_MAX_ROWS
+        if packed is not None and x.dim() == 2 and self.qweight is None and self.bf16_panels is None and not few:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "gelu", [], approximate)
+        return F.gelu(self(x, rows), approximate=approximate)
+
 
 class ReplicatedLinear(LinearBase):
     """The full matrix on every rank."""
