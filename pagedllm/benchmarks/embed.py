@@ -114,7 +114,11 @@ async def _serve_run(args: argparse.Namespace, corpus: list[str], model: str) ->
 
 
 def run_server(args: argparse.Namespace, corpus: list[str]) -> list[dict[str, Any]]:
-    model = args.served_model_name or args.model
+    import httpx
+
+    model = args.served_model_name  # else the server's own name for its model (the first of /v1/models)
+    if model is None:
+        model = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
     return [asyncio.run(_serve_run(args, corpus, model)) for _ in range(args.num_iters)]
 
 
@@ -218,9 +222,8 @@ def main(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> int:
         f"({record['tokens']} tokens; runs {record['walls_s']} s)"
     )
     if probes:
-        print(
-            f"a lone short query under that load: p50 {record['probe_p50_ms']:.1f} ms, p90 {record['probe_p90_ms']:.1f} ms ({len(probes)} sent)"
-        )
+        p50, p90 = record["probe_p50_ms"], record["probe_p90_ms"]
+        print(f"a lone short query under that load: p50 {p50:.1f} ms, p90 {p90:.1f} ms ({len(probes)} sent)")
     if args.reference:
         print(f"cosine to sentence-transformers: min {record['cosine_min']:.7f}, mean {record['cosine_mean']:.7f}")
     print(f"command: {prog} {' '.join(argv if argv is not None else sys.argv[1:])}")

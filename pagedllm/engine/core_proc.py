@@ -57,6 +57,7 @@ class EngineCoreProc:
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, identity)
         self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.RCVHWM, 0)  # every request the front end sends is queued (core_process.py)
         self.dealer.connect(input_addr)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)

@@ -53,6 +53,10 @@ class CoreProcess:
         self.ctx = ctx
         self.input_socket = ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a ROUTER drops what it cannot queue for a peer, silently. With the default (1,000
+        # messages) a burst of a few thousand requests (LLM.embed of a corpus) lost its last ones, and the front end
+        # waited for them forever.
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.bind(self.input_addr)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
