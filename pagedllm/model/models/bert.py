@@ -37,21 +37,15 @@ from pagedllm.model.step_plan import EncoderPlan
 
 _PROMPT = RowKinds(False)  # an encoder's rows are all prompt tokens
 
-_ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+# hidden_act -> the GELU form (torch's `approximate`); the up projection applies it (in oneDNN's GEMM epilogue).
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
-def _activation(name: str):
-    if name not in _ACTIVATIONS:
-        raise ValueError(
-            f"hidden_act {name!r} is not supported by the encoder models (supported: {sorted(_ACTIVATIONS)})"
-        )
-    return _ACTIVATIONS[name]
+def _gelu_form(name: str) -> str:
+    if name not in _GELU:
+        supported = ", ".join(sorted(_GELU))
+        raise ValueError(f"hidden_act {name!r} is not supported by the encoder models (supported: {supported})")
+    return _GELU[name]
 
 
 def encoder_attention(qkv: torch.Tensor, starts: list[int], heads: int, dim: int, scale: float) -> torch.Tensor:
@@ -84,13 +78,13 @@ class BertLayer(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, config.intermediate_size, True, dtype, ops, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, hidden, True, dtype, ops, tp)
         self.mlp_norm = LayerNorm(hidden, eps, dtype, ops=ops)
-        self.act = _activation(config.hidden_act)
+        self.gelu = _gelu_form(config.hidden_act)
 
     def forward(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
         qkv = self.qkv_proj(x, _PROMPT)
         a = self.o_proj(encoder_attention(qkv, starts, self.num_heads, self.head_dim, self.scale), _PROMPT)
         x, _ = self.attn_norm(a, x)  # LN(x + attention); a is a fresh tensor: the native form works in place
-        h = self.down_proj(self.act(self.up_proj(x, _PROMPT)), _PROMPT)
+        h = self.down_proj(self.up_proj.forward_gelu(x, _PROMPT, self.gelu), _PROMPT)
         x, _ = self.mlp_norm(h, x)
         return x
 
