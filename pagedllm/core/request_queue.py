@@ -7,7 +7,8 @@ Contract:
   says where it goes).
 - `remove_requests` takes out requests that left while waiting (aborted), whatever their place.
 - `pick_victim` is the policy's other half: of the running requests that may still be preempted this step,
-  the one to preempt first (FCFS: the one admitted last; priority: the lowest priority, latest arrival).
+  the one to preempt first (FCFS: the one admitted last; priority: the lowest priority, latest arrival; shortest:
+  the longest prompt).
 
 The scheduler only calls these methods; it never looks at the policy's name (`create_request_queue` does).
 """
@@ -132,11 +133,27 @@ class PriorityRequestQueue(RequestQueue):
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
-_QUEUES: dict[str, type[RequestQueue]] = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
+class ShortestFirstRequestQueue(PriorityRequestQueue):
+    """Fewest prompt tokens first, then earliest arrival: a pooling model's default (its requests finish in the step
+    that computes them, so admitting the shortest first is what keeps a lone short query from waiting behind a batch
+    of long documents). Preemption takes the longest."""
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.num_prompt_tokens, request.arrival_time, next(self._counter), request))
+
+    def pick_victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=lambda r: (r.num_prompt_tokens, r.arrival_time))
+
+
+_QUEUES: dict[str, type[RequestQueue]] = {
+    "fcfs": FCFSRequestQueue,
+    "priority": PriorityRequestQueue,
+    "shortest": ShortestFirstRequestQueue,
+}
 
 
 def create_request_queue(policy: str) -> RequestQueue:
-    """The waiting queue of a scheduling policy: "fcfs" or "priority"."""
+    """The waiting queue of a scheduling policy: "fcfs", "priority" or "shortest"."""
     cls = _QUEUES.get(policy)
     if cls is None:
         raise ValueError(f"scheduling policy must be one of {sorted(_QUEUES)}, got {policy!r}")

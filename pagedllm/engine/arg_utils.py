@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "shortest")
 
 
 def resolve_chat_template(value: str) -> str:
@@ -157,7 +157,12 @@ class EngineArgs:
         None, f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
     max_num_seqs: int = _arg(128, "most requests running in one step")
-    scheduling_policy: str = _arg("fcfs", "order of the waiting queue", choices=SCHEDULING_POLICIES)
+    scheduling_policy: str | None = _arg(
+        None,
+        "order of the waiting queue: fcfs, priority (lowest value first), shortest (fewest prompt tokens first); "
+        "default fcfs, and shortest for pooling models (a short query is not queued behind a batch of documents)",
+        choices=SCHEDULING_POLICIES,
+    )
     long_prefill_token_threshold: int = _arg(0, "split prefill chunks longer than this; 0: no limit")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (worker processes or Ray actors)", aliases=("-tp",))
     distributed_executor_backend: str | None = _arg(
@@ -249,7 +254,12 @@ class EngineArgs:
         model_config = self.create_model_config()
         device = self._device()
         batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
-        if model_config.is_encoder:  # an encoder's prompt runs whole in one step: the budget holds the longest one
+        if model_config.is_encoder:
+            # An encoder's prompt runs whole in one step: the budget holds the longest one. By default it is no more
+            # (at least 256 tokens): an encoder step computes every token of its prompts, so a short step is what lets
+            # a query that arrives during a batch start soon; a larger one adds nothing measurable to throughput.
+            if self.max_num_batched_tokens is None:
+                batched = max(256, model_config.max_model_len)
             batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),
@@ -267,7 +277,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=model_config.max_model_len,
-                policy=self.scheduling_policy,
+                policy=self.scheduling_policy or ("shortest" if model_config.runner == "pooling" else "fcfs"),
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 chunked_prefill=not model_config.is_encoder,
             ),
@@ -340,8 +350,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy is not None and self.scheduling_policy not in SCHEDULING_POLICIES:
+            choices = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"scheduling_policy must be one of {choices}, got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

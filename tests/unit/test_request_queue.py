@@ -90,3 +90,17 @@ def test_pick_victim(queue: RequestQueue, victim: str) -> None:
     running = [req("worst", 9, 0.0), req("tie-early", 2, 1.0), req("tie-late", 2, 3.0), req("new", 0, 4.0)]
     assert queue.pick_victim(running).request_id == victim
     assert queue.pick_victim(running[1:3]).request_id == "tie-late"
+
+
+def test_shortest_first_admits_fewest_prompt_tokens_then_earliest() -> None:
+    def make(rid: str, n: int, arrival: float) -> Request:
+        return Request(rid, list(range(n)), SamplingParams(max_tokens=1), None, arrival_time=arrival)
+
+    queue = create_request_queue("shortest")
+    reqs = [make("long", 90, 0.0), make("mid", 40, 1.0), make("short-late", 9, 3.0), make("short", 9, 2.0)]
+    for r in reqs:
+        queue.add(r)
+    assert [r.request_id for r in queue] == ["short", "short-late", "mid", "long"]
+    assert queue.pick_victim(reqs).request_id == "long"
+    queue.remove(reqs[1])
+    assert [queue.pop().request_id for _ in range(len(queue))] == ["short", "short-late", "long"]
