@@ -60,10 +60,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, folder: str, port: int, dtype: str, log: Path) -> subprocess.Popen:
+def start(engine: str, folder: str, port: int, dtype: str, log: Path, extra: str = "") -> subprocess.Popen:
     if engine == "pagedllm":
         cmd = [OURS_PY, "-m", "pagedllm.entrypoints.cli", "serve", folder, "--port", str(port), "--num-threads", "2"]
-        cmd += ["--dtype", dtype, "--disable-uvicorn-access-log"]
+        cmd += ["--dtype", dtype, "--disable-uvicorn-access-log", *shlex.split(extra)]
         env = dict(os.environ)
     else:
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port)]
@@ -86,7 +86,7 @@ def measure(engine: str, folder: str, args: argparse.Namespace, out: Path) -> di
     try:
         if engine in ("pagedllm", "vllm"):
             port = free_port()
-            proc = start(engine, folder, port, args.dtype, out.with_suffix(f".{engine}.log"))
+            proc = start(engine, folder, port, args.dtype, out.with_suffix(f".{engine}.log"), args.pagedllm_args)
             bench += ["--base-url", f"http://127.0.0.1:{port}"]
         elif engine == "st":
             bench += ["--sentence-transformers", "--num-threads", "2"]
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-sentences", type=int, default=2000)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--pagedllm-args", default="", help="more flags for `pagedllm serve`")
     parser.add_argument("--idle-threshold", type=float, default=0.15)
     parser.add_argument("--idle-wait", type=float, default=120.0)
     args = parser.parse_args(argv)

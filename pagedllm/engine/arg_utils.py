@@ -254,12 +254,7 @@ class EngineArgs:
         model_config = self.create_model_config()
         device = self._device()
         batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
-        if model_config.is_encoder:
-            # An encoder's prompt runs whole in one step: the budget holds the longest one. By default it is no more
-            # (at least 256 tokens): an encoder step computes every token of its prompts, so a short step is what lets
-            # a query that arrives during a batch start soon; a larger one adds nothing measurable to throughput.
-            if self.max_num_batched_tokens is None:
-                batched = max(256, model_config.max_model_len)
+        if model_config.is_encoder:  # an encoder's prompt runs whole in one step: the budget holds the longest one
             batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),
