@@ -170,31 +170,29 @@ def encode_vector(data: Any, encoding_format: str) -> Any:
 
 class OpenAIServingEmbedding(PoolingServing):
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
-        self.warn_ignored_fields(request)
-        params = self.params_for(request, task="embed", dimensions=request.dimensions, normalize=request.normalize)
-        ids_list = self.prepare(self.parse_input(request.input), params, request, request.add_special_tokens)
-        request_id = f"embd-{random_uuid()}"
-        outs = await self.run(ids_list, params, request_id, request, raw_request)
-        data = [
-            EmbeddingResponseData(index=i, embedding=encode_vector(o.outputs.data, request.encoding_format))
-            for i, o in enumerate(outs)
-        ]
-        body = EmbeddingResponse(id=request_id, model=self.model_name, data=data, usage=self.usage(outs))
-        return Response(body.model_dump_json(), media_type="application/json")
+        return await self._vectors(request, raw_request, "embed", "embd")
 
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Response:
+        return await self._vectors(request, raw_request, "encode", "pool")
+
+    async def _vectors(
+        self, request: EmbeddingRequest | PoolingRequest, raw_request: Request, task: str, prefix: str
+    ) -> Response:
+        """/v1/embeddings (task embed) and /pooling (task encode): one vector (or one per token) per input."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
-        params = self.params_for(request, task="encode", dimensions=request.dimensions, normalize=request.normalize)
+        params = self.params_for(request, task=task, dimensions=request.dimensions, normalize=request.normalize)
         ids_list = self.prepare(self.parse_input(request.input), params, request, request.add_special_tokens)
-        request_id = f"pool-{random_uuid()}"
+        request_id = f"{prefix}-{random_uuid()}"
         outs = await self.run(ids_list, params, request_id, request, raw_request)
-        data = [
-            PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request.encoding_format))
-            for i, o in enumerate(outs)
-        ]
-        body = PoolingResponse(id=request_id, model=self.model_name, data=data, usage=self.usage(outs))
+        vectors = [encode_vector(o.outputs.data, request.encoding_format) for o in outs]
+        usage = self.usage(outs)
+        if task == "embed":
+            data = [EmbeddingResponseData(index=i, embedding=v) for i, v in enumerate(vectors)]
+            body: Any = EmbeddingResponse(id=request_id, model=self.model_name, data=data, usage=usage)
+        else:
+            pooled = [PoolingResponseData(index=i, data=v) for i, v in enumerate(vectors)]
+            body = PoolingResponse(id=request_id, model=self.model_name, data=pooled, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def create_classify(self, request: ClassificationRequest, raw_request: Request) -> Response:
