@@ -59,7 +59,7 @@ class PoolerRunner:
     ) -> ModelRunnerOutput:
         done: list[tuple[str, Any, torch.Tensor]] = []
         for i, state in enumerate(states):
-            if state.pooled is None:
+            if state.pooled is None or int(starts[i]) == 0:  # a fresh start, or a recompute after preemption
                 state.pooled = PoolingState(self.pooling_type)
             a, b = int(cu[i]), int(cu[i + 1])
             prompt_len = len(state.prompt_token_ids)
