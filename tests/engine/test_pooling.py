@@ -276,3 +276,28 @@ def test_a_burst_of_thousands_of_requests_all_finish() -> None:
     with LLM(minilm_folder()) as llm:
         outs = llm.embed(texts, use_tqdm=False)
     assert len(outs) == 3000 and all(o.outputs.hidden_size == 384 for o in outs)
+
+
+def test_decoder_pooling_survives_preemption(tmp_path) -> None:
+    """Mean pooling over prompts in chunks, with a KV cache too small for all of them: preempted requests recompute
+    their prompts, and their means are still HF's."""
+    from transformers import AutoModel
+
+    from tests.model_utils import PreemptionCounter
+
+    folder = make_tiny_model(tmp_path, "Qwen3ForCausalLM")
+    prompts = [[5 + (i * 13 + j) % 400 for j in range(90)] for i in range(4)]
+    hf = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = [hf(torch.tensor([p])).last_hidden_state[0].mean(0) for p in prompts]
+    cfg = {"pooling_type": "MEAN", "normalize": False}
+    with LLM(
+        folder, runner="pooling", pooler_config=cfg, engine_client="inproc", max_model_len=128,
+        max_num_batched_tokens=64, long_prefill_token_threshold=16, num_gpu_blocks_override=12,
+    ) as llm:  # fmt: skip
+        with PreemptionCounter(llm) as counter:
+            got = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        assert llm.check_invariants()["in_use"] == 0
+    assert counter.num_preemptions > 0
+    for o, r in zip(got, ref):
+        assert torch.allclose(torch.tensor(o.outputs.embedding), r, atol=1e-5)
