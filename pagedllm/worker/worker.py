@@ -78,7 +78,9 @@ class Worker:
         per_block = self.model_runner.kv_cache_bytes_per_block()
         layout = self.model_runner.kv_layout
         bs = self.config.cache_config.block_size
-        if layout.hybrid:  # a block id is `slots` layers' block: its tokens depend on how requests' windows share it
+        if per_block == 0:
+            logger.info("no KV cache: an encoder computes each prompt whole (%d blocks of accounting)", num_blocks)
+        elif layout.hybrid:  # a block id is `slots` layers' block: its tokens depend on how requests' windows share it
             logger.info(
                 "KV cache: %d blocks of %d tokens (%.2f GiB) in %d groups of %d layers, windows %s",
                 num_blocks, bs, num_blocks * per_block / 2**30, layout.num_groups, layout.slots,
