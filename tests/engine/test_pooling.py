@@ -301,3 +301,10 @@ def test_decoder_pooling_survives_preemption(tmp_path) -> None:
     assert counter.num_preemptions > 0
     for o, r in zip(got, ref):
         assert torch.allclose(torch.tensor(o.outputs.embedding), r, atol=1e-5)
+
+
+def test_encoders_refuse_tensor_parallelism() -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="encoder models .BertModel. run on one rank"):
+        EngineArgs(model=minilm_folder(), tensor_parallel_size=2).create_model_config()
