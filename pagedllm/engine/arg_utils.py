@@ -315,11 +315,7 @@ class EngineArgs:
             pooler_config=self.pooler_config,
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
-        if model_config.is_encoder and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size}: encoder models ({model_config.architecture}) run "
-                "on one rank for now; use -tp 1 (or data parallelism, -dp, for more throughput)"
-            )
+
         if self.chat_template is not None:
             model_config = dataclasses.replace(model_config, chat_template=resolve_chat_template(self.chat_template))
         return model_config

@@ -303,8 +303,11 @@ def test_decoder_pooling_survives_preemption(tmp_path) -> None:
         assert torch.allclose(torch.tensor(o.outputs.embedding), r, atol=1e-5)
 
 
-def test_encoders_refuse_tensor_parallelism() -> None:
-    from pagedllm.engine.arg_utils import EngineArgs
-
-    with pytest.raises(ValueError, match="encoder models .BertModel. run on one rank"):
-        EngineArgs(model=minilm_folder(), tensor_parallel_size=2).create_model_config()
+@pytest.mark.timeout(180)
+def test_encoder_tensor_parallel_matches_one_rank(st_model) -> None:
+    """MiniLM on two ranks (6 of its 12 heads each; the output projection takes those heads' columns)."""
+    texts = corpus(6, seed=2)
+    ref = st_model.encode(texts, convert_to_tensor=True)
+    with LLM(minilm_folder(), tensor_parallel_size=2) as llm:
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False, truncate_prompt_tokens=-1)])
+    assert torch.nn.functional.cosine_similarity(got, ref.cpu(), dim=1).min().item() >= 0.99999

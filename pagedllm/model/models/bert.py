@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import Shard
 from pagedllm.model.kernels import KernelDispatch, torch_dispatch
 from pagedllm.model.layers.linear import (
     ColumnParallelLinear,
@@ -72,7 +73,9 @@ class BertLayer(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, True, dtype, ops, tp)
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.scale = self.head_dim**-0.5
-        self.o_proj = RowParallelLinear(hidden, hidden, True, dtype, ops, tp)
+        heads_here = self.qkv_proj.heads  # this rank's heads: the output projection takes their columns
+        o_rows = Shard(heads_here.first_head * self.head_dim, heads_here.num_heads * self.head_dim)
+        self.o_proj = RowParallelLinear(hidden, hidden, True, dtype, ops, tp, o_rows)
         eps = float(config.layer_norm_eps)
         self.attn_norm = LayerNorm(hidden, eps, dtype, ops=ops)
         self.up_proj = ColumnParallelLinear(hidden, config.intermediate_size, True, dtype, ops, tp)
