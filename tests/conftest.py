@@ -6,7 +6,12 @@ The native CPU decode kernel (the default attention backend here) is built once 
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,25 @@ import torch
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder per test session where `model_utils.make_tiny_model` writes (and reuses) tiny models."""
     return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forget_the_sessions_weight_cache_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end, delete the weight cache files (model/weight_cache.py) of GGUF files this session wrote under its
+    temporary folder: they are never hit again, and a few sessions' worth would fill a small disk."""
+    yield
+    from pagedllm.model import weight_cache
+
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    for file in glob.glob(os.path.join(glob.escape(weight_cache.weights_dir()), "*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                source = json.loads(f.read(min(n, 1 << 20)).rstrip())["__metadata__"]["source"]
+            if os.path.realpath(source).startswith(base + os.sep):
+                os.unlink(file)
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            continue
 
 
 @pytest.fixture(autouse=True)

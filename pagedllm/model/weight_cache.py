@@ -20,6 +20,10 @@ Contract.
   4 bytes per parameter would cost most of what the cache saves, and the file is only ever renamed into place
   complete.
 * Failing to write (read-only or full disk) only logs a warning: the load goes on from the GGUF.
+* Bounded: the files together stay within ``$PAGEDLLM_WEIGHT_CACHE_GB`` (GiB, default 16; 0 turns the cache off).
+  A hit marks its file used (its access time); after a write, the least recently used other files are deleted
+  until the total fits. A write stops (and leaves nothing) when the disk's free space would drop below
+  `MIN_FREE_BYTES` or 5% of the disk, whichever is larger: the cache never fills a disk.
 The cache holds 4 bytes per parameter (540 MB for the default model). ``rm -r <cache_dir>/weights`` empties it.
 """
 
@@ -34,6 +38,7 @@ import logging
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -48,12 +53,17 @@ CACHE_FORMAT = "pagedllm-gguf-f32-1"  # bump when the conversion (names, un-perm
 # thousands of tensors, and keeps the data page-aligned. A larger header is written by copying the data once.
 _HEADER_ROOM = 1 << 20
 _MAX_HEADER = 100 << 20
+DEFAULT_MAX_GB = 16.0
+MIN_FREE_BYTES = 2 << 30
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 
 def gguf_weights(path: str, convert: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> WeightIterator:
     """(name, tensor) pairs of the GGUF file at `path`: from its cache file, or from `convert()` while the
     cache file is written."""
+    if max_bytes() <= 0:
+        yield from convert()
+        return
     try:
         key = cache_key(path)
     except OSError as e:
@@ -64,6 +74,7 @@ def gguf_weights(path: str, convert: Callable[[], Iterable[tuple[str, torch.Tens
     tensors = open_cached(file, key)
     if tensors is not None:
         logger.info("weight cache: hit %s", file)
+        _mark_used(file)
         yield from tensors
         return
     logger.info("weight cache: miss, de-quantizing %s into %s", os.path.basename(path), file)
@@ -72,6 +83,49 @@ def gguf_weights(path: str, convert: Callable[[], Iterable[tuple[str, torch.Tens
 
 def weights_dir() -> str:
     return os.path.join(cache_dir(), "weights")
+
+
+def max_bytes() -> int:
+    """The bound on the cache files' total size: $PAGEDLLM_WEIGHT_CACHE_GB GiB (default 16; 0 = no cache)."""
+    raw = os.environ.get("PAGEDLLM_WEIGHT_CACHE_GB", "")
+    try:
+        gb = float(raw) if raw.strip() else DEFAULT_MAX_GB
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_WEIGHT_CACHE_GB={raw!r} is not a number of GiB") from None
+    return max(0, int(gb * (1 << 30)))
+
+
+def _mark_used(file: str) -> None:
+    """Record a use of `file` in its access time (the eviction order), whatever the mount's atime policy."""
+    with contextlib.suppress(OSError):
+        os.utime(file, (time.time(), os.stat(file).st_mtime))
+
+
+def prune(keep: str | None = None, limit: int | None = None) -> list[str]:
+    """Delete the least recently used cache files (never `keep`) until the rest fit in `limit` bytes (default
+    `max_bytes()`); the deleted paths."""
+    limit = max_bytes() if limit is None else limit
+    files = []
+    for f in glob.glob(os.path.join(glob.escape(weights_dir()), "*.safetensors")):
+        with contextlib.suppress(OSError):
+            st = os.stat(f)
+            files.append((max(st.st_atime, st.st_mtime), st.st_size, f))
+    total = sum(size for _, size, _ in files)
+    removed = []
+    for _, size, f in sorted(files):
+        if total <= limit:
+            break
+        if keep is not None and os.path.abspath(f) == os.path.abspath(keep):
+            continue
+        try:
+            os.unlink(f)
+        except OSError as e:
+            logger.warning("weight cache: could not remove %s (%s)", f, e)
+            continue
+        total -= size
+        removed.append(f)
+        logger.info("weight cache: removed the least recently used %s (%.2f GiB)", f, size / (1 << 30))
+    return removed
 
 
 def cache_key(path: str) -> str:
@@ -177,6 +231,7 @@ def _convert_and_write(pairs: Iterable[tuple[str, torch.Tensor]], file: str, met
             try:
                 writer.finish(meta)
                 logger.info("weight cache: written %s", file)
+                prune(keep=file)
             except OSError as e:
                 logger.warning("weight cache: not written (%s)", e)
             writer = None
@@ -191,10 +246,13 @@ class _Writer:
     def __init__(self, file: str) -> None:
         self.file = file
         self.tmp = f"{file[: -len('.safetensors')]}.{os.getpid()}.tmp"
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish/abort)
-        self.f.seek(_HEADER_ROOM)
+        disk = os.statvfs(os.path.dirname(file))
+        self.reserve = max(MIN_FREE_BYTES, disk.f_blocks * disk.f_frsize // 20)
+        self.limit = max_bytes()
         self.entries: dict[str, dict] = {}
         self.offset = 0
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish/abort)
+        self.f.seek(_HEADER_ROOM)
 
     @classmethod
     def create(cls, file: str) -> _Writer | None:
@@ -208,6 +266,11 @@ class _Writer:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         arr = np.ascontiguousarray(tensor.detach().cpu().numpy(), dtype=np.float32)
+        if self.offset + arr.nbytes > self.limit:
+            raise OSError(f"the weights exceed the cache's bound of {self.limit / (1 << 30):.1f} GiB")
+        disk = os.statvfs(os.path.dirname(self.file))
+        if disk.f_bavail * disk.f_frsize - arr.nbytes < self.reserve:
+            raise OSError(f"the disk would keep less than {self.reserve / (1 << 30):.1f} GiB free")
         self.f.write(arr.data)
         end = self.offset + arr.nbytes
         self.entries[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [self.offset, end]}

@@ -230,6 +230,77 @@ def test_unwritable_cache_folder_still_loads(
     assert "not written" in caplog.text
 
 
+def _other_gguf(tmp_path: Path, n: int) -> str:
+    path = tmp_path / f"model{n}.gguf"
+    path.write_bytes(os.urandom(4096))
+    return str(path)
+
+
+def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one_file = sum(t.numel() * 4 for _, t in _tensors()) + (1 << 20)  # data after the 1 MiB header room
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_CACHE_GB", str(2.5 * one_file / (1 << 30)))  # room for two files
+    a, b, c = (_other_gguf(tmp_path, n) for n in range(3))
+    _load(a, Converter())
+    _load(b, Converter())
+    assert len(_cache_files(cache_dir)) == 2
+    past = os.stat(_target(a).with_suffix(".safetensors")).st_mtime - 100
+    for path in (a, b):  # both written long ago; then `a` is used again, so `b` is the least recently used
+        os.utime(_target(path).with_suffix(".safetensors"), (past, past))
+    convert = Converter()
+    _assert_same(_load(a, convert), convert)
+    assert convert.calls == 0
+    _load(c, Converter())
+    kept = {p.name for p in _cache_files(cache_dir)}
+    assert kept == {_target(a).name + ".safetensors", _target(c).name + ".safetensors"}
+    assert sum(p.stat().st_size for p in _cache_files(cache_dir)) <= 2.5 * one_file
+
+
+def test_a_file_larger_than_the_bound_is_not_written(
+    gguf_path: str, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_CACHE_GB", str(100 / (1 << 30)))  # 100 bytes
+    convert = Converter()
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        _assert_same(_load(gguf_path, convert), convert)
+    assert "exceed the cache's bound" in caplog.text
+    assert _cache_files(cache_dir) == []
+
+
+def test_zero_turns_the_cache_off_and_a_bad_value_is_named(
+    gguf_path: str, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_CACHE_GB", "0")
+    convert = Converter()
+    _assert_same(_load(gguf_path, convert), convert)
+    _assert_same(_load(gguf_path, convert), convert)
+    assert convert.calls == 2
+    assert not cache_dir.exists() or _cache_files(cache_dir) == []
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match="PAGEDLLM_WEIGHT_CACHE_GB='lots'"):
+        _load(gguf_path, convert)
+
+
+def test_a_nearly_full_disk_is_left_alone(
+    gguf_path: str, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = os.statvfs
+
+    def nearly_full(path: str) -> os.statvfs_result:
+        st = real(path)
+        fields = list(st)
+        fields[4] = fields[3] = (1 << 30) // st.f_frsize  # f_bfree = f_bavail = 1 GiB of a large disk
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(weight_cache.os, "statvfs", nearly_full)
+    convert = Converter()
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        _assert_same(_load(gguf_path, convert), convert)
+    assert "less than" in caplog.text and "free" in caplog.text
+    assert _cache_files(cache_dir) == []
+
+
 def _write_tiny_gguf(path: Path) -> None:
     import gguf
 
