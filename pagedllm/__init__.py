@@ -1,6 +1,7 @@
 """pagedllm: an LLM inference and serving engine with the architecture of vLLM V1.
 
-Public API: `LLM` (offline), `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`, `CompletionOutput`.
+Public API: `LLM` (offline), `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`, `CompletionOutput`,
+`PoolingParams` (pooling models), `LoRARequest` (adapters).
 
 The names are imported on first use (PEP 562), not with the package: `import pagedllm.x` for a light module (the
 CLI's argument parsing, the engine-core launcher) must not pay for torch and transformers, so that `pagedllm serve`
@@ -15,7 +16,9 @@ configure_logging()
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm import LLM
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
@@ -26,6 +29,8 @@ _EXPORTS = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = [
@@ -36,6 +41,8 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestOutputKind",
+    "PoolingParams",
+    "LoRARequest",
 ]
 __version__ = "0.1.0"
 

@@ -382,6 +382,25 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora: adapters served over the base model (pagedllm/lora/)."""
+
+    max_loras: int = 1  # adapters in one step (their slots in each linear layer)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded (least recently used dropped); None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -392,6 +411,8 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # --speculative-config: None, no speculative decoding
     speculative_config: SpeculativeConfig | None = None
+    # --enable-lora: None, no adapters
+    lora_config: LoRAConfig | None = None
     # The EngineArgs this was built from, as plain data: a worker process or Ray actor builds the same config
     # from them (the model's config object does not cross a process boundary).
     engine_args: dict[str, Any] | None = field(default=None, compare=False, repr=False)

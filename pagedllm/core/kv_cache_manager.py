@@ -330,7 +330,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return
-        extra_keys = None if request.cache_salt is None else (request.cache_salt,)
+        # An adapter changes every token's KV: a request's blocks are keyed by its adapter's id.
+        keys = tuple(k for k in (request.cache_salt, request.lora_id and ("lora", request.lora_id)) if k)
+        extra_keys = keys or None
         token_ids = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_blocks):

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class Request:
         priority: int = 0,
         max_tokens: int = 16,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -71,6 +73,8 @@ class Request:
         self.priority = priority
         # A pooling request: it finishes when its prompt is computed, with the pooled result instead of a token.
         self.pooling_params = pooling_params
+        self.lora_request = lora_request
+        self.lora_id = 0 if lora_request is None else lora_request.lora_int_id
         # Resolved by the scheduler from max_model_len when the user left it open.
         self.max_tokens = max_tokens
         self.status = RequestStatus.WAITING
@@ -105,6 +109,7 @@ class Request:
             priority=req.priority,
             max_tokens=max_tokens,
             pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
         )
 
     @property

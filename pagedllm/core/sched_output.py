@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.engine.protocol import LogprobsLists, PooledData
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class NewRequestData:
     block_ids: list[list[int]]  # [num_kv_groups][blocks]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request (verified: task and defaults set)
+    lora_request: LoRARequest | None = None  # its adapter (--enable-lora)
 
 
 @dataclass(slots=True)

@@ -77,9 +77,12 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         kv_windows: tuple[int, ...] = (0,),
+        max_loras: int = 0,
     ) -> None:
-        """kv_windows: the sliding window of each KV cache group (0: full attention), from the worker's layout."""
+        """kv_windows: the sliding window of each KV cache group (0: full attention), from the worker's layout.
+        max_loras: the most LoRA adapters among the running requests (--max-loras; 0: no adapters served)."""
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.draft_policy = DraftPolicy(speculative_config) if speculative_config is not None else None
         self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
         self.total_spec_stats = SpecDecodingStats()  # since the start (the reported ones reset at each report)
@@ -234,9 +237,15 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting requests only when nothing was preempted: memory is tight otherwise.
+        # Admit waiting requests only when nothing was preempted: memory is tight otherwise. The running requests
+        # use at most max_loras adapters: a request of another adapter waits (others behind it go first).
+        loras = {r.lora_id for r in self.running if r.lora_id}
+        skipped: list[Request] = []
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit)
             if not self.config.chunked_prefill and n < req.num_tokens - num_hit:
@@ -252,6 +261,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.append(req)
+            if req.lora_id:
+                loras.add(req.lora_id)
             block_ids = self.kv_cache_manager.get_group_block_ids(req.request_id)
             if resumed:
                 cached.req_ids.append(req.request_id)
@@ -268,10 +279,13 @@ class Scheduler:
                         block_ids,
                         num_hit,
                         req.pooling_params,
+                        req.lora_request,
                     )
                 )
             num_scheduled[req.request_id] = n
             budget -= n
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
 
         constrained: list[str] = []
         propose: dict[str, int] = {}

@@ -33,6 +33,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -202,6 +203,16 @@ class EngineArgs:
         "and seeded output is what it is without speculation, sampled output keeps its distribution",
         metavar="JSON",
     )
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters over the base model (PEFT folders or llama.cpp LoRA GGUF files): a request names one by "
+        "`model` on the server (--lora-modules) or by lora_request offline",
+    )
+    max_loras: int = _arg(1, "with --enable-lora: the most adapters one step runs at once")
+    max_lora_rank: int = _arg(16, "with --enable-lora: the largest adapter rank accepted")
+    max_cpu_loras: int | None = _arg(
+        None, "with --enable-lora: adapters kept loaded, the least recently used dropped (default: --max-loras)"
+    )
     enforce_eager: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm captures no graphs, so every run is eager either way"
     )
@@ -285,6 +296,7 @@ class EngineArgs:
             ),
             reasoning_parser=self.reasoning_parser,
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+            lora_config=self._lora_config(model_config),
             device_config=DeviceConfig(
                 device=device,
                 num_threads=num_threads_default() if self.num_threads is None else self.num_threads,
@@ -358,11 +370,19 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         self._executor_backend()
         SpeculativeConfig.from_value(self.speculative_config)
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # ValueError naming a bad value
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}")
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {util}")
+
+    def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if model_config.runner != "generate":
+            raise ValueError("enable_lora: LoRA adapters are served on generating models, not pooling ones (yet)")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _device(self) -> str:
         import torch

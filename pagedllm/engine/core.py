@@ -19,6 +19,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import Executor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ class EngineCore:
             self.structured_output_manager,
             config.speculative_config,
             kv_windows,
+            0 if config.lora_config is None else config.lora_config.max_loras,
         )
+        # Adapters unloaded while requests still used them: dropped by the workers once those finish.
+        self._loras_to_remove: set[int] = set()
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
@@ -76,6 +80,8 @@ class EngineCore:
         if model_output is None:  # constrained requests sample in this step
             model_output = self.executor.sample_tokens(self.scheduler.get_grammar_output(scheduler_output))
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self._loras_to_remove:
+            self._remove_unused_loras()
         if scheduler_output.is_empty:  # nothing could run: only grammars being compiled; wait for one
             self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
         return outputs
@@ -100,6 +106,33 @@ class EngineCore:
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """A Worker method run on every rank (through the executor); the results in rank order."""
         return self.executor.collective_rpc(method, tuple(args or ()))
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on every rank (a LoRARequest, or its fields as a list); ValueError naming what is
+        wrong with it. False when it was loaded already."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        if not isinstance(lora_request, LoRARequest):
+            lora_request = LoRARequest(*lora_request)
+        self._loras_to_remove.discard(lora_request.lora_int_id)
+        return any(self.executor.collective_rpc("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter `lora_id`; requests still running with it finish first (it is dropped after them)."""
+        if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
+            self._loras_to_remove.add(lora_id)
+            return True
+        return any(self.executor.collective_rpc("remove_lora", (lora_id,)))
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters the workers hold in memory."""
+        return sorted(self.executor.collective_rpc("list_loras")[0])
+
+    def _remove_unused_loras(self) -> None:
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        for lora_id in list(self._loras_to_remove - in_use):
+            self._loras_to_remove.discard(lora_id)
+            self.executor.collective_rpc("remove_lora", (lora_id,))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

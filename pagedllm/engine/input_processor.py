@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,8 +54,11 @@ def _token_list(ids: Any) -> list[int]:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_id: int | None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, eos_token_id: int | None, lora_enabled: bool = False
+    ) -> None:
         self.model_config = model_config
+        self.lora_enabled = lora_enabled  # --enable-lora: requests may name an adapter
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.vocab_size = model_config.vocab_size
@@ -92,9 +96,14 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate; returns (prompt text if any, the request). A PoolingParams makes a pooling request
-        (`process_pooling`)."""
+        (`process_pooling`). `lora_request`: the adapter it runs with (--enable-lora)."""
+        if lora_request is not None:
+            self.verify_lora(lora_request)
+            if isinstance(params, PoolingParams):
+                raise ValueError("lora_request: pooling requests run on the base model only")
         if isinstance(params, PoolingParams):
             return self.process_pooling(request_id, prompt, params, arrival_time, priority, add_special_tokens)
         if not isinstance(params, SamplingParams):
@@ -115,8 +124,16 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=int(priority),
+            lora_request=lora_request,
         )
         return text, req
+
+    def verify_lora(self, lora_request: object) -> None:
+        """ValueError unless `lora_request` is a LoRARequest and this engine serves adapters."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.lora_enabled:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without --enable-lora")
 
     def process_pooling(
         self,

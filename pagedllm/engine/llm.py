@@ -18,6 +18,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.lora.request import LoRARegistry, LoRARequest, lora_errors
 from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -52,7 +53,7 @@ def make_client(engine_args: EngineArgs, kind: str) -> tuple[EngineConfig, Any]:
 
 
 def start_front_end(
-    mc: Any, client: Any, reasoning_parser: str | None = None
+    mc: Any, client: Any, reasoning_parser: str | None = None, lora_enabled: bool = False
 ) -> tuple[Any, InputProcessor, OutputProcessor]:
     """The front end's tokenizer and processors, loaded while the core process (started, not yet connected) loads
     the model; then the client connects. A failure stops the core (also a reasoning parser the tokenizer cannot
@@ -61,7 +62,10 @@ def start_front_end(
         tokenizer = get_tokenizer(mc)
         if reasoning_parser is not None:
             ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
-        processors = InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config)), OutputProcessor(tokenizer)
+        processors = (
+            InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config), lora_enabled),
+            OutputProcessor(tokenizer),
+        )
         client.connect()
     except BaseException:
         client.shutdown()
@@ -115,9 +119,10 @@ class LLM:
         self.config, self.engine_core = make_client(self.engine_args, engine_client or engine_client_default())
         mc = self.config.model_config
         self.tokenizer, self.input_processor, self.output_processor = start_front_end(
-            mc, self.engine_core, self.engine_args.reasoning_parser
+            mc, self.engine_core, self.engine_args.reasoning_parser, self.engine_args.enable_lora
         )
         self._counter = itertools.count()
+        self.loras = LoRARegistry()  # the adapters the engines hold
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -130,13 +135,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list: strings, token-id lists or {"prompt_token_ids": [...]} dicts."""
+        """Generate for one prompt or a list: strings, token-id lists or {"prompt_token_ids": [...]} dicts.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True)
+        loras = self._as_lora_list(lora_request, len(prompt_list))
+        return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True, loras=loras)
 
     def chat(
         self,
@@ -147,6 +155,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style function
         definitions, given to the template as in vLLM), then generate."""
@@ -160,8 +169,9 @@ class LLM:
             for conv in conversations
         ]
         params_list = self._as_params_list(sampling_params, len(prompts))
+        loras = self._as_lora_list(lora_request, len(prompts))
         # The template already holds the special tokens (BOS etc.); do not add them twice.
-        return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False)
+        return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False, loras=loras)
 
     # ---- pooling models (--runner pooling) ---------------------------------------------------------------
 
@@ -300,6 +310,14 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
+    def _as_lora_list(self, lora_request: Any, n: int) -> list[LoRARequest | None] | None:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return None if lora_request is None else [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+        return loras
+
     def _run(
         self,
         prompts: list[PromptType],
@@ -307,6 +325,7 @@ class LLM:
         priority: list[int] | None,
         use_tqdm: bool,
         add_special_tokens: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[Any]:
         # Validate everything first: a bad prompt rejects the call before any request enters the engine.
         now = time.time()
@@ -315,10 +334,13 @@ class LLM:
             if isinstance(params, SamplingParams):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = str(next(self._counter))
+            lora = loras[i] if loras else None
             text, req = self.input_processor.process(
-                request_id, prompt, params, now, priority[i] if priority else 0, add_special_tokens
+                request_id, prompt, params, now, priority[i] if priority else 0, add_special_tokens, lora
             )
             staged.append((text, req))
+        for lora in {lr.lora_int_id: lr for lr in loras or () if lr is not None}.values():
+            self.add_lora(lora)  # loaded in the engines before its first request
         order = {req.request_id: i for i, (_, req) in enumerate(staged)}
         for text, req in staged:
             self._add(text, req)
@@ -347,6 +369,28 @@ class LLM:
         engine = None  # the n children of a request share an engine (and its prefix cache)
         for child in self.output_processor.add_engine_request(prompt_text, req):
             engine = self.engine_core.add_request(child, engine)
+
+    # ---- LoRA adapters (--enable-lora) -----------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in the engines (False when it is loaded); ValueError naming what is wrong with it."""
+        self.input_processor.verify_lora(lora_request)
+        if not self.loras.needs_loading(lora_request):
+            return False
+        with lora_errors():
+            self.engine_core.call_utility_all("add_lora", lora_request)
+        self.loras.added(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter `lora_id` (requests using it finish first); False when it was not loaded."""
+        if self.loras.removed(lora_id) is None:
+            return False
+        return any(self.engine_core.call_utility_all("remove_lora", lora_id))
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters the engines hold."""
+        return sorted(set().union(*self.engine_core.call_utility_all("list_loras")))
 
     # ---- utilities ----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,6 +56,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     # A pooling request (its sampling_params then only a placeholder): the pooled output instead of tokens.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (--enable-lora; the engine has loaded it: EngineCore.add_lora).
+    lora_request: LoRARequest | None = None
 
 
 class PooledData(msgspec.Struct, array_like=True, gc=False):

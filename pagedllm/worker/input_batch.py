@@ -44,6 +44,8 @@ class CachedRequestState:
     row: int = -1  # row in the batch arrays, -1 while not running
     pooling_params: Any = None  # a pooling request's PoolingParams (verified)
     pooled: Any = None  # its pooling so far, across prompt chunks (worker/pooler_runner.py)
+    lora_request: Any = None  # its LoRA adapter (lora/request.py), None for the base model
+    lora_id: int = 0  # the adapter's id (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +104,8 @@ class InputBatch:
                 new.sampling_params,
                 new.eos_token_id,
                 pooling_params=new.pooling_params,
+                lora_request=new.lora_request,
+                lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
             )
             self.requests[new.req_id] = state
             self._take_row(state, new.block_ids)

@@ -29,6 +29,7 @@ from pagedllm.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.model import hugepages
 from pagedllm.model.attention.backends.base import CommonAttentionMetadata
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
@@ -90,6 +91,9 @@ class ModelRunner:
         # keeps no KV cache and computes each prompt whole in one step.
         self.pooler = PoolerRunner(self.model, model_config, device) if model_config.runner == "pooling" else None
         self.decode_runner = None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
+        # --enable-lora: every decoder linear gets adapter slots (lora/manager.py). Rows of a request with an
+        # adapter run layer by layer; the fused decoder keeps the others.
+        self.lora_manager = LoRAManager(self.model, config.lora_config) if config.lora_config is not None else None
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
         # on the int8 products of one row, any number of generated tokens where it is packed; a float32 head's one-row
@@ -118,6 +122,11 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device, self.kv_layout.num_groups
         )
         self._pending: _PendingSample | None = None
+
+    def lora_manager_or_raise(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return self.lora_manager
 
     def _cpu_ops(self, dtype: torch.dtype):
         """The native CPU ops where they can apply (the CPU in float32, not turned off), else None; logged once."""
@@ -187,6 +196,10 @@ class ModelRunner:
         with some, keep the logits and return None (sample_tokens follows)."""
         batch = self.input_batch
         batch.update(sched)
+        if self.lora_manager is not None:  # a request's adapter, loaded when first met (or again, if dropped)
+            for new in sched.scheduled_new_reqs:
+                if new.lora_request is not None:
+                    self.lora_manager.requests.setdefault(new.lora_request.lora_int_id, new.lora_request)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         if self.pooler is not None and self.pooler.encoder:
@@ -262,7 +275,13 @@ class ModelRunner:
             metas = [self.attn_backend.build_metadata(common, self.device) for common in commons]
             meta = metas[0] if len(metas) == 1 else metas
             plan = StepPlan(self._t(positions[t:]), meta, RowKinds(generated[t:]), order[k:])
-            parts.append(self.model(self._t(input_ids[t:]), plan))
+            if self.lora_manager is not None:  # each row's adapter id (0: none) into the layers' slots
+                self.lora_manager.prepare(np.repeat([s.lora_id for s in states[k:]], n_tok[k:]))
+            try:
+                parts.append(self.model(self._t(input_ids[t:]), plan))
+            finally:
+                if self.lora_manager is not None:
+                    self.lora_manager.mapping.slots = []
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.pooler is not None:  # a pooling model: the step's hidden states are pooled, nothing is sampled
             return self.pooler.pool(order, states, starts, cu, hidden)
@@ -310,6 +329,8 @@ class ModelRunner:
         if not self._prompt_rows or len(rest) != 1:
             return []
         state = self.input_batch.requests[rest[0]]
+        if state.lora_id:
+            return []  # an adapter's rows run layer by layer
         n = counts[rest[0]]
         limit = min(self._prompt_rows, self.decode_runner.max_rows)
         if 1 < n <= limit and state.num_computed_tokens + n <= self.input_batch.num_prompt_tokens[state.row]:
@@ -327,7 +348,8 @@ class ModelRunner:
         for r in order:
             state = batch.requests[r]
             if (
-                counts[r] == 1 + len(spec.get(r, ()))
+                not state.lora_id  # an adapter's rows run layer by layer
+                and counts[r] == 1 + len(spec.get(r, ()))
                 and counts[r] <= self.decode_runner.max_rows
                 and state.num_computed_tokens >= batch.num_prompt_tokens[state.row]
             ):

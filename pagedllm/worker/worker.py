@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -111,6 +112,20 @@ class Worker:
     def process_id(self) -> int:
         """The worker's process id (tests stop ranks by it)."""
         return os.getpid()
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter (a LoRARequest, or its fields as a list, as it crosses a process boundary)."""
+        from pagedllm.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            lora_request = LoRARequest(*lora_request)
+        return self.model_runner.lora_manager_or_raise().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora_manager_or_raise().remove(int(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return self.model_runner.lora_manager_or_raise().list()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)

@@ -312,6 +312,7 @@ class LinearBase(nn.Module):
         self.quant: QuantParts | None = None  # quantized rows as loaded, until pack_weights
         self.qweight: Any = None  # the native QuantMatrix the layer runs on, once packed
         self.half_source = False  # loaded from float16/bfloat16 GGUF tensors: kept in bf16 panels, not float32
+        self.lora: Any = None  # LoRA adapters' slots (lora/layers.py LoRASlots) with --enable-lora
 
     def put_rows(self, param: nn.Parameter, first_row: int, tensor: torch.Tensor | QuantTensor) -> None:
         """Load `tensor` into rows [first_row, ...) of `param`: a quantized weight the native ops run is kept as
@@ -369,16 +370,25 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         """x W^T + b; `rows`: the kinds of x's rows (model/layers/linear.py RowKinds), which a quantized weight
         needs."""
-        return linear(
+        y = linear(
             x, self.weight, self.bias, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows
         )
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def forward_gelu(self, x: torch.Tensor, rows: RowKinds | None = None, approximate: str = "none") -> torch.Tensor:
         """gelu(x W^T + b) (`approximate`: "none", the erf form, or "tanh"): on oneDNN's packed weight the GELU runs in
         the GEMM's epilogue (the same values as torch's, without a second pass over the output); else after it."""
         packed = self.packed_weight
         few = self.panels is not None and self.ops is not None and x.shape[0] <= PANEL_MAX_ROWS
-        if packed is not None and x.dim() == 2 and self.qweight is None and self.bf16_panels is None and not few:
+        adapted = self.lora is not None and self.lora.mapping.slots
+        if (
+            packed is not None
+            and x.dim() == 2
+            and self.qweight is None
+            and self.bf16_panels is None
+            and not few
+            and not adapted
+        ):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "gelu", [], approximate)
         return F.gelu(self(x, rows), approximate=approximate)
 
@@ -524,7 +534,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
         w = self.weight
-        y = self.tp.all_reduce(
-            linear(x, w, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows)
-        )
+        y = linear(x, w, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows)
+        if self.lora is not None:  # this rank's part of the adapters' products, summed by the all-reduce
+            y = self.lora.apply(x, y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
