@@ -8,6 +8,7 @@ PEFT's default B is zero, which would make every adapter the base model.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ _peft_models: dict[tuple[str, str], Any] = {}
 
 
 def make_peft_adapter(
-    base: str,
+    base: str | Any,
     out: str | os.PathLike[str],
     seed: int,
     rank: int = 8,
@@ -29,15 +30,15 @@ def make_peft_adapter(
     std: float = 0.05,
     rank_pattern: dict[str, int] | None = None,
 ) -> str:
-    """A PEFT LoRA adapter of the HF model in `base`, saved under `out`; returns the folder. A and B are N(0, std)
-    scaled by 1/sqrt(fan-in), so the adapter's product is of the order of the base weights' (it changes tokens)."""
+    """A PEFT LoRA adapter of the HF model in `base` (a folder, or a loaded model, left untouched), saved under
+    `out`; returns the folder. A and B are N(0, std) scaled by 1/sqrt(fan-in), so the adapter's product is of the
+    order of the base weights' (it changes tokens)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     out = os.fspath(out)
     if os.path.isfile(os.path.join(out, "adapter_config.json")):
         return out
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
+    model = _base_model(base)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -59,21 +60,30 @@ def make_peft_adapter(
     return out
 
 
-def peft_model(base: str, adapter: str) -> Any:
-    """PEFT's model of `adapter` over `base` (float32, eager attention), cached."""
-    from peft import PeftModel
+def _base_model(base: str | Any) -> Any:
+    """A fresh float32 copy of `base` (a folder or a loaded model): PEFT injects its layers into the model it wraps."""
+    if not isinstance(base, str):
+        return copy.deepcopy(base)
     from transformers import AutoModelForCausalLM
 
-    key = (base, adapter)
+    return AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    )
+
+
+def peft_model(base: str | Any, adapter: str) -> Any:
+    """PEFT's model of `adapter` over `base` (a folder or a loaded model; float32, eager attention), cached."""
+    from peft import PeftModel
+
+    key = (base if isinstance(base, str) else str(id(base)), adapter)
     if key not in _peft_models:
-        model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=torch.float32, attn_implementation="eager", local_files_only=True
-        )
-        _peft_models[key] = PeftModel.from_pretrained(model, adapter).eval()
+        _peft_models[key] = PeftModel.from_pretrained(_base_model(base), adapter).eval()
     return _peft_models[key]
 
 
-def peft_greedy(base: str, adapter: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+def peft_greedy(
+    base: str | Any, adapter: str, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
     """PEFT's greedy continuation of each prompt (exactly max_new_tokens, EOS not stopping it)."""
     from transformers import GenerationConfig
 

@@ -153,12 +153,14 @@ class LoRAManager:
             a = local.data
             if b.shape[0] != linear.output_size:
                 raise ValueError(
-                    f"LoRA adapter {adapter!r}: {name!r} B is {tuple(b.shape)}, the layer gives {linear.output_size}"
+                    f"LoRA adapter {adapter!r}: {name!r} B {tuple(b.shape)} does not fit (the layer gives "
+                    f"{linear.output_size})"
                 )
         else:
             if a.shape[1] != linear.input_size:
                 raise ValueError(
-                    f"LoRA adapter {adapter!r}: {name!r} A is {tuple(a.shape)}, the layer takes {linear.input_size}"
+                    f"LoRA adapter {adapter!r}: {name!r} A {tuple(a.shape)} does not fit (the layer takes "
+                    f"{linear.input_size})"
                 )
             local = nn.Parameter(torch.zeros(linear.output_size, r), requires_grad=False)
             try:
