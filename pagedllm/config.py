@@ -99,6 +99,24 @@ def logging_level() -> str:
     return os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()
 
 
+def runtime_lora_updating_allowed() -> bool:
+    """Whether the server exposes /v1/load_lora_adapter and /v1/unload_lora_adapter:
+    $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING (or vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING) set to 1 or true."""
+    for name in ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true"):
+            return True
+    return False
+
+
+def weight_cache_gb(default: float) -> float:
+    """The weight cache's bound in GiB: $PAGEDLLM_WEIGHT_CACHE_GB (0: no cache), else `default`."""
+    raw = os.environ.get("PAGEDLLM_WEIGHT_CACHE_GB", "")
+    try:
+        return float(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_WEIGHT_CACHE_GB={raw!r} is not a number of GiB") from None
+
+
 def model_from_env() -> str | None:
     """$PAGEDLLM_MODEL: the model when none is given (else the default model)."""
     return os.environ.get("PAGEDLLM_MODEL") or None

@@ -113,7 +113,12 @@ class PrometheusStatLogger:
     parallelism, as vLLM's); the series of engines 0 .. num_engines-1 exist from the start."""
 
     def __init__(
-        self, model_name: str, max_model_len: int, registry: CollectorRegistry = REGISTRY, num_engines: int = 1
+        self,
+        model_name: str,
+        max_model_len: int,
+        registry: CollectorRegistry = REGISTRY,
+        num_engines: int = 1,
+        max_lora: int = 0,
     ) -> None:
         labels = ["model_name", "engine"]
         self.model_name = model_name
@@ -168,6 +173,16 @@ class PrometheusStatLogger:
             labels + ["position"],
             registry=registry,
         )
+        # vLLM's LoRA gauge: the adapters running and waiting in its labels, the time of the update as its value
+        # (the latest label set is the current one; the previous one is removed).
+        self._lora_info = Gauge(
+            "pagedllm:lora_requests_info",
+            "LoRA adapters of the running and waiting requests (in the labels; the value is the update's time)",
+            labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=registry,
+        )
+        self.max_lora = max_lora
+        self._lora_labels: dict[int, tuple[str, ...]] = {}
         self._engines: dict[int, dict[str, Any]] = {}
         for engine_idx in range(num_engines):
             self._engine(engine_idx)
@@ -194,6 +209,8 @@ class PrometheusStatLogger:
             m["num_preemptions"].inc(sched.num_preemptions)
             if sched.num_scheduled_tokens:
                 m["iteration_tokens"].observe(sched.num_scheduled_tokens)
+            if sched.running_lora_adapters is not None:
+                self._record_loras(sched, engine_idx)
             spec = sched.spec_decoding_stats
             if spec is not None:
                 m["spec_decode_num_drafts"].inc(spec.num_drafts)
@@ -219,6 +236,20 @@ class PrometheusStatLogger:
                 m["request_decode_time_seconds"].observe(f.decode_time)
             m["request_prompt_tokens"].observe(f.num_prompt_tokens)
             m["request_generation_tokens"].observe(f.num_generation_tokens)
+
+    def _record_loras(self, sched: SchedulerStats, engine_idx: int) -> None:
+        labels = (
+            self.model_name,
+            str(engine_idx),
+            str(self.max_lora),
+            ",".join(sorted(sched.waiting_lora_adapters or {})),
+            ",".join(sorted(sched.running_lora_adapters or {})),
+        )
+        previous = self._lora_labels.get(engine_idx)
+        if previous is not None and previous != labels:
+            self._lora_info.remove(*previous)
+        self._lora_labels[engine_idx] = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
 
 class LoggingStatLogger:

@@ -46,6 +46,7 @@ first), PREEMPTED when it is preempted. They travel with the request's next Engi
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -502,7 +503,19 @@ class Scheduler:
             num_scheduled_tokens=self._last_num_scheduled,
             spec_decoding_stats=self._spec_stats,
         )
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.waiting_for_fsm])
         self._num_preemptions = 0
         if self._spec_stats is not None:
             self._spec_stats = SpecDecodingStats()
         return stats
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests by LoRA adapter name (those with one)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts

@@ -31,6 +31,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm import start_front_end
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.lora.request import LoRARegistry, LoRARequest, lora_errors
 from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
@@ -113,7 +114,10 @@ class AsyncLLM:
         # The core process starts first: it loads the model while this process loads the tokenizer.
         self.engine_core = AsyncMPClient(self.engine_args, connect=False, core=core)
         name = self.engine_args.reasoning_parser
-        self.tokenizer, self.input_processor, self.output_processor = start_front_end(mc, self.engine_core, name)
+        self.tokenizer, self.input_processor, self.output_processor = start_front_end(
+            mc, self.engine_core, name, self.engine_args.enable_lora
+        )
+        self.loras = LoRARegistry()  # the adapters the engines hold (--enable-lora)
         # The split of thinking from content (the server's reasoning_content), when the model thinks.
         self.reasoning_parser = ReasoningParser.for_tokenizer(name, self.tokenizer) if name else None
         self._handler: asyncio.Task | None = None
@@ -145,12 +149,17 @@ class AsyncLLM:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
-        """Validate, register and send a request (a pooling one with PoolingParams); returns the collector its
-        outputs go to."""
+        """Validate, register and send a request (a pooling one with PoolingParams; `lora_request`: its adapter,
+        loaded first if the engines do not hold it); returns the collector its outputs go to."""
         if self.errored is not None:
             raise (self.errored if isinstance(self.errored, EngineDeadError) else EngineDeadError(str(self.errored)))
-        text, req = self.input_processor.process(request_id, prompt, params, time.time(), priority, add_special_tokens)
+        text, req = self.input_processor.process(
+            request_id, prompt, params, time.time(), priority, add_special_tokens, lora_request
+        )
+        if lora_request is not None:
+            await self.add_lora(lora_request)
         self._ensure_handler()
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         collector = RequestOutputCollector(kind)
@@ -174,9 +183,12 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as they come; leaving early (or being cancelled) aborts it."""
-        collector = await self.add_request(request_id, prompt, sampling_params, priority, add_special_tokens)
+        collector = await self.add_request(
+            request_id, prompt, sampling_params, priority, add_special_tokens, lora_request
+        )
         finished = False
         try:
             while not finished:
@@ -306,6 +318,22 @@ class AsyncLLM:
     async def check_invariants(self) -> dict[str, Any]:
         """Every engine's block-pool check; their counts summed (each engine's under "engines" when several)."""
         return merge_invariants(await self.engine_core.call_utility_all_async("check_invariants"))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in every engine (False when they hold it); ValueError naming what is wrong with it."""
+        self.input_processor.verify_lora(lora_request)
+        if not self.loras.needs_loading(lora_request):
+            return False
+        with lora_errors():
+            await self.engine_core.call_utility_all_async("add_lora", lora_request)
+        self.loras.added(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter `lora_id` (requests using it finish first); False when it was not loaded."""
+        if self.loras.removed(lora_id) is None:
+            return False
+        return any(await self.engine_core.call_utility_all_async("remove_lora", lora_id))
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self.engine_core.call_utility_all_async("reset_prefix_cache"))

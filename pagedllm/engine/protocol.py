@@ -152,6 +152,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None  # None without speculative decoding
+    # --enable-lora: requests by adapter name, running and waiting (None without adapters served)
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -55,11 +55,8 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
 
 
 def load_adapter(path: str, name: str, lora_id: int, max_rank: int) -> LoRAAdapter:
-    """The adapter at `path` (a PEFT folder); ValueError naming what is wrong or unsupported."""
-    if path.endswith(".gguf") and os.path.isfile(path):
-        from pagedllm.lora.gguf_adapter import load_gguf_adapter
-
-        return load_gguf_adapter(path, name, lora_id, max_rank)
+    """The adapter at `path` (a PEFT folder); ValueError naming what is wrong or unsupported. (A llama.cpp LoRA
+    GGUF file: gguf_adapter.py.)"""
     config_file = os.path.join(path, PEFT_CONFIG)
     if not os.path.isfile(config_file):
         raise ValueError(f"LoRA adapter {name!r}: no {PEFT_CONFIG} in {path!r} (a PEFT adapter folder is expected)")

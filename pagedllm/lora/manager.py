@@ -16,6 +16,7 @@ the cutting), the other factor is whole on every rank.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from torch import nn
 
 from pagedllm.config import LoRAConfig
 from pagedllm.lora.adapter import LoRAAdapter, load_adapter
+from pagedllm.lora.gguf_adapter import load_gguf_adapter
 from pagedllm.lora.layers import LoRAMapping, LoRASlots
 from pagedllm.lora.request import LoRARequest
 
@@ -95,7 +97,12 @@ class LoRAManager:
         if lid in self.adapters:
             self.adapters.move_to_end(lid)
             return False
-        adapter = load_adapter(request.lora_path, request.lora_name, lid, self.config.max_lora_rank)
+        path, rank = request.lora_path, self.config.max_lora_rank
+        if path.endswith(".gguf") and os.path.isfile(path):  # llama.cpp's format: q/k rows by the model's heads
+            config = getattr(self.model, "config", None)
+            adapter = load_gguf_adapter(path, request.lora_name, lid, rank, hf_config=config)
+        else:
+            adapter = load_adapter(path, request.lora_name, lid, rank)
         placed = {name: self._place(request.lora_name, name, module) for name, module in adapter.modules.items()}
         adapter.placed = placed  # type: ignore[attr-defined]
         self.adapters[lid] = adapter

@@ -10,6 +10,7 @@ inside `EngineCoreRequest`.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import msgspec
@@ -86,3 +87,26 @@ def lora_errors() -> Iterator[None]:
         if at < 0:
             raise
         raise ValueError(message[at + len("ValueError: ") :]) from None
+
+
+def parse_lora_modules(values: list[str] | None, first_id: int = 1) -> list[LoRARequest]:
+    """--lora-modules: each `name=path` or JSON {"name", "path", "base_model_name"}, numbered from `first_id`;
+    ValueError naming a malformed or repeated entry."""
+    out: list[LoRARequest] = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("{"):
+            try:
+                spec = json.loads(value)
+                name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f'--lora-modules {value!r}: JSON needs "name" and "path"') from None
+        else:
+            name, sep, path = value.partition("=")
+            base = None
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: expected name=path or JSON")
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out.append(LoRARequest(str(name), first_id + len(out), str(path), base))
+    return out

@@ -81,7 +81,7 @@ _GGUF_ARCH_LAYER_NAMES = {
 }
 # Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rotary (LlamaModel and its
 # subclasses); the others (OLMo 2, StableLM, Starcoder2, Phi) keep HF's rotate-half rows.
-_GGUF_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
+GGUF_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 # Architectures whose norm weights llama.cpp's converter stores as 1 + w (Gemma's RMSNorm scales by 1 + w): the loader
 # gives the model w, as the HF checkpoint holds it.
 _GGUF_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
@@ -173,7 +173,7 @@ def iterate_gguf(
         if name is None:
             continue
         heads = None
-        if arch in _GGUF_PERMUTED_QK:
+        if arch in GGUF_PERMUTED_QK:
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 heads = n_head
             elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from pagedllm.config import cache_dir
+from pagedllm.config import cache_dir, weight_cache_gb
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,7 @@ def weights_dir() -> str:
 
 def max_bytes() -> int:
     """The bound on the cache files' total size: $PAGEDLLM_WEIGHT_CACHE_GB GiB (default 16; 0 = no cache)."""
-    raw = os.environ.get("PAGEDLLM_WEIGHT_CACHE_GB", "")
-    try:
-        gb = float(raw) if raw.strip() else DEFAULT_MAX_GB
-    except ValueError:
-        raise ValueError(f"PAGEDLLM_WEIGHT_CACHE_GB={raw!r} is not a number of GiB") from None
-    return max(0, int(gb * (1 << 30)))
+    return max(0, int(weight_cache_gb(DEFAULT_MAX_GB) * (1 << 30)))
 
 
 def _mark_used(file: str) -> None:

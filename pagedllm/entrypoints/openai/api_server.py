@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import signal
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.config import api_key_from_env
+from pagedllm.config import api_key_from_env, runtime_lora_updating_allowed
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
@@ -67,6 +68,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
+    LoadLoRAAdapterRequest,
     LoadResponse,
     ModelCard,
     ModelList,
@@ -78,6 +80,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -86,6 +89,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.lora.request import LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +168,7 @@ class ServerLoadMiddleware:
 
 router = APIRouter()
 debug_router = APIRouter()
+lora_router = APIRouter()  # with $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 
 
 def _engine(request: Request) -> AsyncLLM:
@@ -217,7 +222,44 @@ async def show_models(raw_request: Request) -> Response:
     state = raw_request.app.state
     mc = state.engine.model_config
     cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len) for name in state.served_model_names]
+    for lora in state.engine.loras.by_id.values():  # adapters: their parent is the base model
+        parent = lora.base_model_name or state.served_model_names[0]
+        cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path, parent=parent, max_model_len=mc.max_model_len))
     return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+
+@lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400))
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    state = raw_request.app.state
+    engine: AsyncLLM = state.engine
+    name = request.lora_name
+    if not name or not request.lora_path:
+        raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.", 400, "lora_name")
+    if name in state.served_model_names:
+        raise OpenAIError(f"The name {name!r} is the base model's.", 400, "lora_name")
+    known = engine.loras.by_name(name)
+    if known is not None and not request.load_inplace:
+        raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400, "lora_name")
+    lora = LoRARequest(name, next(state.lora_ids), request.lora_path)
+    try:
+        await engine.add_lora(lora)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, "lora_path") from None
+    if known is not None:  # load_inplace: the new one serves from now on, the old one's requests finish
+        await engine.remove_lora(known.lora_int_id)
+    logger.info("LoRA adapter %r loaded from %s", name, request.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@lora_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 404))
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    engine: AsyncLLM = raw_request.app.state.engine
+    lora = engine.loras.by_name(request.lora_name)
+    if lora is None or (request.lora_int_id is not None and request.lora_int_id != lora.lora_int_id):
+        raise OpenAIError(f"The lora adapter '{request.lora_name}' cannot be found.", 404, "lora_name")
+    await engine.remove_lora(lora.lora_int_id)
+    logger.info("LoRA adapter %r unloaded", request.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 @router.post(
@@ -372,6 +414,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         methods.setdefault(route.path, set()).update(route.methods)
     for path, ms in methods.items():
         logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(ms)))
+    for lora in app.state.lora_modules:  # --lora-modules: a bad one stops the server before it listens
+        try:
+            await app.state.engine.add_lora(lora)
+        except ValueError:
+            app.state.exit_code = 1
+            raise
+        logger.info("LoRA adapter %r served (from %s)", lora.lora_name, lora.lora_path)
     watchdog = asyncio.create_task(_watchdog(app), name="engine-watchdog")
     try:
         yield
@@ -409,6 +458,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     state.args = args
     state.served_model_names = names
     state.exit_code = 0
+    state.lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    state.lora_ids = itertools.count(len(state.lora_modules) + 1)  # ids of adapters loaded at run time
     state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
     trust_template = bool(getattr(args, "trust_request_chat_template", False))
     state.serving_completion = OpenAIServingCompletion(engine, names)
@@ -425,6 +476,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.include_router(router)
     if getattr(args, "enable_debug_routes", False):
         app.include_router(debug_router)
+    if runtime_lora_updating_allowed():
+        app.include_router(lora_router)
     _install_error_handlers(app)
     app.add_middleware(ServerLoadMiddleware, load=state.server_load)
     api_key = getattr(args, "api_key", None)
@@ -485,6 +538,10 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
             from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 
             ToolParserManager.get(args.tool_call_parser)  # a ValueError naming the choices
+        if getattr(args, "lora_modules", None):
+            if not engine_args.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
+            parse_lora_modules(args.lora_modules)  # a ValueError naming a malformed entry, before the model loads
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
         sock = _bind(args.host, args.port)
@@ -502,7 +559,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
         logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
         mc = engine.model_config
         engine.stat_loggers += [
-            PrometheusStatLogger(mc.served_model_name, mc.max_model_len, num_engines=engine.num_engines),
+            PrometheusStatLogger(
+                mc.served_model_name,
+                mc.max_model_len,
+                num_engines=engine.num_engines,
+                max_lora=engine_args.max_loras if engine_args.enable_lora else 0,
+            ),
             LoggingStatLogger(stats_interval, num_engines=engine.num_engines),
         ]
         app = build_app(engine, args)

@@ -52,6 +52,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "and Qwen families)",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served at start (needs --enable-lora), each `name=path` or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one by `model`',
+    )
+    g.add_argument(
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",

@@ -160,6 +160,8 @@ class CompletionRequest(SamplingFields):
     best_of: Int64 | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM's: each choice also carries its prompt's token ids (once, in a stream's first chunk) and its new tokens'
+    return_token_ids: bool = False
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -175,6 +177,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -337,6 +341,25 @@ class TokenizeResponse(OpenAIBaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the adapter at `lora_path` as model `lora_name`."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql", "lora_path": "/adapters/sql"}]})
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace an adapter of that name
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter: stop serving adapter `lora_name` (requests using it finish first)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql"}]})
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

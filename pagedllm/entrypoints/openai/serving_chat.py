@@ -247,7 +247,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine()
         request_id = f"chatcmpl-{random_uuid()}"
         gen = self.engine.generate(
-            {"prompt": text, "prompt_token_ids": ids}, params, request_id, priority=request.priority
+            {"prompt": text, "prompt_token_ids": ids},
+            params,
+            request_id,
+            priority=request.priority,
+            lora_request=self.lora_request(request.model),
         )
         if request.stream:
             return SSEResponse(self._stream(request, request_id, len(ids), gen, plan))
@@ -378,7 +382,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=UsageInfo(
                 prompt_tokens=prompt_tokens,
@@ -417,6 +421,7 @@ class OpenAIServingChat(OpenAIServing):
     def _chunk(
         self,
         request_id: str,
+        model: str,
         created: int,
         choice: ChatCompletionResponseStreamChoice | None,
         usage: UsageInfo | None,
@@ -425,7 +430,7 @@ class OpenAIServingChat(OpenAIServing):
         chunk = ChatCompletionStreamResponse(
             id=request_id,
             created=created,
-            model=self.model_name,
+            model=model,
             choices=[choice] if choice is not None else [],
             usage=usage,
         )
@@ -444,6 +449,7 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
     ) -> AsyncGenerator[str, None]:
         created = now_s()
+        model = self.response_model(request.model)
         tool_streams: dict[int, _ToolStream] = {}
         reasoner = getattr(self.engine, "reasoning_parser", None)
         reasoning_streams: dict[int, ReasoningStream] = {}
@@ -466,7 +472,7 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 for i in range(request.n):
                     role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                    yield self._chunk(request_id, created, role, usage_for(i), include_usage)
+                    yield self._chunk(request_id, model, created, role, usage_for(i), include_usage)
                 async for _, out in merged:
                     raise_if_failed(out)
                     for c in out.outputs:
@@ -502,7 +508,7 @@ class OpenAIServingChat(OpenAIServing):
                             finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
                         )
-                        yield self._chunk(request_id, created, choice, usage_for(c.index), include_usage)
+                        yield self._chunk(request_id, model, created, choice, usage_for(c.index), include_usage)
                 if include_usage:
                     completion_tokens = sum(num_tokens.values())
                     usage = UsageInfo(
@@ -510,7 +516,7 @@ class OpenAIServingChat(OpenAIServing):
                         completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens,
                     )
-                    yield self._chunk(request_id, created, None, usage, True)
+                    yield self._chunk(request_id, model, created, None, usage, True)
             except Exception as e:
                 yield sse_error(self.error_for(e, request))
             yield SSE_DONE

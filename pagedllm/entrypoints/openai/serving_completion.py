@@ -65,12 +65,14 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prepare(request)
         self.check_engine()
         request_id = f"cmpl-{random_uuid()}"
+        lora = self.lora_request(request.model)
         gens = [
             self.engine.generate(
                 {"prompt_token_ids": p.ids} if p.text is None else {"prompt": p.text, "prompt_token_ids": p.ids},
                 p.params,
                 f"{request_id}-{i}",
                 priority=request.priority,
+                lora_request=lora,
             )
             for i, p in enumerate(prompts)
         ]
@@ -160,13 +162,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_token_ids=p.ids if request.return_token_ids else None,
+                        token_ids=list(c.token_ids) if request.return_token_ids else None,
                     )
                 )
         choices.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p.ids) for p in prompts)
         return CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=UsageInfo(
                 prompt_tokens=prompt_tokens,
@@ -232,17 +236,19 @@ class OpenAIServingCompletion(OpenAIServing):
                         text = c.text
                         token_ids: list[int] = list(c.token_ids)
                         steps: list[dict[int, Logprob] | None] = list(c.logprobs or [])
-                        if request.echo and idx not in echoed:
-                            echoed.add(idx)
+                        first = idx not in echoed
+                        if request.echo and first:
                             text = self._prompt_text(p) + text
                             token_ids = p.ids + token_ids
                             steps = self._prompt_steps(p, out) + steps
-                        if not text and c.finish_reason is None and not (request.logprobs is not None and token_ids):
+                        carries_ids = (request.logprobs is not None or request.return_token_ids) and token_ids
+                        if not text and c.finish_reason is None and not carries_ids:
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
                         if request.logprobs is not None:
                             logprobs = self.completion_logprobs(token_ids, steps, request.logprobs, offsets[idx])
                         offsets[idx] += len(text)
+                        echoed.add(idx)
                         usage = None
                         if continuous:
                             usage = UsageInfo(
@@ -253,7 +259,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk = CompletionStreamResponse(
                             id=request_id,
                             created=created,
-                            model=self.model_name,
+                            model=self.response_model(request.model),
                             choices=[
                                 CompletionResponseChoice(
                                     index=idx,
@@ -261,6 +267,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                     logprobs=logprobs,
                                     finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason,
+                                    prompt_token_ids=p.ids if request.return_token_ids and first else None,
+                                    token_ids=list(c.token_ids) if request.return_token_ids else None,
                                 )
                             ],
                             usage=usage,
@@ -272,7 +280,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     final = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.model_name,
+                        model=self.response_model(request.model),
                         choices=[],
                         usage=UsageInfo(
                             prompt_tokens=prompt_tokens,

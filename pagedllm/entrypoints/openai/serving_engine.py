@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingFields
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import GRAMMAR_REFUSED, validate_structured_outputs
@@ -72,8 +73,19 @@ class OpenAIServing:
     # ---- checks -------------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """404 unless `model` is a served name of the base model or a loaded LoRA adapter's."""
+        if model is not None and model not in self.served_model_names and self.engine.loras.by_name(model) is None:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the request's (a served name or an adapter's), else the base model's."""
+        return model or self.model_name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        if model is None or model in self.served_model_names:
+            return None
+        return self.engine.loras.by_name(model)
 
     def check_engine(self) -> None:
         if self.engine.dead or self.engine.errored is not None:
