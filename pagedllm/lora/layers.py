@@ -43,12 +43,14 @@ class LoRASlots:
         self.b = torch.zeros(max_loras, out, width, dtype=dtype)
         self.max_rank = max_rank
         self.used = [[0] * len(part_sizes) for _ in range(max_loras)]  # each slot's rank of each part
+        self.widths = torch.zeros(max_loras, dtype=torch.int32)  # each slot's columns in use (the fused decoder's)
         self.mapping = mapping
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.used[slot] = [0] * len(self.part_sizes)
+        self.widths[slot] = 0
 
     def assign(self, slot: int, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill `slot` with an adapter's pairs by part: `a` [r, in] and `b` [part_size, r] (scaled), as this rank
@@ -70,6 +72,7 @@ class LoRASlots:
             self.b[slot, first : first + self.part_sizes[part], col : col + r] = b
             self.used[slot][part] = r
             col += r
+        self.widths[slot] = col
 
     def width(self, slot: int) -> int:
         return sum(self.used[slot])

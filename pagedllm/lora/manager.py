@@ -183,15 +183,9 @@ class LoRAManager:
 
     # ---- the step's slots --------------------------------------------------------------------------------
 
-    def prepare(self, lora_ids: np.ndarray) -> None:
-        """Set the mapping of the step's rows (their adapter ids, 0: none) to slots."""
-        mapping = self.mapping
-        mapping.slots = []
-        ids = np.unique(lora_ids)
-        ids = ids[ids != 0]
-        if not ids.size:
-            return
-        needed = set(int(i) for i in ids)
+    def activate(self, lora_ids: set[int]) -> dict[int, int]:
+        """Put the step's adapters (ids; 0 is none) in slots; their slots by id."""
+        needed = {int(i) for i in lora_ids if i}
         if len(needed) > self.config.max_loras:
             raise ValueError(f"a step with {len(needed)} adapters, above --max-loras {self.config.max_loras}")
         for lid in needed:
@@ -201,8 +195,21 @@ class LoRAManager:
                 self._fill(slot, lid)
                 self.slot_of[lid] = slot
             self.slot_of.move_to_end(lid)
-            rows = torch.from_numpy(np.flatnonzero(lora_ids == lid))
-            mapping.slots.append((slot, rows))
+        return {lid: self.slot_of[lid] for lid in needed}
+
+    def row_slots(self, lora_ids: np.ndarray) -> np.ndarray:
+        """int32 slot of each row (by its adapter id; -1: none), the adapters already active."""
+        out = np.full(len(lora_ids), -1, dtype=np.int32)
+        for lid, slot in self.slot_of.items():
+            out[lora_ids == lid] = slot
+        return out
+
+    def prepare(self, lora_ids: np.ndarray) -> None:
+        """Set the mapping of the layer path's rows (their adapter ids, 0: none) to slots."""
+        mapping = self.mapping
+        mapping.slots = []
+        for lid, slot in self.activate(set(np.unique(lora_ids).tolist())).items():
+            mapping.slots.append((slot, torch.from_numpy(np.flatnonzero(lora_ids == lid))))
 
     def _take_slot(self, needed: set[int]) -> int:
         if self.free_slots:

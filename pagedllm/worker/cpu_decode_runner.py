@@ -200,6 +200,17 @@ class CpuDecodeRunner:
             getattr(lin, "qweight", None) for layer in self.model.model.layers for lin in _linears(self.model, layer)
         ]
 
+    def _lora_tensors(self) -> list[torch.Tensor]:
+        """With LoRA slots on the linears (--enable-lora): (a, b, widths) per linear of each layer (empty tensors
+        where a linear has none); else nothing."""
+        none = torch.empty(0)
+        out: list[torch.Tensor] = []
+        for layer in self.model.model.layers:
+            for lin in _linears(self.model, layer):
+                slots = getattr(lin, "lora", None)
+                out += [none, none, none] if slots is None else [slots.a, slots.b, slots.widths]
+        return out if any(t.numel() for t in out) else []
+
     def _decoder(self) -> Any:
         """The native DecodeModel, built once per KV cache allocation (it holds the caches' pointers)."""
         layers = self.model.model.layers
@@ -221,6 +232,7 @@ class CpuDecodeRunner:
                 [None if _experts(layer) is None else _experts(layer).native for layer in layers],
                 [getattr(a, "clip_qkv", None) or 0.0 for a in attns],
                 [torch.empty(0) if a.attn.sinks is None else a.attn.sinks.detach() for a in attns],
+                self._lora_tensors(),
             )  # fmt: skip
             self._plan = (cache, decoder)
         return self._plan[1]
@@ -236,15 +248,17 @@ class CpuDecodeRunner:
         block_table: torch.Tensor,
         table_rows: torch.Tensor,
         prompt: bool = False,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions, table_rows [R]; slot_mapping [G, R]; block_table [G, B, blocks] (int64, G KV cache
         groups) -> hidden [R, hidden].
         A request's rows are consecutive (its context is then read once for all of them). prompt: the rows are
         consecutive prompt tokens of one request (`runs_prompts` says where that applies), computed bit for bit as
-        the layer-by-layer path computes prompt tokens."""
+        the layer-by-layer path computes prompt tokens. lora_slots: int32 [R], each row's LoRA adapter slot (-1:
+        none; lora/manager.py), or None."""
         decoder = self._decoder()
         x = self.model.model.embed(input_ids).contiguous()  # as the model's forward (Gemma's scale included)
-        decoder(x, positions, slot_mapping, block_table, table_rows, prompt)
+        decoder(x, positions, slot_mapping, block_table, table_rows, prompt, lora_slots)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there
         return x

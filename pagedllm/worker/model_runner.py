@@ -90,10 +90,10 @@ class ModelRunner:
         # A pooling model (worker/pooler_runner.py) pools its prompts' hidden states and never decodes; an encoder
         # keeps no KV cache and computes each prompt whole in one step.
         self.pooler = PoolerRunner(self.model, model_config, device) if model_config.runner == "pooling" else None
-        self.decode_runner = None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
-        # --enable-lora: every decoder linear gets adapter slots (lora/manager.py). Rows of a request with an
-        # adapter run layer by layer; the fused decoder keeps the others.
+        # --enable-lora: every decoder linear gets adapter slots (lora/manager.py), which the layer path and the fused
+        # decoder read (a prompt chunk of a request with an adapter runs layer by layer).
         self.lora_manager = LoRAManager(self.model, config.lora_config) if config.lora_config is not None else None
+        self.decode_runner = None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
         # on the int8 products of one row, any number of generated tokens where it is packed; a float32 head's one-row
@@ -243,6 +243,13 @@ class ModelRunner:
         k = len(fused_reqs)
         lone_verify = k == 1 and len(order) == 1 and order[0] in spec
         parts = []
+        # Each token's LoRA adapter slot (-1: none), its adapters put in slots for the whole step.
+        token_slots = None
+        if self.lora_manager is not None:
+            request_ids = np.array([s.lora_id for s in states], dtype=np.int64)
+            if request_ids.any():
+                self.lora_manager.activate(set(request_ids.tolist()))
+                token_slots = np.repeat(self.lora_manager.row_slots(request_ids), n_tok)
 
         def fused(a: int, b: int, prompt: bool = False) -> torch.Tensor:
             """The hidden states of requests a .. b - 1 of `order`, one call of the fused decoder."""
@@ -251,7 +258,11 @@ class ModelRunner:
             tables = np.ascontiguousarray(batch.block_table[:, rows[a:b], :width])  # [groups, b - a, width]
             step_slots = np.ascontiguousarray(slots[:, t0:t1])  # [groups, t1 - t0]
             args = [self._t(v) for v in (input_ids[t0:t1], positions[t0:t1], step_slots, tables, req_idx[t0:t1] - a)]
-            return self.decode_runner(*args, prompt=True) if prompt else self.decode_runner(*args)
+            if prompt:
+                return self.decode_runner(*args, prompt=True)
+            lora = None if token_slots is None else token_slots[t0:t1]
+            lora = None if lora is None or not (lora >= 0).any() else torch.from_numpy(np.ascontiguousarray(lora))
+            return self.decode_runner(*args, lora_slots=lora)
 
         # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
         # requests go in consecutive chunks of whole requests (each row is what it is alone, whatever its chunk).
@@ -275,7 +286,7 @@ class ModelRunner:
             metas = [self.attn_backend.build_metadata(common, self.device) for common in commons]
             meta = metas[0] if len(metas) == 1 else metas
             plan = StepPlan(self._t(positions[t:]), meta, RowKinds(generated[t:]), order[k:])
-            if self.lora_manager is not None:  # each row's adapter id (0: none) into the layers' slots
+            if token_slots is not None:  # each row's adapter id (0: none) into the layers' slots
                 self.lora_manager.prepare(np.repeat([s.lora_id for s in states[k:]], n_tok[k:]))
             try:
                 parts.append(self.model(self._t(input_ids[t:]), plan))
@@ -330,7 +341,7 @@ class ModelRunner:
             return []
         state = self.input_batch.requests[rest[0]]
         if state.lora_id:
-            return []  # an adapter's rows run layer by layer
+            return []  # an adapter's prompt chunk runs layer by layer
         n = counts[rest[0]]
         limit = min(self._prompt_rows, self.decode_runner.max_rows)
         if 1 < n <= limit and state.num_computed_tokens + n <= self.input_batch.num_prompt_tokens[state.row]:
@@ -348,8 +359,7 @@ class ModelRunner:
         for r in order:
             state = batch.requests[r]
             if (
-                not state.lora_id  # an adapter's rows run layer by layer
-                and counts[r] == 1 + len(spec.get(r, ()))
+                counts[r] == 1 + len(spec.get(r, ()))
                 and counts[r] <= self.decode_runner.max_rows
                 and state.num_computed_tokens >= batch.num_prompt_tokens[state.row]
             ):

@@ -245,3 +245,28 @@ def test_default_model_adapters_match_peft_and_run_on_the_gguf_as_stored(smollm2
         alone = [_tokens(llm.generate([prompts[0]], GREEDY, use_tqdm=False, lora_request=loras[0]))[0]]
         assert mixed[0] == alone[0]
         assert mixed[2:] == stored_base
+
+
+def test_adapter_decode_rows_run_in_the_fused_decoder(llm, adapters, prompts, references) -> None:
+    """Decode steps of requests with adapters go through the fused decoder (their slots passed with the rows),
+    mixed with base-model rows in one call, and give PEFT's tokens."""
+    runner = llm.engine_core.engine_core.executor.worker.model_runner
+    fused = runner.decode_runner
+    assert fused is not None
+    calls: list[list[int]] = []
+    original = fused.__call__
+
+    def spy(*args, **kwargs):
+        slots = kwargs.get("lora_slots")
+        calls.append([] if slots is None else slots.tolist())
+        return original(*args, **kwargs)
+
+    runner.decode_runner = type("Spy", (), {"__call__": staticmethod(spy), "max_rows": fused.max_rows})()
+    try:
+        loras = [_lora(adapters, 0), None, _lora(adapters, 2)]
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    finally:
+        runner.decode_runner = fused
+    assert got == [references[0][0], references[-1][1], references[2][2]]
+    mixed = [c for c in calls if c and -1 in c and any(s >= 0 for s in c)]
+    assert mixed, calls  # a call carrying rows of adapters and of the base model

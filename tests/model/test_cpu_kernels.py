@@ -423,3 +423,59 @@ def test_decode_model_layer_kinds(ops, name: str) -> None:
     for cache, ref in zip(caches, refs):
         torch.testing.assert_close(cache, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("slot", [0, 2])
+def test_decode_model_lora_slots_are_the_merged_weights(ops, slot: int) -> None:
+    """A row with LoRA slot s gets W + B_s A_s on each of the four linears (its first widths[s] columns), computed as
+    the adapter's shrink and expand beside the layer's own product: it matches the unfused layers on the merged
+    weights; a row of no slot (-1) is the base model's. Shapes off the panel boundaries, slots of different widths."""
+    hidden, inter, hq, hkv, d, block, seq_len = 48, 40, 3, 1, 16, 4, 9
+    g = torch.Generator().manual_seed(7 + slot)
+    layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias=True) for _ in range(2)]
+    shapes = {"qkv": ((hq + 2 * hkv) * d, hidden), "o": (hidden, hq * d), "gu": (2 * inter, hidden)}
+    shapes["down"] = (hidden, inter)
+    slots, stride = 3, 12
+    widths = torch.tensor([12, 0, 5], dtype=torch.int32)
+    lora, merged = [], []
+    for w in layers:
+        m = dict(w)
+        for key in ("qkv", "o", "gu", "down"):
+            out, inp = shapes[key]
+            a = torch.randn(slots, stride, inp, generator=g) * 0.2
+            b = torch.randn(slots, out, stride, generator=g) * 0.2
+            lora += [a, b, widths]
+            k = int(widths[slot])
+            m[key] = w[key] + b[slot, :, :k] @ a[slot, :k]
+        merged.append(m)
+    caches = [torch.randn(2, 30, block, hkv, d, generator=g) for _ in range(2)]
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    final_norm = torch.randn(hidden, generator=g)
+    table = torch.randperm(30, generator=g)[: -(-seq_len // block)]
+    where = int(table[(seq_len - 1) // block]) * block + (seq_len - 1) % block
+    x0 = torch.randn(1, hidden, generator=g)
+
+    def fused(row_slot: int | None) -> torch.Tensor:
+        cs = [c.clone() for c in caches]
+        stack = ops.decode_model(
+            _flat(ops, layers), [c[0] for c in cs], [c[1] for c in cs], [rope.cos_sin_cache] * 2, d**-0.5, 1e-5,
+            final_norm, lora=lora,
+        )  # fmt: skip
+        x = x0.clone()
+        slots_arg = None if row_slot is None else torch.tensor([row_slot], dtype=torch.int32)
+        stack(x, torch.tensor([seq_len - 1]), torch.tensor([where]), table[None], torch.tensor([0]), False, slots_arg)
+        return x
+
+    def unfused(weights) -> torch.Tensor:
+        out, res = x0, None
+        for w, c in zip(weights, [c.clone() for c in caches]):
+            out, res = _decode_layer_reference(out, res, res is None, w, rope, seq_len - 1, c[0], c[1], where, table,
+                                               seq_len, 1e-5)  # fmt: skip
+        return _rms(out + res, final_norm, 1e-5)
+
+    torch.testing.assert_close(fused(slot), unfused(merged), atol=1e-4, rtol=1e-4)
+    base = unfused(layers)
+    torch.testing.assert_close(fused(-1), base, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused(None), base, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="LoRA slot 3 of row 0 out of range"):
+        fused(3)

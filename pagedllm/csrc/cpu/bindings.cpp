@@ -642,7 +642,7 @@ class DecodeModel {
               std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
               std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
               double residual_mult, torch::Tensor final_norm_b, std::vector<std::shared_ptr<MoeLayer>> moe,
-              std::vector<double> clips, std::vector<torch::Tensor> sinks)
+              std::vector<double> clips, std::vector<torch::Tensor> sinks, std::vector<torch::Tensor> lora)
       : ops_(std::move(ops)), t_(ops_->table()), quant_(std::move(quant)), moe_(std::move(moe)) {
     TORCH_CHECK(act == PDA_SILU || act == PDA_GELU_TANH, "act must be 0 (SiLU) or 1 (GELU, tanh approximation)");
     const size_t layers = k_caches.size();
@@ -660,6 +660,8 @@ class DecodeModel {
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
                     cos_sin.size() == layers,
                 kPerLayer, " weights, two caches and a rotary table per layer");
+    TORCH_CHECK(lora.empty() || lora.size() == 3 * kLinears * layers,
+                "lora: none, or (a, b, widths) per linear layer: qkv, o, gate_up, down (empty tensors: none)");
     TORCH_CHECK(quant_.empty() || quant_.size() == kLinears * layers,
                 "quant: none, or one entry (a QuantMatrix or None) per linear layer: qkv, o, gate_up, down");
     check_float(final_norm, "final_norm");
@@ -762,6 +764,22 @@ class DecodeModel {
       L.softcap = softcaps.empty() ? 0.f : static_cast<float>(softcaps[l]);
       TORCH_CHECK(L.softcap >= 0.f, "layer ", l, ": softcap must be 0 (none) or positive");
       TORCH_CHECK(L.window >= 0, "layer ", l, ": window must be 0 (none) or positive");
+      for (int j = 0; j < kLinears; ++j) {  // LoRA slots: a [S, W, in], b [S, out, W], width int32 [S]
+        L.lora[j] = DecoderLora{};
+        if (lora.empty()) continue;
+        const torch::Tensor &a = lora[3 * (kLinears * l + j)], &b = lora[3 * (kLinears * l + j) + 1],
+                            &wd = lora[3 * (kLinears * l + j) + 2];
+        if (!a.defined() || a.numel() == 0) continue;
+        check_float(a, "lora a");
+        check_float(b, "lora b");
+        TORCH_CHECK(a.dim() == 3 && a.size(2) == ins[j] && b.dim() == 3 && b.size(0) == a.size(0) &&
+                        b.size(1) == outs[j] && b.size(2) == a.size(1),
+                    names[j], ": LoRA slots must be a [S, W, ", ins[j], "] and b [S, ", outs[j], ", W]");
+        TORCH_CHECK(wd.scalar_type() == torch::kInt32 && wd.is_contiguous() && wd.numel() == a.size(0),
+                    names[j], ": LoRA widths must be int32 [S]");
+        L.lora[j] = DecoderLora{a.data_ptr<float>(), b.data_ptr<float>(), wd.data_ptr<int32_t>(), a.size(1), a.size(0)};
+        lora_slots_ = std::max(lora_slots_, a.size(0));
+      }
       layers_.push_back(L);
     }
     s.layers = layers_.data();
@@ -783,6 +801,7 @@ class DecodeModel {
     keep_.push_back(final_norm);
     if (final_norm_b.defined()) keep_.push_back(final_norm_b);
     keep_.insert(keep_.end(), sinks.begin(), sinks.end());
+    keep_.insert(keep_.end(), lora.begin(), lora.end());
   }
 
   ~DecodeModel() { t_->decoder_destroy(handle_); }
@@ -796,8 +815,9 @@ class DecodeModel {
   // drafts). Consecutive rows of one request read their context together.
   // prompt: the rows are consecutive prompt tokens of one request, computed as the layer-by-layer path computes
   // prompt tokens (builds with AVX512-BF16).
+  // lora_slots: int32 [R], each row's LoRA slot (-1: none), or None.
   void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
-                  torch::Tensor table_rows, bool prompt) const {
+                  torch::Tensor table_rows, bool prompt, std::optional<torch::Tensor> lora_slots) const {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == spec_.hidden, "x must be [R, H]");
     for (auto* t : {&positions, &slot_mapping, &block_table, &table_rows}) {
@@ -832,8 +852,17 @@ class DecodeModel {
       for (int64_t r = 1; r < rows; ++r)
         TORCH_CHECK(pp[r] == pp[0] + r && of[r] == of[0], "prompt rows must be consecutive tokens of one request");
     }
+    const int32_t* lora = nullptr;
+    if (lora_slots.has_value() && lora_slots->defined()) {
+      const torch::Tensor& ls = *lora_slots;
+      TORCH_CHECK(ls.scalar_type() == torch::kInt32 && ls.is_contiguous() && ls.numel() == rows,
+                  "lora_slots must be int32 [", rows, "]");
+      lora = ls.data_ptr<int32_t>();
+      for (int64_t r = 0; r < rows; ++r)
+        TORCH_CHECK(lora[r] >= -1 && lora[r] < lora_slots_, "LoRA slot ", lora[r], " of row ", r, " out of range");
+    }
     t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, prompt ? 1 : 0,
-                    at::get_num_threads());
+                    at::get_num_threads(), lora);
   }
 
  private:
@@ -841,6 +870,7 @@ class DecodeModel {
   const PagedllmCpuOps* t_;
   DecoderSpec spec_{};
   int64_t num_groups_ = 1;  // KV cache groups: slot_mapping and block_table have one of each per group
+  int64_t lora_slots_ = 0;  // LoRA slots of the layers (0: none)
   std::vector<DecoderLayer> layers_;
   std::vector<torch::Tensor> keep_;
   std::vector<std::shared_ptr<QuantMatrix>> quant_;  // kept alive with their tensors
@@ -986,13 +1016,14 @@ PYBIND11_MODULE(_C, m) {
              std::vector<std::shared_ptr<QuantMatrix>> quant, std::vector<int64_t> windows, int64_t act,
              std::vector<int64_t> groups, std::vector<double> softcaps, std::vector<int64_t> kinds,
              double residual_mult, std::optional<torch::Tensor> final_norm_b,
-             std::vector<std::shared_ptr<MoeLayer>> moe, std::vector<double> clips, std::vector<torch::Tensor> sinks) {
+             std::vector<std::shared_ptr<MoeLayer>> moe, std::vector<double> clips, std::vector<torch::Tensor> sinks,
+             std::vector<torch::Tensor> lora) {
             return std::make_unique<DecodeModel>(std::move(self), std::move(layer_w), std::move(k_caches),
                                                  std::move(v_caches), std::move(cos_sin), scale, eps, final_norm,
                                                  all_reduce_fn, all_reduce_ctx, std::move(quant), std::move(windows),
                                                  act, std::move(groups), std::move(softcaps), std::move(kinds),
                                                  residual_mult, final_norm_b.value_or(torch::Tensor()),
-                                                 std::move(moe), std::move(clips), std::move(sinks));
+                                                 std::move(moe), std::move(clips), std::move(sinks), std::move(lora));
           },
           py::arg("layer_w"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos_sin"), py::arg("scale"),
           py::arg("eps"), py::arg("final_norm"), py::arg("all_reduce_fn") = 0, py::arg("all_reduce_ctx") = 0,
@@ -1001,7 +1032,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("softcaps") = std::vector<double>{}, py::arg("kinds") = std::vector<int64_t>{},
           py::arg("residual_mult") = 1.0, py::arg("final_norm_b") = py::none(),
           py::arg("moe") = std::vector<std::shared_ptr<MoeLayer>>{}, py::arg("clips") = std::vector<double>{},
-          py::arg("sinks") = std::vector<torch::Tensor>{},
+          py::arg("sinks") = std::vector<torch::Tensor>{}, py::arg("lora") = std::vector<torch::Tensor>{},
           "the fused decoder (a decode step's tokens: one per request, or a request's token and its drafts) over these "
           "weights and caches; with tensor parallelism, the all-reduce hook (a C AllReduceFn and its context, as "
           "integers)");
@@ -1020,7 +1051,7 @@ PYBIND11_MODULE(_C, m) {
                              "rows the kernels hold in their interleaved layout (quant_pack), the rest as stored");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
-           py::arg("block_table"), py::arg("table_rows"), py::arg("prompt") = false);
+           py::arg("block_table"), py::arg("table_rows"), py::arg("prompt") = false, py::arg("lora_slots") = py::none());
 #ifdef PAGEDLLM_SOURCE_HASH
   m.attr("source_hash") = PAGEDLLM_SOURCE_HASH;  // of the sources this module was built from (setup.py)
 #endif

@@ -42,6 +42,7 @@
 //
 // Tensor parallelism: with an all_reduce hook, the output projection and the down projection leave partial sums,
 // which thread 0 reduces between two extra barriers before their bias is added.
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -104,6 +105,47 @@ inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* 
   }
 }
 
+// LoRA (DecoderLora): t [rows, W] = A_s x_r for each row r of an adapter (slot s = slot[r] >= 0), into this
+// thread's scratch; every thread shrinks every row (a rank's worth of dot products: cheaper than a barrier).
+inline void lora_shrink(const DecoderLora& L, const float* x, int64_t in, int64_t rows, const int32_t* slot,
+                        float* t) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t s = slot[r];
+    if (s < 0) continue;
+    const int64_t w = L.width[s];
+    const float* a = L.a + s * L.stride * in;
+    const float* xr = x + r * in;
+    for (int64_t k = 0; k < w; ++k) {
+      const float* ak = a + k * in;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < in; ++i) sum += ak[i] * xr[i];
+      t[r * L.stride + k] = sum;
+    }
+  }
+}
+
+// y[r, o] += B_s[o] . t_r for outputs [o0, o1) of each row of an adapter (after lora_shrink).
+inline void lora_expand(const DecoderLora& L, const float* t, int64_t out, int64_t rows, const int32_t* slot,
+                        float* y, int64_t ys, int64_t o0, int64_t o1) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t s = slot[r];
+    if (s < 0) continue;
+    const int64_t w = L.width[s];
+    if (w == 0) continue;
+    const float* b = L.b + s * out * L.stride;
+    const float* tr = t + r * L.stride;
+    float* yr = y + r * ys;
+    for (int64_t o = o0; o < o1; ++o) {
+      const float* bo = b + o * L.stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < w; ++k) sum += bo[k] * tr[k];
+      yr[o] += sum;
+    }
+  }
+}
+
 // y[0, n) += x[0, n).
 static inline void add_rows_n(float* y, const float* x, int64_t n) {
 #pragma omp simd
@@ -129,7 +171,7 @@ void decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
 void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* pos, const int64_t* slot_groups,
                  const int64_t* table_groups, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,
-                 int threads) {
+                 int threads, const int32_t* lora_slot) {
   const Decoder& dec = *static_cast<const Decoder*>(decoder);
   const DecoderSpec& s = dec.spec;
   const int64_t hidden = s.hidden, bs = s.block_size, hkv = s.kv_heads, d = s.head_dim, hq = s.q_heads;
@@ -209,6 +251,18 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
                       const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
       linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in, prompt != 0);
     };
+    // LoRA adapters of the step's rows (lora_slot): this thread's shrunk rows of the current linear.
+    int64_t lora_width = 0;
+    if (lora_slot != nullptr)
+      for (const DecoderLayer& w : dec.layers)
+        for (const DecoderLora& L : w.lora) lora_width = std::max(lora_width, L.a != nullptr ? L.stride : 0);
+    std::vector<float> lora_t(R * lora_width);
+    auto lora = [&](const DecoderLora& L, const float* x, int64_t in, int64_t out, float* y, int64_t ys,
+                    std::initializer_list<std::pair<int64_t, int64_t>> ranges) {
+      if (lora_slot == nullptr || L.a == nullptr) return;
+      lora_shrink(L, x, in, R, lora_slot, lora_t.data());
+      for (const auto& [o0, o1] : ranges) lora_expand(L, lora_t.data(), out, R, lora_slot, y, ys, o0, o1);
+    };
     int64_t ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v
     share(inter, t, n, kPanel, ia, ib);
@@ -232,6 +286,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       }
       quantize(w.qkv_q, w.qkv16, h, hidden);
       linear(w.qkv, w.qkv_q, w.qkv16, h, hidden, w.qkv_b, qkv, qkv_out, ha * d, hb * d);
+      lora(w.lora[0], h, hidden, qkv_out, qkv, qkv_out, {{ha * d, hb * d}});
       const bool head_norms = !s.qk_norm_full;
       if (s.qk_norm_full) {  // OLMo 2: q and k each normalised whole (every head), each thread its rows
 #pragma omp barrier
@@ -304,6 +359,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       quantize(w.o_q, w.o16, att, hq * d);
       float* y = s.parallel ? ao : xp;  // parallel: the attention output waits while the MLP runs on h
       linear(w.o, w.o_q, w.o16, att, hq * d, reduce ? nullptr : w.o_b, y, hidden, ra, rb);
+      lora(w.lora[1], att, hq * d, hidden, y, hidden, {{ra, rb}});
 #pragma omp barrier
       if (reduce != nullptr) {
         if (t == 0) reduce(y, R * hidden, s.reduce_ctx);
@@ -321,6 +377,8 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, ia, ib);
       if (!s.plain_mlp)
         linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, inter + ia, inter + ib);
+      if (s.plain_mlp) lora(w.lora[2], h, hidden, up_out, gu, up_out, {{ia, ib}});
+      else lora(w.lora[2], h, hidden, up_out, gu, up_out, {{ia, ib}, {inter + ia, inter + ib}});
       for (int64_t r = 0; r < R; ++r) {
         const float* gr = gu + r * up_out;
         float* ar = act + r * inter;
@@ -338,6 +396,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
 #pragma omp barrier
       quantize(w.down_q, w.down16, act, inter);
       linear(w.down, w.down_q, w.down16, act, inter, reduce ? nullptr : w.down_b, xp, hidden, ra, rb);
+      lora(w.lora[3], act, inter, hidden, xp, hidden, {{ra, rb}});
       }
 #pragma omp barrier
       if (reduce != nullptr) {

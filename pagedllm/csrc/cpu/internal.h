@@ -194,7 +194,7 @@ void panel_linear(float* y, const float* x, const float* panels, const float* bi
 void* decoder_create(const DecoderSpec* spec);
 void decoder_run(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
                  const int64_t* tables, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,
-                 int threads);
+                 int threads, const int32_t* lora_slot);
 void decoder_destroy(void* decoder);
 int64_t quant_row_bytes(int32_t type, int64_t in);
 int64_t quant_pack(uint8_t* data, int32_t type, int64_t rows, int64_t in);

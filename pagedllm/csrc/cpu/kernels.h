@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 18
+#define PAGEDLLM_CPU_ABI 19
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -136,6 +136,17 @@ struct MoeExperts {
 // float32 panel pointer is then unused); a null bias or q/k norm means none.
 // post_attn_norm and post_mlp_norm (Gemma's norms of the attention and MLP outputs before they join the residual
 // stream) are null for Llama-shaped layers.
+// One linear layer's LoRA adapter slots (pagedllm/lora/layers.py LoRASlots): slot s holds A [W, in] at a + s W in
+// and B [out, W] at b + s out W, of which the first width[s] columns are the adapter's (0: an empty slot). A row
+// with slot s gets y += B_s (A_s x) after the layer's own product. a == null: the layer takes no adapter.
+struct DecoderLora {
+  const float* a;
+  const float* b;
+  const int32_t* width;  // [slots]
+  int64_t stride;        // W
+  int64_t slots;
+};
+
 struct DecoderLayer {
   const float *norm1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *o_b, *norm2, *gate_up, *gate_up_b, *down, *down_b;
   const float *post_attn_norm, *post_mlp_norm;
@@ -150,6 +161,7 @@ struct DecoderLayer {
   const MoeExperts* moe;           // a mixture-of-experts MLP (its gate_up and down unused); null: the dense MLP
   float clip_qkv;                  // > 0: q, k (after their norms) and v clamped to +-clip_qkv (OLMoE); 0: none
   const float* sinks;              // [q_heads] attention sinks (gpt-oss, as PagedDecodeArgs); null: none
+  DecoderLora lora[4];             // LoRA slots of qkv, o, gate_up, down (decoder_run's lora_slot picks a row's)
 };
 
 // Sums data [n] over the tensor-parallel group in place (called by one thread, between barriers).
@@ -221,9 +233,10 @@ struct PagedllmCpuOps {
   void* (*decoder_create)(const DecoderSpec* spec);
   // prompt != 0: the rows are consecutive prompt tokens of one request (positions pos[0], pos[0] + 1, ...), computed
   // as the layer-by-layer path computes prompt tokens (bf16 panels for quantized weights: AVX512-BF16 builds only).
+  // lora_slot [rows]: each row's LoRA adapter slot in every layer's DecoderLora (-1: none); null: no adapters.
   void (*decoder_run)(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
                       const int64_t* tables, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,
-                      int threads);
+                      int threads, const int32_t* lora_slot);
   void (*decoder_destroy)(void* decoder);
   // Bytes of a row of `in` weights of a quantized type; 0 when the type has no kernel or `in` is not a whole number
   // of its blocks.
