@@ -62,6 +62,15 @@ class LoRAManager:
             raise ValueError(f"LoRA adapters are not supported for {type(model).__name__}")
         stacked = getattr(model, "stacked_params", ())
         self.linears: list[Any] = []
+        # The fused decoder reads the adapters in int8 beside quantized base weights (as llama.cpp runs a Q8_0
+        # adapter), in bf16 beside bf16 ones, else in float32 (lora/layers.py).
+        modules = list(model.modules())
+        if any(getattr(m, "qweight", None) is not None for m in modules):
+            fused_dtype = torch.int8
+        elif any(getattr(m, "bf16_panels", None) is not None for m in modules):
+            fused_dtype = torch.bfloat16
+        else:
+            fused_dtype = torch.float32
         for i, layer in enumerate(layers):
             for path in description.linears:
                 linear = _get(layer, path)
@@ -82,7 +91,14 @@ class LoRAManager:
                 for index, (name, shard) in enumerate(parts):
                     row = isinstance(linear, RowParallelLinear)
                     self.targets[f"{prefix}.{name}"] = _Target(linear, index, shard, row)
-                linear.lora = LoRASlots(linear.input_size, sizes, config.max_loras, config.max_lora_rank, self.mapping)
+                linear.lora = LoRASlots(
+                    linear.input_size,
+                    sizes,
+                    config.max_loras,
+                    config.max_lora_rank,
+                    self.mapping,
+                    fused_dtype=fused_dtype,
+                )
                 self.linears.append(linear)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # in memory, least recently used first
         self.requests: dict[int, LoRARequest] = {}

@@ -201,14 +201,15 @@ class CpuDecodeRunner:
         ]
 
     def _lora_tensors(self) -> list[torch.Tensor]:
-        """With LoRA slots on the linears (--enable-lora): (a, b, widths) per linear of each layer (empty tensors
-        where a linear has none); else nothing."""
+        """With LoRA slots on the linears (--enable-lora): (a, b, widths, a_scale, b_scale) per linear of each layer,
+        the slots' copies the fused decoder reads (lora/layers.py; empty tensors where a linear has none); else
+        nothing."""
         none = torch.empty(0)
         out: list[torch.Tensor] = []
         for layer in self.model.model.layers:
             for lin in _linears(self.model, layer):
-                slots = getattr(lin, "lora", None)
-                out += [none, none, none] if slots is None else [slots.a, slots.b, slots.widths]
+                s = getattr(lin, "lora", None)
+                out += [none] * 5 if s is None else [s.fa, s.fb, s.widths, s.fa_scale, s.fb_scale]
         return out if any(t.numel() for t in out) else []
 
     def _decoder(self) -> Any:

@@ -425,11 +425,13 @@ def test_decode_model_layer_kinds(ops, name: str) -> None:
     torch.testing.assert_close(x, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("slot", [0, 2])
-def test_decode_model_lora_slots_are_the_merged_weights(ops, slot: int) -> None:
+def test_decode_model_lora_slots_are_the_merged_weights(ops, slot: int, dtype: torch.dtype) -> None:
     """A row with LoRA slot s gets W + B_s A_s on each of the four linears (its first widths[s] columns), computed as
     the adapter's shrink and expand beside the layer's own product: it matches the unfused layers on the merged
-    weights; a row of no slot (-1) is the base model's. Shapes off the panel boundaries, slots of different widths."""
+    weights; a row of no slot (-1) is the base model's. Shapes off the panel boundaries, slots of different widths;
+    the slots in float32, bfloat16 or int8 with a scale per row (the reference merges the values they stand for)."""
     hidden, inter, hq, hkv, d, block, seq_len = 48, 40, 3, 1, 16, 4, 9
     g = torch.Generator().manual_seed(7 + slot)
     layers = [_layer_weights(g, hidden, inter, hq, hkv, d, bias=True) for _ in range(2)]
@@ -443,10 +445,18 @@ def test_decode_model_lora_slots_are_the_merged_weights(ops, slot: int) -> None:
         for key in ("qkv", "o", "gu", "down"):
             out, inp = shapes[key]
             a = torch.randn(slots, stride, inp, generator=g) * 0.2
-            b = torch.randn(slots, out, stride, generator=g) * 0.2
-            lora += [a, b, widths]
+            b = torch.randn(slots, stride, out, generator=g) * 0.2  # B^T
+            if dtype == torch.int8:  # a scale per row, as lora/layers.py stores them
+                sa, sb = a.abs().amax(-1) / 127, b.abs().amax(-1) / 127
+                qa, qb = torch.round(a / sa[..., None]).to(dtype), torch.round(b / sb[..., None]).to(dtype)
+                lora += [qa, qb, widths, sa, sb]
+                a, b = qa.float() * sa[..., None], qb.float() * sb[..., None]
+            else:
+                a, b = a.to(dtype), b.to(dtype)
+                lora += [a, b, widths, torch.empty(0), torch.empty(0)]
+                a, b = a.float(), b.float()
             k = int(widths[slot])
-            m[key] = w[key] + b[slot, :, :k] @ a[slot, :k]
+            m[key] = w[key] + b[slot, :k].t() @ a[slot, :k]
         merged.append(m)
     caches = [torch.randn(2, 30, block, hkv, d, generator=g) for _ in range(2)]
     rope = RotaryEmbedding(d, 256, 10000.0)

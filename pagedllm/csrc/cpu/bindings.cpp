@@ -634,7 +634,7 @@ const float* optional_ptr(const torch::Tensor& t, int64_t numel, const char* nam
 // (0: full attention). Everything is checked here once; a step passes only the token's few index tensors.
 class DecodeModel {
  public:
-  static constexpr int kPerLayer = 16, kLinears = 4;
+  static constexpr int kPerLayer = 16, kLinears = 4, kLoraEntries = 5;
 
   DecodeModel(std::shared_ptr<CpuOps> ops, std::vector<torch::Tensor> layer_w, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> cos_sin, double scale, double eps,
@@ -660,8 +660,9 @@ class DecodeModel {
     TORCH_CHECK(layers >= 1 && layer_w.size() == kPerLayer * layers && v_caches.size() == layers &&
                     cos_sin.size() == layers,
                 kPerLayer, " weights, two caches and a rotary table per layer");
-    TORCH_CHECK(lora.empty() || lora.size() == 3 * kLinears * layers,
-                "lora: none, or (a, b, widths) per linear layer: qkv, o, gate_up, down (empty tensors: none)");
+    TORCH_CHECK(lora.empty() || lora.size() == kLoraEntries * kLinears * layers,
+                "lora: none, or (a, b, widths, a_scale, b_scale) per linear layer: qkv, o, gate_up, down (empty "
+                "tensors: none)");
     TORCH_CHECK(quant_.empty() || quant_.size() == kLinears * layers,
                 "quant: none, or one entry (a QuantMatrix or None) per linear layer: qkv, o, gate_up, down");
     check_float(final_norm, "final_norm");
@@ -764,20 +765,36 @@ class DecodeModel {
       L.softcap = softcaps.empty() ? 0.f : static_cast<float>(softcaps[l]);
       TORCH_CHECK(L.softcap >= 0.f, "layer ", l, ": softcap must be 0 (none) or positive");
       TORCH_CHECK(L.window >= 0, "layer ", l, ": window must be 0 (none) or positive");
-      for (int j = 0; j < kLinears; ++j) {  // LoRA slots: a [S, W, in], b [S, out, W], width int32 [S]
-        L.lora[j] = DecoderLora{};
+      for (int j = 0; j < kLinears; ++j) {  // LoRA slots: a [S, W, in], b [S, W, out] (B^T), width int32 [S],
+        L.lora[j] = DecoderLora{};          // and for int8 slots the rows' scales [S, W] of each
         if (lora.empty()) continue;
-        const torch::Tensor &a = lora[3 * (kLinears * l + j)], &b = lora[3 * (kLinears * l + j) + 1],
-                            &wd = lora[3 * (kLinears * l + j) + 2];
+        const torch::Tensor* e = lora.data() + kLoraEntries * (kLinears * l + j);
+        const torch::Tensor &a = e[0], &b = e[1], &wd = e[2], &sa = e[3], &sb = e[4];
         if (!a.defined() || a.numel() == 0) continue;
-        check_float(a, "lora a");
-        check_float(b, "lora b");
+        const auto dt = a.scalar_type();
+        const int32_t kind = dt == torch::kBFloat16 ? PLK_BF16 : dt == torch::kChar ? PLK_INT8 : PLK_F32;
+        TORCH_CHECK((dt == torch::kFloat32 || kind != PLK_F32) && b.scalar_type() == dt && a.is_contiguous() &&
+                        b.is_contiguous() && a.device().is_cpu() && b.device().is_cpu(),
+                    names[j], ": LoRA slots must be contiguous CPU float32, bfloat16 or int8 tensors of one dtype");
+        TORCH_CHECK(a.dim() == 3 && a.size(1) <= 4096, names[j], ": LoRA slots at most 4096 wide");
+        if (kind == PLK_INT8)
+          for (const torch::Tensor* sc : {&sa, &sb})
+            TORCH_CHECK(sc->scalar_type() == torch::kFloat32 && sc->is_contiguous() && sc->dim() == 2 &&
+                            sc->size(0) == a.size(0) && sc->size(1) == a.size(1),
+                        names[j], ": int8 LoRA slots need float32 row scales [S, W] for a and b");
         TORCH_CHECK(a.dim() == 3 && a.size(2) == ins[j] && b.dim() == 3 && b.size(0) == a.size(0) &&
-                        b.size(1) == outs[j] && b.size(2) == a.size(1),
-                    names[j], ": LoRA slots must be a [S, W, ", ins[j], "] and b [S, ", outs[j], ", W]");
+                        b.size(2) == outs[j] && b.size(1) == a.size(1),
+                    names[j], ": LoRA slots must be a [S, W, ", ins[j], "] and b [S, W, ", outs[j], "] (B^T)");
         TORCH_CHECK(wd.scalar_type() == torch::kInt32 && wd.is_contiguous() && wd.numel() == a.size(0),
                     names[j], ": LoRA widths must be int32 [S]");
-        L.lora[j] = DecoderLora{a.data_ptr<float>(), b.data_ptr<float>(), wd.data_ptr<int32_t>(), a.size(1), a.size(0)};
+        L.lora[j] = DecoderLora{a.data_ptr(),
+                                b.data_ptr(),
+                                wd.data_ptr<int32_t>(),
+                                a.size(1),
+                                a.size(0),
+                                kind,
+                                kind == PLK_INT8 ? sa.data_ptr<float>() : nullptr,
+                                kind == PLK_INT8 ? sb.data_ptr<float>() : nullptr};
         lora_slots_ = std::max(lora_slots_, a.size(0));
       }
       layers_.push_back(L);

@@ -105,43 +105,121 @@ inline void linear_rows(const float* panels, const QMatrix& qw, const uint32_t* 
   }
 }
 
-// LoRA (DecoderLora): t [rows, W] = A_s x_r for each row r of an adapter (slot s = slot[r] >= 0), into this
-// thread's scratch; every thread shrinks every row (a rank's worth of dot products: cheaper than a barrier).
-inline void lora_shrink(const DecoderLora& L, const float* x, int64_t in, int64_t rows, const int32_t* slot,
-                        float* t) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t s = slot[r];
-    if (s < 0) continue;
+// Rows up to which every thread shrinks every LoRA row itself (decoder_run's lora).
+constexpr int64_t kLoraShareRows = 4;
+// The widest LoRA slot (rank columns of a merged layer) the decoder takes (the bindings check it).
+constexpr int64_t kMaxLoraWidth = 4096;
+
+// The step's rows by LoRA slot: rows[start[s], start[s + 1]) have slot s (rows of no slot are left out).
+struct LoraGroups {
+  std::vector<int64_t> rows, start;
+  LoraGroups(const int32_t* slot, int64_t n) {
+    if (slot == nullptr) return;
+    int64_t slots = 0;
+    for (int64_t r = 0; r < n; ++r) slots = std::max<int64_t>(slots, slot[r] + 1);
+    start.assign(slots + 1, 0);
+    for (int64_t r = 0; r < n; ++r)
+      if (slot[r] >= 0) ++start[slot[r] + 1];
+    for (int64_t s = 0; s < slots; ++s) start[s + 1] += start[s];
+    rows.resize(start[slots]);
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < n; ++r)
+      if (slot[r] >= 0) rows[at[slot[r]]++] = r;
+  }
+  int64_t slots() const { return start.empty() ? 0 : static_cast<int64_t>(start.size()) - 1; }
+};
+
+// The sum of a vector's lanes, in lane order (the same for every row, whatever rows share its call).
+static inline float lanes_sum(pvec v) {
+  float lanes[kLanes];
+  pv_store(lanes, v);
+  float sum = 0.f;
+  for (int k = 0; k < kLanes; ++k) sum += lanes[k];
+  return sum;
+}
+
+// LoRA (DecoderLora): t [rows, W] = A_s x_r for each row r of slot s, part `part` of `parts` of each slot's rank
+// columns (a contiguous share: threads writing neighbouring columns of t would share its cache lines). Each row of
+// A_s is read once for up to four rows of its slot at a time; each row's dot product is the same arithmetic (one
+// vector of partial sums, its lanes summed in order, the tail after) whatever rows it is computed with.
+template <typename W>
+inline void lora_shrink(const DecoderLora& L, const float* x, int64_t in, const LoraGroups& g, float* t, int part,
+                        int parts) {
+  const int64_t body = in / kLanes * kLanes;
+  for (int64_t s = 0; s < g.slots() && s < L.slots; ++s) {
     const int64_t w = L.width[s];
-    const float* a = L.a + s * L.stride * in;
-    const float* xr = x + r * in;
-    for (int64_t k = 0; k < w; ++k) {
-      const float* ak = a + k * in;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < in; ++i) sum += ak[i] * xr[i];
-      t[r * L.stride + k] = sum;
+    const W* a = static_cast<const W*>(L.a) + s * L.stride * in;
+    for (int64_t k = w * part / parts; k < w * (part + 1) / parts; ++k) {
+      const W* ak = a + k * in;
+      for (int64_t j = g.start[s]; j < g.start[s + 1];) {
+        const int64_t m = g.start[s + 1] - j >= 4 ? 4 : 1;  // four rows at a time, then one
+        const float* xr[4];
+        pvec acc[4];
+        for (int64_t q = 0; q < m; ++q) {
+          xr[q] = x + g.rows[j + q] * in;
+          acc[q] = pv_zero();
+        }
+        if (m == 4) {
+          for (int64_t i = 0; i < body; i += kLanes) {
+            const pvec av = pv_load(ak + i);
+            for (int64_t q = 0; q < 4; ++q) acc[q] = pv_fma(av, pv_load(xr[q] + i), acc[q]);
+          }
+        } else {
+          for (int64_t i = 0; i < body; i += kLanes) acc[0] = pv_fma(pv_load(ak + i), pv_load(xr[0] + i), acc[0]);
+        }
+        for (int64_t q = 0; q < m; ++q) {
+          float sum = lanes_sum(acc[q]);
+          for (int64_t i = body; i < in; ++i) sum += kv_f(ak[i]) * xr[q][i];
+          if (L.a_scale != nullptr) sum *= L.a_scale[s * L.stride + k];
+          t[g.rows[j + q] * L.stride + k] = sum;
+        }
+        j += m;
+      }
     }
   }
 }
 
-// y[r, o] += B_s[o] . t_r for outputs [o0, o1) of each row of an adapter (after lora_shrink).
-inline void lora_expand(const DecoderLora& L, const float* t, int64_t out, int64_t rows, const int32_t* slot,
-                        float* y, int64_t ys, int64_t o0, int64_t o1) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t s = slot[r];
-    if (s < 0) continue;
+// y[r, o0:o1] += sum_k t[r, k] B_s^T[k, o0:o1] for each row r of slot s (after lora_shrink): B is held transposed
+// ([W, out] a slot), and the outputs go in blocks of four vectors held in registers over k, the block of B^T read
+// (from cache) for each row of the slot. Each output is the same chain of k products whatever rows share the call.
+template <typename W>
+inline void lora_expand(const DecoderLora& L, const float* t, int64_t out, const LoraGroups& g, float* y,
+                        int64_t ys, int64_t o0, int64_t o1) {
+  constexpr int64_t kBlock = 4 * kLanes;
+  for (int64_t s = 0; s < g.slots() && s < L.slots; ++s) {
     const int64_t w = L.width[s];
     if (w == 0) continue;
-    const float* b = L.b + s * out * L.stride;
-    const float* tr = t + r * L.stride;
-    float* yr = y + r * ys;
-    for (int64_t o = o0; o < o1; ++o) {
-      const float* bo = b + o * L.stride;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < w; ++k) sum += bo[k] * tr[k];
-      yr[o] += sum;
+    const W* bt = static_cast<const W*>(L.b) + s * L.stride * out;
+    for (int64_t j = g.start[s]; j < g.start[s + 1]; ++j) {
+      const int64_t r = g.rows[j];
+      const float* tr = t + r * L.stride;
+      float tb[kMaxLoraWidth];  // t_r times B's row scales (int8 slots)
+      if (L.b_scale != nullptr) {
+        for (int64_t k = 0; k < w; ++k) tb[k] = tr[k] * L.b_scale[s * L.stride + k];
+        tr = tb;
+      }
+      float* yr = y + r * ys;
+      int64_t o = o0;
+      for (; o + kBlock <= o1; o += kBlock) {
+        pvec acc[4];
+        for (int q = 0; q < 4; ++q) acc[q] = pv_load(yr + o + q * kLanes);
+        for (int64_t k = 0; k < w; ++k) {
+          const pvec tk = pv_splat(tr[k]);
+          const W* bk = bt + k * out + o;
+          for (int q = 0; q < 4; ++q) acc[q] = pv_fma(tk, pv_load(bk + q * kLanes), acc[q]);
+        }
+        for (int q = 0; q < 4; ++q) pv_store(yr + o + q * kLanes, acc[q]);
+      }
+      for (; o + kLanes <= o1; o += kLanes) {  // then one vector at a time
+        pvec acc = pv_load(yr + o);
+        for (int64_t k = 0; k < w; ++k) acc = pv_fma(pv_splat(tr[k]), pv_load(bt + k * out + o), acc);
+        pv_store(yr + o, acc);
+      }
+      for (; o < o1; ++o) {
+        float acc = yr[o];
+        for (int64_t k = 0; k < w; ++k) acc = std::fma(tr[k], kv_f(bt[k * out + o]), acc);
+        yr[o] = acc;
+      }
     }
   }
 }
@@ -196,6 +274,12 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
   for (const DecoderLayer& w : dec.layers)
     if (w.moe != nullptr) moe_floats = std::max(moe_floats, moe_shared_floats(*w.moe, R));
   float* moe_shared = scratch<float, 15>(moe_floats);  // the calling thread's, handed to the team
+  const LoraGroups lora_groups(lora_slot, R);
+  int64_t lora_width = 0;  // the widest slot of any linear
+  if (lora_slot != nullptr)
+    for (const DecoderLayer& w : dec.layers)
+      for (const DecoderLora& L : w.lora) lora_width = std::max(lora_width, L.a != nullptr ? L.stride : 0);
+  std::vector<float> lora_shared(R > kLoraShareRows ? R * lora_width : 0);
 
 #pragma omp parallel num_threads(nt)
   {
@@ -251,17 +335,27 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
                       const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
       linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in, prompt != 0);
     };
-    // LoRA adapters of the step's rows (lora_slot): this thread's shrunk rows of the current linear.
-    int64_t lora_width = 0;
-    if (lora_slot != nullptr)
-      for (const DecoderLayer& w : dec.layers)
-        for (const DecoderLora& L : w.lora) lora_width = std::max(lora_width, L.a != nullptr ? L.stride : 0);
-    std::vector<float> lora_t(R * lora_width);
+    // LoRA adapters of the step's rows (lora_slot): the rows' shrunk inputs of the current linear. Up to
+    // kLoraShareRows rows every thread shrinks every row into its own copy (cheaper than a barrier); more rows share
+    // the work (rank columns dealt out in turn) and one copy, behind a barrier. Each value is the same dot product
+    // either way, so a row's result does not depend on the others'.
+    std::vector<float> lora_own(R <= kLoraShareRows ? R * lora_width : 0);
+    float* lora_t = R <= kLoraShareRows ? lora_own.data() : lora_shared.data();
     auto lora = [&](const DecoderLora& L, const float* x, int64_t in, int64_t out, float* y, int64_t ys,
                     std::initializer_list<std::pair<int64_t, int64_t>> ranges) {
       if (lora_slot == nullptr || L.a == nullptr) return;
-      lora_shrink(L, x, in, R, lora_slot, lora_t.data());
-      for (const auto& [o0, o1] : ranges) lora_expand(L, lora_t.data(), out, R, lora_slot, y, ys, o0, o1);
+      const int part = R <= kLoraShareRows ? 0 : t, parts = R <= kLoraShareRows ? 1 : n;
+      if (L.kind == PLK_BF16) lora_shrink<uint16_t>(L, x, in, lora_groups, lora_t, part, parts);
+      else if (L.kind == PLK_INT8) lora_shrink<int8_t>(L, x, in, lora_groups, lora_t, part, parts);
+      else lora_shrink<float>(L, x, in, lora_groups, lora_t, part, parts);
+      if (parts > 1) {
+#pragma omp barrier
+      }
+      for (const auto& [o0, o1] : ranges) {
+        if (L.kind == PLK_BF16) lora_expand<uint16_t>(L, lora_t, out, lora_groups, y, ys, o0, o1);
+        else if (L.kind == PLK_INT8) lora_expand<int8_t>(L, lora_t, out, lora_groups, y, ys, o0, o1);
+        else lora_expand<float>(L, lora_t, out, lora_groups, y, ys, o0, o1);
+      }
     };
     int64_t ha, hb, ia, ib, ra, rb, qa, qb;
     share(qkv_out / d, t, n, 1, ha, hb);  // heads of q|k|v

@@ -137,14 +137,18 @@ struct MoeExperts {
 // post_attn_norm and post_mlp_norm (Gemma's norms of the attention and MLP outputs before they join the residual
 // stream) are null for Llama-shaped layers.
 // One linear layer's LoRA adapter slots (pagedllm/lora/layers.py LoRASlots): slot s holds A [W, in] at a + s W in
-// and B [out, W] at b + s out W, of which the first width[s] columns are the adapter's (0: an empty slot). A row
+// and B transposed, [W, out], at b + s W out; their first width[s] rows are the adapter's (0: an empty slot). A row
 // with slot s gets y += B_s (A_s x) after the layer's own product. a == null: the layer takes no adapter.
+enum PagedllmLoraKind { PLK_F32 = 0, PLK_BF16 = 1, PLK_INT8 = 2 };
 struct DecoderLora {
-  const float* a;
-  const float* b;
+  const void* a;         // of `kind`: float32, bfloat16 (uint16_t) or int8
+  const void* b;
   const int32_t* width;  // [slots]
   int64_t stride;        // W
   int64_t slots;
+  int32_t kind;          // PagedllmLoraKind; the sums stay float32
+  const float* a_scale;  // PLK_INT8: [slots, W], each row of A is a_scale times its int8 values; else null
+  const float* b_scale;  // PLK_INT8: [slots, W], each row of B^T likewise
 };
 
 struct DecoderLayer {

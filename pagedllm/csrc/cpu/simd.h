@@ -89,6 +89,33 @@ static inline float kv_f(uint16_t x) {
   __builtin_memcpy(&f, &u, 4);
   return f;
 }
+// kLanes bfloat16 values widened to a vector of float32 (exact).
+#if defined(__AVX512F__)
+static inline pvec pv_load(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline pvec pv_load(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
+static inline pvec pv_load(const uint16_t* p) { return pvec{kv_f(p[0]), kv_f(p[1]), kv_f(p[2]), kv_f(p[3])}; }
+#endif
+// kLanes int8 values as float32 (LoRA slots stored in int8 with a scale per row).
+static inline float kv_f(int8_t x) { return static_cast<float>(x); }
+#if defined(__AVX512F__)
+static inline pvec pv_load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline pvec pv_load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+static inline pvec pv_load(const int8_t* p) { return pvec{kv_f(p[0]), kv_f(p[1]), kv_f(p[2]), kv_f(p[3])}; }
+#endif
 #if defined(__AVX512F__)
 static inline __m512 kv_load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 kv_load16(const uint16_t* p) {
