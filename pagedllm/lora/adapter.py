@@ -45,6 +45,24 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
+    def add(self, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Module `module`'s pair: A [r, in], B [out, r] with the scaling already in it."""
+        self.modules[module] = LoRAModule(a.contiguous(), b.contiguous())
+        self.rank = max(self.rank, a.shape[0])
+
+
+def check_pair(adapter: str, module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], max_rank: int) -> int:
+    """The rank of a module's A and B shapes; ValueError unless they are [r, in] and [out, r] with r <= max_rank."""
+    r = a_shape[0]
+    if len(a_shape) != 2 or len(b_shape) != 2 or b_shape[1] != r:
+        raise ValueError(
+            f"LoRA adapter {adapter!r}: module {module!r} has A {tuple(a_shape)} and B {tuple(b_shape)}, "
+            "not [r, in] and [out, r]"
+        )
+    if r > max_rank:
+        raise ValueError(f"LoRA adapter {adapter!r}: rank {r} of {module!r} is above --max-lora-rank {max_rank}")
+    return r
+
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module whose name ends with it (as a regex)."""
@@ -97,21 +115,13 @@ def load_adapter(path: str, name: str, lora_id: int, max_rank: int) -> LoRAAdapt
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} has lora_{next(iter(ab))} only")
         a, b = ab["A"].float(), ab["B"].float()
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
-            raise ValueError(
-                f"LoRA adapter {name!r}: module {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                "not [r, in] and [out, r]"
-            )
-        if r > max_rank:
-            raise ValueError(f"LoRA adapter {name!r}: rank {r} of {module!r} is above --max-lora-rank {max_rank}")
+        r = check_pair(name, module, tuple(a.shape), tuple(b.shape), max_rank)
         expected = int(_pattern_value(rank_pattern, module, r_default))
         alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
         if expected != r:
             raise ValueError(f"LoRA adapter {name!r}: {module!r} has rank {r} where its config says {expected}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        adapter.modules[module] = LoRAModule(a.contiguous(), (b * scale).contiguous())
-        adapter.rank = max(adapter.rank, r)
+        adapter.add(module, a, b * scale)
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {name!r}: {path!r} holds no LoRA weights")
     return adapter

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.lora.adapter import LoRAAdapter, LoRAModule
+from pagedllm.lora.adapter import LoRAAdapter, check_pair
 from pagedllm.model.loader import GGUF_PERMUTED_QK, gguf_to_hf_name, unpermute_rotary
 
 logger = logging.getLogger(__name__)
@@ -87,18 +87,11 @@ def load_gguf_adapter(
             raise ValueError(f"LoRA adapter {name!r}: tensor {base!r} has lora_{next(iter(ab))} only")
         module = _module_name(name, base, arch)
         a, b = _matrix(name, ab["a"]), _matrix(name, ab["b"])
-        r = a.shape[0]
-        if b.shape[1] != r:
-            raise ValueError(
-                f"LoRA adapter {name!r}: module {module!r} has A {a.shape} and B {b.shape}, not [r, in] and [out, r]"
-            )
-        if r > max_rank:
-            raise ValueError(f"LoRA adapter {name!r}: rank {r} of {module!r} is above --max-lora-rank {max_rank}")
+        r = check_pair(name, module, a.shape, b.shape, max_rank)
         if arch in GGUF_PERMUTED_QK and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             b = _unpermute(name, module, b, hf_config, arch)
         scale = alpha / r if alpha else 1.0  # llama.cpp: alpha ? alpha / rank : 1
-        adapter.modules[module] = LoRAModule(torch.from_numpy(a), torch.from_numpy(b * np.float32(scale)))
-        adapter.rank = max(adapter.rank, r)
+        adapter.add(module, torch.from_numpy(a), torch.from_numpy(b * np.float32(scale)))
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {name!r}: {path!r} holds no LoRA weights")
     return adapter

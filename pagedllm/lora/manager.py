@@ -73,7 +73,10 @@ class LoRAManager:
             fused_dtype = torch.float32
         for i, layer in enumerate(layers):
             for path in description.linears:
-                linear = _get(layer, path)
+                try:
+                    linear = layer.get_submodule(path)
+                except AttributeError:
+                    continue
                 if not isinstance(linear, LinearBase):
                     continue  # e.g. a mixture-of-experts MLP: its experts take no adapter
                 prefix, _, leaf = f"model.layers.{i}.{path}".rpartition(".")
@@ -253,11 +256,3 @@ class LoRAManager:
                 linear.lora.assign(slot, pairs[linear])
             else:
                 linear.lora.clear(slot)
-
-
-def _get(module: nn.Module, path: str) -> Any:
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
