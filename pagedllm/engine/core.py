@@ -57,6 +57,7 @@ class EngineCore:
         )
         # Adapters unloaded while requests still used them: dropped by the workers once those finish.
         self._loras_to_remove: set[int] = set()
+        self._loras: dict[int, LoRARequest] = {}  # the adapters the workers hold, by id
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
@@ -114,14 +115,26 @@ class EngineCore:
             raise ValueError("LoRA adapters need --enable-lora")
         if not isinstance(lora_request, LoRARequest):
             lora_request = LoRARequest(*lora_request)
-        self._loras_to_remove.discard(lora_request.lora_int_id)
-        return any(self.executor.collective_rpc("add_lora", (lora_request,)))
+        lid = lora_request.lora_int_id
+        known = self._loras.get(lid)
+        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            if lid in self._loras_to_remove:
+                raise ValueError(
+                    f"lora_int_id {lid} is adapter {known.lora_name!r}, being unloaded while requests still use it; "
+                    f"give {lora_request.lora_name!r} another id"
+                )
+            self.executor.collective_rpc("remove_lora", (lid,))  # replaced by another adapter of that id
+        self._loras_to_remove.discard(lid)
+        added = any(self.executor.collective_rpc("add_lora", (lora_request,)))
+        self._loras[lid] = lora_request
+        return added
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload adapter `lora_id`; requests still running with it finish first (it is dropped after them)."""
         if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
             self._loras_to_remove.add(lora_id)
             return True
+        self._loras.pop(lora_id, None)
         return any(self.executor.collective_rpc("remove_lora", (lora_id,)))
 
     def list_loras(self) -> list[int]:
@@ -132,6 +145,7 @@ class EngineCore:
         in_use = {r.lora_id for r in self.scheduler.requests.values()}
         for lora_id in list(self._loras_to_remove - in_use):
             self._loras_to_remove.discard(lora_id)
+            self._loras.pop(lora_id, None)
             self.executor.collective_rpc("remove_lora", (lora_id,))
 
     def reset_prefix_cache(self) -> bool:

@@ -39,13 +39,16 @@ class LoRASlots:
         mapping: LoRAMapping,
         dtype: torch.dtype = torch.float32,
         fused_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.part_sizes = part_sizes  # this rank's output rows of each merged matrix
         self.part_offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
         out = sum(part_sizes)
         width = max_rank * len(part_sizes)
-        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype)
-        self.b = torch.zeros(max_loras, width, out, dtype=dtype)  # B^T: the fused decoder's axpy per rank column
+        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(
+            max_loras, width, out, dtype=dtype, device=device
+        )  # B^T: the fused decoder's axpy per rank column
         self.max_rank = max_rank
         self.used = [[0] * len(part_sizes) for _ in range(max_loras)]  # each slot's rank of each part
         self.widths = torch.zeros(max_loras, dtype=torch.int32)  # each slot's columns in use (the fused decoder's)

@@ -53,6 +53,7 @@ class LoRAManager:
 
         self.config = config
         self.model = model
+        self.device = next(model.parameters()).device
         self.mapping = LoRAMapping()
         self.targets: dict[str, _Target] = {}
         self.renames: tuple[tuple[str, str], ...] = tuple(getattr(model, "hf_renames", ()))
@@ -100,7 +101,8 @@ class LoRAManager:
                     config.max_loras,
                     config.max_lora_rank,
                     self.mapping,
-                    fused_dtype=fused_dtype,
+                    fused_dtype=fused_dtype if linear.weight.device.type == "cpu" else torch.float32,
+                    device=linear.weight.device,
                 )
                 self.linears.append(linear)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # in memory, least recently used first
@@ -228,7 +230,8 @@ class LoRAManager:
         mapping = self.mapping
         mapping.slots = []
         for lid, slot in self.activate(set(np.unique(lora_ids).tolist())).items():
-            mapping.slots.append((slot, torch.from_numpy(np.flatnonzero(lora_ids == lid))))
+            rows = torch.from_numpy(np.flatnonzero(lora_ids == lid)).to(self.device)
+            mapping.slots.append((slot, rows))
 
     def _take_slot(self, needed: set[int]) -> int:
         if self.free_slots:

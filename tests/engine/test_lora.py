@@ -270,3 +270,10 @@ def test_adapter_decode_rows_run_in_the_fused_decoder(llm, adapters, prompts, re
     assert got == [references[0][0], references[-1][1], references[2][2]]
     mixed = [c for c in calls if c and -1 in c and any(s >= 0 for s in c)]
     assert mixed, calls  # a call carrying rows of adapters and of the base model
+
+
+def test_an_id_freed_by_unloading_can_name_another_adapter(llm, adapters, prompts, references) -> None:
+    first, second = LoRARequest("first", 7, adapters[0]), LoRARequest("second", 7, adapters[1])
+    assert _tokens(llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=first)) == [references[0][0]]
+    assert llm.remove_lora(7)
+    assert _tokens(llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=second)) == [references[1][0]]
