@@ -261,8 +261,9 @@ class ModelRunner:
             if prompt:
                 return self.decode_runner(*args, prompt=True)
             lora = None if token_slots is None else token_slots[t0:t1]
-            lora = None if lora is None or not (lora >= 0).any() else torch.from_numpy(np.ascontiguousarray(lora))
-            return self.decode_runner(*args, lora_slots=lora)
+            if lora is not None and (lora >= 0).any():
+                return self.decode_runner(*args, lora_slots=torch.from_numpy(np.ascontiguousarray(lora)))
+            return self.decode_runner(*args)
 
         # The fused decoder reads the block tables itself; it takes at most max_rows rows a call, so the decoding
         # requests go in consecutive chunks of whole requests (each row is what it is alone, whatever its chunk).
