@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import sys
 
+import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -99,6 +100,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {pagedllm.__version__}")
     parser.add_argument("--log-level", default="WARNING", help="level for libraries' log lines")
     sub = parser.add_subparsers(dest="command", required=True)
 

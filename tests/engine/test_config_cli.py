@@ -167,3 +167,13 @@ def test_generate_cli_bad_model_exits_with_message(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_version_flag_prints_the_version(capsys) -> None:
+    import pagedllm
+    from pagedllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pagedllm {pagedllm.__version__}"
