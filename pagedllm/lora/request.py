@@ -1,10 +1,10 @@
 """`LoRARequest`: the adapter a request runs with, as vLLM names it (`vllm.lora.request.LoRARequest`).
 
 Contract. `LoRARequest(lora_name, lora_int_id, lora_path)`: `lora_int_id` (> 0) identifies the adapter inside the
-engine (its weights are loaded once per id), `lora_name` is what the server's `model` field and the prefix cache key
-it by, `lora_path` is a PEFT folder (adapter_config.json + adapter_model.safetensors) or a llama.cpp LoRA GGUF file.
-Two requests are the same adapter when their names are equal. It is a msgspec struct: it travels to the engine core
-inside `EngineCoreRequest`.
+engine (its weights are loaded once per id, and the prefix cache keys a request's blocks by it), `lora_name` is what
+the server's `model` field names, `lora_path` is a PEFT folder (adapter_config.json + adapter_model.safetensors) or a
+llama.cpp LoRA GGUF file. Two requests are the same adapter when their names are equal. It is a msgspec struct: it
+travels to the engine core inside `EngineCoreRequest`.
 """
 
 from __future__ import annotations
