@@ -7,6 +7,7 @@ never disturbs those in flight: every problem raises `ValueError` naming the bad
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,7 +66,31 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids. A text that cannot fit the context whatever its tokens (`max_prompt_chars`) is a
+        ValueError before it is tokenized: tokenizing megabytes takes seconds and memory for nothing."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text):,} characters, more than this model's context of {self.max_model_len} "
+                f"tokens can hold: no token of its vocabulary is longer than {self.max_token_chars} characters, so "
+                f"at most {self.max_prompt_chars:,} fit. Please reduce the length of the prompt."
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token of the vocabulary in characters of its stored form, which is never shorter than the
+        text it stands for (a byte-level token has a character per byte, `<0x0A>` six for one)."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+        except (AttributeError, NotImplementedError):
+            vocab = None
+        return max(16, max(map(len, vocab), default=0)) if vocab else 1024
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A bound on the characters of a prompt that fits the context: `max_model_len` tokens of the longest kind,
+        doubled for what a tokenizer drops (runs of spaces, control characters)."""
+        return 2 * self.max_model_len * self.max_token_chars
 
     def apply_chat_template(
         self,

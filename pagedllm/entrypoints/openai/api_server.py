@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import secrets
 import signal
@@ -49,6 +50,15 @@ from pagedllm.config import api_key_from_env, runtime_lora_updating_allowed
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
+from pagedllm.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    anthropic_error_body,
+    is_anthropic_path,
+)
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     error_bytes,
@@ -94,7 +104,7 @@ from pagedllm.lora.request import LoRARequest, parse_lora_modules
 logger = logging.getLogger(__name__)
 
 # Requests that run a generation: they count towards /load and --max-queued-requests.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"})
 # Routes a load balancer or orchestrator probes without credentials.
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/ping"})
 WATCHDOG_INTERVAL_S = 0.25
@@ -106,8 +116,20 @@ ENGINE_DEATH_GRACE_S = 2.0
 # ---- middlewares (plain ASGI: they must not buffer streams or hide client disconnects) -------------------
 
 
-async def _send_error(send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]]) -> None:
-    body = error_bytes(message, status)
+def _error_response(path: str, err: OpenAIError) -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+    if is_anthropic_path(path):
+        return JSONResponse(anthropic_error_body(err.message, err.status), status_code=err.status)
+    return error_response(err)
+
+
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]]
+) -> None:
+    if is_anthropic_path(scope["path"]):
+        body = json.dumps(anthropic_error_body(message, status)).encode()
+    else:
+        body = error_bytes(message, status)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + extra_headers})
     await send({"type": "http.response.body", "body": body})
@@ -122,11 +144,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            ok = secrets.compare_digest(token.strip(), self.api_key)
+        else:  # Anthropic's clients send the key as x-api-key
+            ok = secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
+        if not ok:
             await _send_error(
-                send, 401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                scope, send, 401,
+                "Incorrect or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                 [(b"www-authenticate", b"Bearer")],
             )  # fmt: skip
             return
@@ -152,7 +179,7 @@ class ServerLoadMiddleware:
             return
         if self.load.limit is not None and self.load.in_flight >= self.load.limit:
             await _send_error(
-                send, 429, f"The server is busy: {self.load.in_flight} requests are in flight "
+                scope, send, 429, f"The server is busy: {self.load.in_flight} requests are in flight "
                 f"(--max-queued-requests {self.load.limit}). Retry later.", [(b"retry-after", b"1")],
             )  # fmt: skip
             return
@@ -290,6 +317,32 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
         return Response(status_code=499)
 
 
+@router.post(
+    "/v1/messages",
+    response_model=MessagesResponse,
+    responses={
+        **streamable("The message; with `stream: true`, Anthropic's stream events.", anthropic=True),
+        **errors(400, 404, 503, anthropic=True),
+    },
+)
+async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+    """Anthropic's Messages API (what Claude Code and Anthropic's SDKs speak), run as a chat completion."""
+    serving = raw_request.app.state.serving_messages
+    _check_generates(serving.chat, request.model)
+    try:
+        return await serving.create_message(request, raw_request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@router.post(
+    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=errors(400, 404, anthropic=True)
+)
+async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> Response:
+    """The prompt tokens a Messages request would have (system, messages and tools through the chat template)."""
+    return await raw_request.app.state.serving_messages.count_tokens(request)
+
+
 def _check_generates(serving: OpenAIServing, model: str | None) -> None:
     """A pooling model generates no text: a 400 naming the runner before anything else (the engine would refuse the
     request too, but a stream would have begun by then), after the model name's 404."""
@@ -381,16 +434,16 @@ async def debug_kv_cache(raw_request: Request) -> JSONResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+        return _error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = format_validation_errors(exc.errors())
-        return error_response(OpenAIError(message, 400, param))
+        return _error_response(request.url.path, OpenAIError(message, 400, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(OpenAIError(str(exc.detail), exc.status_code))
+        response = _error_response(request.url.path, OpenAIError(str(exc.detail), exc.status_code))
         for k, v in (exc.headers or {}).items():
             response.headers[k] = v
         return response
@@ -400,7 +453,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = error_from_exception(exc)
         if err.status == 500:
             logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(err)
+        return _error_response(request.url.path, err)
 
 
 @contextlib.asynccontextmanager
@@ -470,6 +523,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
+    state.serving_messages = AnthropicServingMessages(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
     state.serving_embedding = OpenAIServingEmbedding(engine, names)
     state.serving_score = OpenAIServingScore(engine, names)

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from pagedllm.entrypoints.anthropic.protocol import AnthropicErrorResponse, is_anthropic_path
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 
 ERROR_DESCRIPTIONS: dict[int, str] = {
@@ -37,6 +38,7 @@ RESPONSE_HEADERS: dict[int, dict[str, Any]] = {
 # The paths a client may call without the API key (api_server.AUTH_EXEMPT_PATHS).
 NO_AUTH_PATHS = frozenset({"/health", "/ping"})
 BEARER_SCHEME = "bearer"
+API_KEY_HEADER_SCHEME = "x-api-key"
 
 # Open API 3.1 reads the schema of a `text/event-stream` response as the schema of one event (3.2 calls it
 # `itemSchema`): an event has a `data` field, here the text of one JSON object or `[DONE]`.
@@ -54,20 +56,39 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
 }
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses=` entries for these error statuses, each with OpenAI's error body."""
+# Anthropic's stream: each event names its type in `event` and carries the JSON object in `data`.
+ANTHROPIC_SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event of Anthropic's Messages stream.",
+    "properties": {
+        "event": {
+            "type": "string",
+            "description": "message_start, content_block_start, content_block_delta, content_block_stop, "
+            "message_delta, message_stop, or error.",
+        },
+        "data": {"type": "string", "description": "The event's JSON object, whose `type` is the event's name."},
+    },
+    "required": ["event", "data"],
+}
+
+
+def errors(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` entries for these error statuses, each with OpenAI's error body (Anthropic's with
+    `anthropic`)."""
+    model = AnthropicErrorResponse if anthropic else ErrorResponse
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+        entry: dict[str, Any] = {"model": model, "description": ERROR_DESCRIPTIONS[status]}
         if status in RESPONSE_HEADERS:
             entry["headers"] = RESPONSE_HEADERS[status]
         out[status] = entry
     return out
 
 
-def streamable(description: str) -> dict[int | str, dict[str, Any]]:
+def streamable(description: str, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
     """The 200 entry of a route answering JSON (its `response_model`) or, with `stream: true`, an event stream."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}}
+    schema = ANTHROPIC_SSE_EVENT_SCHEMA if anthropic else SSE_EVENT_SCHEMA
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": schema}}}}
 
 
 def empty_ok(description: str) -> dict[int | str, dict[str, Any]]:
@@ -98,31 +119,41 @@ def describe(spec: dict[str, Any], api_key: bool, limited_paths: frozenset[str])
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
+            anthropic = is_anthropic_path(path)
             if api_key and path not in NO_AUTH_PATHS:
-                operation["security"] = [{BEARER_SCHEME: []}]
-                responses["401"] = _error_entry(401)
+                operation["security"] = [{BEARER_SCHEME: []}, {API_KEY_HEADER_SCHEME: []}]
+                responses["401"] = _error_entry(401, anthropic)
             if path in limited_paths:
-                responses["429"] = _error_entry(429)
+                responses["429"] = _error_entry(429, anthropic)
     components = spec.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    if "ErrorResponse" not in schemas:  # no route declared an error itself
-        defs = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(defs.pop("$defs", {}))
-        schemas["ErrorResponse"] = defs
+    for model in (ErrorResponse, AnthropicErrorResponse):
+        if model.__name__ not in schemas:  # no route declared such an error itself
+            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(defs.pop("$defs", {}))
+            schemas[model.__name__] = defs
     if api_key:
-        components.setdefault("securitySchemes", {})[BEARER_SCHEME] = {
+        schemes = components.setdefault("securitySchemes", {})
+        schemes[BEARER_SCHEME] = {
             "type": "http",
             "scheme": "bearer",
             "description": "The server's API key (--api-key or $PAGEDLLM_API_KEY).",
         }
+        schemes[API_KEY_HEADER_SCHEME] = {
+            "type": "apiKey",
+            "in": "header",
+            "name": "x-api-key",
+            "description": "The same key in Anthropic's header.",
+        }
 
 
-def _error_entry(status: int) -> dict[str, Any]:
+def _error_entry(status: int, anthropic: bool = False) -> dict[str, Any]:
+    name = "AnthropicErrorResponse" if anthropic else "ErrorResponse"
     entry: dict[str, Any] = {
         "description": ERROR_DESCRIPTIONS[status],
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
     }
     if status in RESPONSE_HEADERS:
         entry["headers"] = RESPONSE_HEADERS[status]

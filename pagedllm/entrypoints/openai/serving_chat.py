@@ -240,12 +240,21 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_call_parser = tool_call_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start(request, f"chatcmpl-{random_uuid()}")
+        if request.stream:
+            return SSEResponse(self._stream(request, run.request_id, run.prompt_tokens, run.gen, run.plan))
+        final = await self.collect(run, request, raw_request)
+        body = self._response(request, run.request_id, run.prompt_tokens, final, run.plan)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def start(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Check and render the request and hand it to the engine (every rejection happens here, before a byte is
+        sent). The chat-shaped front of the other APIs too (Anthropic's Messages, OpenAI's Responses)."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         plan = plan_tools(request, self.enable_auto_tool_choice, self.tool_call_parser)
-        text, ids, params = self._prepare(request, plan)
+        text, ids, params = await self.off_loop(self._prepare, request, plan)
         self.check_engine()
-        request_id = f"chatcmpl-{random_uuid()}"
         gen = self.engine.generate(
             {"prompt": text, "prompt_token_ids": ids},
             params,
@@ -253,16 +262,23 @@ class OpenAIServingChat(OpenAIServing):
             priority=request.priority,
             lora_request=self.lora_request(request.model),
         )
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, len(ids), gen, plan))
+        return ChatRun(request_id, len(ids), gen, plan)
+
+    async def collect(self, run: ChatRun, request: ChatCompletionRequest, raw_request: Request) -> RequestOutput:
+        """The final output of a non-streamed run (aborted if the client goes away)."""
         try:
-            final = await run_until_disconnected(self._collect(gen), raw_request)
+            return await run_until_disconnected(self._collect(run.gen), raw_request)
         except (OpenAIError, ClientDisconnected):
             raise
         except Exception as e:
             raise self.error_for(e, request) from e
-        body = self._response(request, request_id, len(ids), final, plan)
-        return Response(body.model_dump_json(), media_type="application/json")
+
+    def message(self, plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        """The assistant message of a finished choice and its finish reason (see `_message`)."""
+        return self._message(plan, text, finish_reason)
+
+    def choice_stream(self, plan: ToolPlan) -> ChoiceStream:
+        return ChoiceStream(plan, self.tokenizer, getattr(self.engine, "reasoning_parser", None))
 
     # ---- validation ------------------------------------------------------------------------------------------
 
@@ -277,14 +293,7 @@ class OpenAIServingChat(OpenAIServing):
                 f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}", 400, "top_logprobs"
             )
         try:
-            text = self.engine.input_processor.apply_chat_template(
-                messages_to_dicts(request.messages),
-                add_generation_prompt=request.add_generation_prompt,
-                chat_template=request.chat_template,
-                continue_final_message=request.continue_final_message,
-                tools=request.tools or None,
-            )
-            ids = self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
+            text, ids = self.render(request)
             requested = request.max_completion_tokens
             if requested is None:
                 requested = request.max_tokens
@@ -311,6 +320,17 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             raise self.error_for(e, request) from e
         return text, ids, params
+
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt of a chat request: its messages through the chat template, and its token ids."""
+        text = self.engine.input_processor.apply_chat_template(
+            messages_to_dicts(request.messages),
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template=request.chat_template,
+            continue_final_message=request.continue_final_message,
+            tools=request.tools or None,
+        )
+        return text, self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
 
     # ---- results ----------------------------------------------------------------------------------------------
 
@@ -450,9 +470,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         created = now_s()
         model = self.response_model(request.model)
-        tool_streams: dict[int, _ToolStream] = {}
-        reasoner = getattr(self.engine, "reasoning_parser", None)
-        reasoning_streams: dict[int, ReasoningStream] = {}
+        streams: dict[int, ChoiceStream] = {}
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
@@ -478,24 +496,10 @@ class OpenAIServingChat(OpenAIServing):
                     for c in out.outputs:
                         num_tokens[c.index] += len(c.token_ids)
                         want_logprobs = request.logprobs and bool(c.token_ids)
-                        content: str | None = c.text
-                        reasoning: str | None = None
-                        tool_calls = None
-                        finish_reason = c.finish_reason
-                        if reasoner is not None:
-                            rstream = reasoning_streams.get(c.index)
-                            if rstream is None:
-                                rstream = reasoning_streams[c.index] = ReasoningStream(reasoner)
-                            reasoning, content = rstream.step(c.text)
-                            if finish_reason is not None:
-                                more_reasoning, more_content = rstream.finish()
-                                reasoning = (reasoning or "") + (more_reasoning or "") or None
-                                content = (content or "") + (more_content or "") or None
-                        if plan.mode != "none":
-                            stream = tool_streams.get(c.index)
-                            if stream is None:
-                                stream = tool_streams[c.index] = _ToolStream(plan, self.tokenizer)
-                            content, tool_calls, finish_reason = stream.step(content or "", c.finish_reason)
+                        cstream = streams.get(c.index)
+                        if cstream is None:
+                            cstream = streams[c.index] = self.choice_stream(plan)
+                        reasoning, content, tool_calls, finish_reason = cstream.step(c.text, c.finish_reason)
                         if not (content or reasoning or tool_calls) and finish_reason is None and not want_logprobs:
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
@@ -522,6 +526,41 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             await merged.aclose()
+
+
+@dataclass
+class ChatRun:
+    """A chat request handed to the engine: its outputs (`gen`), prompt length and tool plan."""
+
+    request_id: str
+    prompt_tokens: int
+    gen: AsyncIterator[RequestOutput]
+    plan: ToolPlan
+
+
+class ChoiceStream:
+    """One streamed choice: its text deltas in; its reasoning, content and tool-call pieces (OpenAI's delta dicts)
+    out, with the finish reason ("tool_calls" once a call was made). What every streaming API renders."""
+
+    def __init__(self, plan: ToolPlan, tokenizer: Any, reasoner: Any = None) -> None:
+        self.reasoning = ReasoningStream(reasoner) if reasoner is not None else None
+        self.tools = _ToolStream(plan, tokenizer) if plan.mode != "none" else None
+
+    def step(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[str | None, str | None, list[dict[str, Any]] | None, str | None]:
+        content: str | None = text
+        reasoning: str | None = None
+        tool_calls = None
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.step(text)
+            if finish_reason is not None:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning = (reasoning or "") + (more_reasoning or "") or None
+                content = (content or "") + (more_content or "") or None
+        if self.tools is not None:
+            content, tool_calls, finish_reason = self.tools.step(content or "", finish_reason)
+        return reasoning, content, tool_calls, finish_reason
 
 
 class _ToolStream:

@@ -14,11 +14,13 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -50,6 +52,10 @@ def clamp_logprob(value: float | None) -> float | None:
     return max(float(value), MIN_LOGPROB)
 
 
+# The thread that renders and tokenizes prompts off the event loop (`OpenAIServing.off_loop`).
+_TOKENIZER_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer")
+
+
 class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
 
@@ -69,6 +75,13 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` (rendering, tokenization: CPU work that grows with the input) in the front end's
+        worker thread, so that the event loop keeps serving other requests, /health and streams meanwhile. One
+        thread: requests are tokenized one at a time, in order, as on the loop, and the tokenizer is never used by
+        two threads at once."""
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, functools.partial(fn, *args))
 
     # ---- checks -------------------------------------------------------------------------------------
 
