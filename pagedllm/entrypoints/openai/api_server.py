@@ -86,6 +86,8 @@ from pagedllm.entrypoints.openai.protocol import (
     PoolingResponse,
     RerankRequest,
     RerankResponse,
+    ResponsesRequest,
+    ResponsesResponse,
     ScoreRequest,
     ScoreResponse,
     TokenizeRequest,
@@ -97,6 +99,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.lora.request import LoRARequest, parse_lora_modules
@@ -343,6 +346,27 @@ async def count_message_tokens(request: CountTokensRequest, raw_request: Request
     return await raw_request.app.state.serving_messages.count_tokens(request)
 
 
+@router.post(
+    "/v1/responses",
+    response_model=ResponsesResponse,
+    responses={**streamable("The response; with `stream: true`, its `response.*` events."), **errors(400, 404, 503)},
+)
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    """OpenAI's Responses API, run as a chat completion; kept for previous_response_id unless `store` is false."""
+    serving = raw_request.app.state.serving_responses
+    _check_generates(serving.chat, request.model)
+    try:
+        return await serving.create_response(request, raw_request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=errors(404))
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    """A stored response (one of the last ones created with `store` true)."""
+    return raw_request.app.state.serving_responses.retrieve(response_id)
+
+
 def _check_generates(serving: OpenAIServing, model: str | None) -> None:
     """A pooling model generates no text: a 400 naming the runner before anything else (the engine would refuse the
     request too, but a stream would have begun by then), after the model name's 404."""
@@ -524,6 +548,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     state.serving_messages = AnthropicServingMessages(state.serving_chat)
+    state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
     state.serving_embedding = OpenAIServingEmbedding(engine, names)
     state.serving_score = OpenAIServingScore(engine, names)

@@ -545,3 +545,54 @@ class RerankResponse(OpenAIBaseModel):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+# ---- /v1/responses ----------------------------------------------------------------------------------------------
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """OpenAI's Responses API request (serving_responses.py maps it onto a chat request)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"input": "Name a primary color.", "instructions": "Be brief.", "max_output_tokens": 4},
+                {"input": [_USER_MESSAGE], "max_output_tokens": 3, "stream": True, "temperature": 0},
+            ]
+        }
+    )
+
+    model: str | None = None
+    # A string (one user message) or items: messages, function_call and function_call_output items
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[Int64, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None  # vLLM's extra
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # {"format": {"type": "text" | "json_object" | "json_schema", "name"?, "schema"?}}
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    priority: Int64 = 0
+
+
+class ResponsesResponse(OpenAIBaseModel):
+    """A response object (the documented shape; serving_responses.py builds it as a dict)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    # {"type": "message", ...}, {"type": "function_call", "call_id", "name", "arguments", ...}, {"type": "reasoning"}
+    output: list[dict[str, Any]]
+    incomplete_details: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
