@@ -10,9 +10,9 @@ and the documented headers. A contradiction fails the test with the request that
 Bounded to run well under a minute once the server is up (~15 s on an idle machine): six generated requests per
 operation and mode, no shrinking, no coverage phase, and short generations. The server's --max-model-len 48 caps
 prompt + output tokens of every generation; before a generation request is sent, `n` is capped at 2 and
-`max_tokens` / `max_completion_tokens` at 4, because up to 128 choices of up to 48 tokens take tens of seconds on
-two cores and exercise nothing a short one does not (the bounds themselves are tested in test_chat.py and
-test_completions.py). A timeout makes a hang fail fast, and the server is stopped either way.
+`max_tokens` / `max_completion_tokens` / `max_output_tokens` at 4, because up to 128 choices of up to 48 tokens
+take tens of seconds on two cores and exercise nothing a short one does not (the bounds themselves are tested in
+test_chat.py and test_completions.py). A timeout makes a hang fail fast, and the server is stopped either way.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MAX_TOKENS = 4
 REQUEST_TIMEOUT_S = 60
 # Server start (20-90 s on two busy cores) plus the fuzzing (~15 s on an idle machine).
 TEST_TIMEOUT_S = 300
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def _bounded(case: Any) -> None:
     body = case.body
     if case.path not in GENERATION_PATHS or not isinstance(body, dict):
         return
-    for field, cap in (("n", MAX_CHOICES), ("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS)):
+    capped = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for field, cap in (("n", MAX_CHOICES), *((name, MAX_TOKENS) for name in capped)):
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[field] = cap

@@ -217,7 +217,7 @@ class OpenAIServingResponses:
             items.add_text(message.content)
         for call in message.tool_calls or []:
             items.add_call(call["id"], call["function"]["name"], call["function"]["arguments"])
-        body = self._finish(shell, items, run, final, finish_reason)
+        body = self._finish(shell, items, run, final, len(output.token_ids), finish_reason)
         self._store(request, body, conversation, items)
         return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
 
@@ -259,9 +259,14 @@ class OpenAIServingResponses:
         }
 
     def _finish(
-        self, shell: dict[str, Any], items: _Items, run: ChatRun, final: RequestOutput, finish_reason: str | None
+        self,
+        shell: dict[str, Any],
+        items: _Items,
+        run: ChatRun,
+        final: RequestOutput,
+        output_tokens: int,
+        finish_reason: str | None,
     ) -> dict[str, Any]:
-        output_tokens = len(final.outputs[0].token_ids)
         body = dict(shell, output=items.items, completed_at=now_s())
         if finish_reason == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
@@ -295,6 +300,7 @@ class OpenAIServingResponses:
     ) -> AsyncGenerator[str, None]:
         events = _Events()
         items = _Items(events)
+        output_tokens = 0
         merged = merge_async_iterators(run.gen)
         try:
             events.emit("response.created", response=shell)
@@ -306,6 +312,7 @@ class OpenAIServingResponses:
                 async for _, out in merged:
                     raise_if_failed(out)
                     c = out.outputs[0]
+                    output_tokens += len(c.token_ids)
                     reasoning, content, tool_calls, finish_reason = choice.step(c.text, c.finish_reason)
                     if reasoning:
                         items.stream_reasoning(reasoning)
@@ -319,7 +326,7 @@ class OpenAIServingResponses:
                             items.stream_arguments(fn["arguments"])
                     if finish_reason is not None:
                         items.close()
-                        body = self._finish(shell, items, run, out, finish_reason)
+                        body = self._finish(shell, items, run, out, output_tokens, finish_reason)
                         self._store(request, body, conversation, items)
                         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
                         events.emit(kind, response=body)
