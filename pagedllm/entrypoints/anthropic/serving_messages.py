@@ -212,8 +212,7 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise _invalid(
-            'output_config.format must be {"type": "json_schema", "schema": {...}}, '
-            f"got {json.dumps(fmt)[:120]}",
+            f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got {json.dumps(fmt)[:120]}',
             "output_config.format",
         )
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}

@@ -43,10 +43,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.config import api_key_from_env, runtime_lora_updating_allowed
+from pagedllm.config import api_key_from_env, parse_size, runtime_lora_updating_allowed
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
@@ -59,6 +59,7 @@ from pagedllm.entrypoints.anthropic.protocol import (
     is_anthropic_path,
 )
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     error_bytes,
@@ -111,6 +112,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/me
 # Routes a load balancer or orchestrator probes without credentials.
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/ping"})
 WATCHDOG_INTERVAL_S = 0.25
+# A refused body is read to its end and dropped, up to this much, before the 413 (see RequestSizeMiddleware).
+DRAIN_LIMIT_BYTES = 1 << 30
 # After the engine died the server keeps answering (503) this long before it exits, so that health probes see
 # the 503 and in-flight requests receive their error responses; well within the 10 s a supervisor expects.
 ENGINE_DEATH_GRACE_S = 2.0
@@ -191,6 +194,67 @@ class ServerLoadMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.load.in_flight -= 1
+
+
+class RequestSizeMiddleware:
+    """Refuse a request body over `limit` bytes with a 413 before the app sees it: when Content-Length says so
+    before anything is kept, else as soon as the received chunks pass the limit. The rest of a refused body is
+    read and dropped first (up to DRAIN_LIMIT_BYTES), so that a client still sending it gets the 413 rather than a
+    reset connection. A body within the limit is handed to the app as one message."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send, int(declared), more=True)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body was whole
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            more = bool(message.get("more_body", False))
+            if size > self.limit:
+                chunks.clear()
+                await self._refuse(scope, receive, send, size, more)
+                return
+            chunks.append(chunk)
+            if not more:
+                break
+        body: bytes | None = b"".join(chunks)
+        del chunks
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: the disconnect, when it comes
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int, more: bool) -> None:
+        drained = 0
+        while more and drained < DRAIN_LIMIT_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            drained += len(message.get("body", b""))
+            more = bool(message.get("more_body", False))
+        await _send_error(
+            scope, send, 413, f"The request body has {size:,} bytes or more, over the server's limit of "
+            f"{self.limit:,} (--max-request-bytes).", [(b"connection", b"close")],
+        )  # fmt: skip
 
 
 # ---- routes ----------------------------------------------------------------------------------------------
@@ -428,7 +492,8 @@ async def create_rerank(request: RerankRequest, raw_request: Request) -> Respons
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
-    result = raw_request.app.state.serving_tokenization.tokenize(request)
+    serving = raw_request.app.state.serving_tokenization
+    result = await serving.off_loop(serving.tokenize, request)
     return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
 
 
@@ -559,6 +624,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         app.include_router(lora_router)
     _install_error_handlers(app)
     app.add_middleware(ServerLoadMiddleware, load=state.server_load)
+    max_request_bytes = parse_size(getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    app.add_middleware(RequestSizeMiddleware, limit=max_request_bytes)
     api_key = getattr(args, "api_key", None)
     install_openapi(app, bool(api_key), state.server_load.limit is not None, GENERATION_PATHS)
     if api_key:
@@ -611,6 +678,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
             engine_args = EngineArgs.from_cli_args(args)
         if not getattr(args, "api_key", None):
             args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
+        if parse_size(args.max_request_bytes) < 1:  # a ValueError naming a malformed size, before the model loads
+            raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes!r}")
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
         if args.tool_call_parser is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+DEFAULT_MAX_REQUEST_BYTES = "16MiB"
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -58,6 +59,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters served at start (needs --enable-lora), each `name=path` or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one by `model`',
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse a request body larger than this with a 413, before it is read (e.g. 16MiB, 1GB or a byte "
+        "count; default 16MiB: a million-token prompt as text is about 4 MB)",
     )
     g.add_argument(
         "--enable-debug-routes",

@@ -1,7 +1,8 @@
 """The served OpenAPI description (/openapi.json): what each route can answer, so that generated clients are right.
 
 Contract: every status a route can answer is declared, with its content type and schema, and none other:
-* errors carry OpenAI's body (`ErrorResponse`): 400 bad input (every route with a body), 404 an unknown
+* errors carry OpenAI's body (`ErrorResponse`), Anthropic's on its routes (`AnthropicErrorResponse`): 400 bad input
+  and 413 a body over --max-request-bytes (every route with a body), 404 an unknown
   `model`, 503 a dead engine core (the routes that need it); 401 a missing or wrong API key (every route but
   /health and /ping) only when the server has a key, and 429 over --max-queued-requests (the generation routes)
   only when the server has that limit;
@@ -28,6 +29,7 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     "context. `error.param` names the field when there is one.",
     401: "A missing or wrong API key (only when the server has one): send `Authorization: Bearer <key>`.",
     404: "The `model` named in the request is not served here.",
+    413: "The request body is larger than the server's --max-request-bytes.",
     429: "More generation requests in flight than --max-queued-requests allows; retry after `Retry-After` seconds.",
     503: "The engine core process died; the server is about to exit.",
 }
@@ -125,6 +127,8 @@ def describe(spec: dict[str, Any], api_key: bool, limited_paths: frozenset[str])
                 responses["401"] = _error_entry(401, anthropic)
             if path in limited_paths:
                 responses["429"] = _error_entry(429, anthropic)
+            if "requestBody" in operation:
+                responses["413"] = _error_entry(413, anthropic)
     components = spec.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):

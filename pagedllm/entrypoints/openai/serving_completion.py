@@ -62,7 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.warn_ignored_fields(request)
-        prompts = self._prepare(request)
+        prompts = await self.off_loop(self._prepare, request)
         self.check_engine()
         request_id = f"cmpl-{random_uuid()}"
         lora = self.lora_request(request.model)

@@ -182,7 +182,8 @@ class OpenAIServingEmbedding(PoolingServing):
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         params = self.params_for(request, task=task, dimensions=request.dimensions, normalize=request.normalize)
-        ids_list = self.prepare(self.parse_input(request.input), params, request, request.add_special_tokens)
+        prompts = self.parse_input(request.input)
+        ids_list = await self.off_loop(self.prepare, prompts, params, request, request.add_special_tokens)
         request_id = f"{prefix}-{random_uuid()}"
         outs = await self.run(ids_list, params, request_id, request, raw_request)
         vectors = [encode_vector(o.outputs.data, request.encoding_format) for o in outs]
@@ -199,7 +200,8 @@ class OpenAIServingEmbedding(PoolingServing):
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         params = self.activation_params("classify", request)
-        ids_list = self.prepare(self.parse_input(request.input), params, request, request.add_special_tokens)
+        prompts = self.parse_input(request.input)
+        ids_list = await self.off_loop(self.prepare, prompts, params, request, request.add_special_tokens)
         request_id = f"classify-{random_uuid()}"
         outs = await self.run(ids_list, params, request_id, request, raw_request)
         id2label = getattr(self.engine.model_config.hf_config, "id2label", None) or {}

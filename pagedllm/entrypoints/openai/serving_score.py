@@ -110,19 +110,20 @@ class OpenAIServingScore(PoolingServing):
             try:
                 # The pair is cut here, longest first (a cut of the joined ids would lose the second text's end); the
                 # engine's checks in `prepare` then refuse a cut longer than max_model_len.
-                encoded = [
-                    self.engine.input_processor.encode_pair(a, b, request.truncate_prompt_tokens) for a, b in pairs
-                ]
+                encode = self.engine.input_processor.encode_pair
+                cut = request.truncate_prompt_tokens
+                encoded = await self.off_loop(lambda: [encode(a, b, cut) for a, b in pairs])
             except Exception as e:
                 raise self.error_for(e, request) from e
             params_list = [params.clone(token_type_split=split) for _, split in encoded]
-            ids_list = self.prepare([{"prompt_token_ids": ids} for ids, _ in encoded], params_list, request)
+            prompts = [{"prompt_token_ids": ids} for ids, _ in encoded]
+            ids_list = await self.off_loop(self.prepare, prompts, params_list, request)
             outs = await self.run(ids_list, params_list, request_id, request, raw_request)
             scores = [ScoringRequestOutput.from_base(o).outputs.score for o in outs]
             return scores, sum(len(ids) for ids in ids_list)
         params = self.activation_params("embed", request)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        ids_list = self.prepare(texts, params, request)
+        ids_list = await self.off_loop(self.prepare, texts, params, request)
         outs = await self.run(ids_list, params, request_id, request, raw_request)
         by_text = dict(zip(texts, outs))
         scores = [cosine_score(by_text[a], by_text[b]).outputs.score for a, b in pairs]
