@@ -2,14 +2,15 @@
 
 `execute_model` runs the forward pass and, when no request of the step samples under a grammar, samples too and
 returns the ModelRunnerOutput. Otherwise it returns None and keeps the logits: the scheduler's grammar output (the
-bitmask of the constrained requests, computed after the forward pass returns) goes to `sample_tokens`, which
-samples (the seeds' split). Apart from that split, and the short wait when only grammars being compiled are
-left, a feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component, not a branch to
-`step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
+bitmask of the constrained requests, computed on this thread while the forward pass runs on the step thread) goes
+to `sample_tokens`, which samples (the seeds' split). Apart from that split, and the short wait when only grammars
+being compiled are left, a feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component,
+not a branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -58,6 +59,8 @@ class EngineCore:
         # Adapters unloaded while requests still used them: dropped by the workers once those finish.
         self._loras_to_remove: set[int] = set()
         self._loras: dict[int, LoRARequest] = {}  # the adapters the workers hold, by id
+        # Runs the forward pass of steps with constrained requests while this thread computes their bitmask.
+        self._step_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
         self.max_model_len = config.model_config.max_model_len
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
@@ -77,9 +80,18 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
-        model_output = self.executor.execute_model(scheduler_output)
-        if model_output is None:  # constrained requests sample in this step
-            model_output = self.executor.sample_tokens(self.scheduler.get_grammar_output(scheduler_output))
+        if scheduler_output.structured_output_request_ids:
+            # The grammar bitmask is computed while the forward pass runs on the step thread (the grammars are
+            # where the last step left them; the forward pass reads only the scheduler output).
+            forward = self._step_thread.submit(self.executor.execute_model, scheduler_output)
+            grammar_output = self.scheduler.get_grammar_output(scheduler_output)
+            model_output = forward.result()
+            if model_output is None:  # constrained requests sample in this step
+                model_output = self.executor.sample_tokens(grammar_output)
+        else:
+            model_output = self.executor.execute_model(scheduler_output)
+            if model_output is None:
+                model_output = self.executor.sample_tokens(None)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self._loras_to_remove:
             self._remove_unused_loras()
@@ -164,5 +176,6 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self._step_thread.shutdown(wait=True)
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
