@@ -64,8 +64,8 @@ def _elements(text: str) -> list[tuple[int, int | None]]:
 
 
 class RequiredToolCallsParser(ToolParser):
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._text = ""
         self._names_sent: dict[int, bool] = {}
         self._streamers: dict[int, ArgumentsStreamer] = {}
