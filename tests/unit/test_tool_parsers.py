@@ -1,7 +1,8 @@
 """Tool-call parsers: the Hermes, llama3_json, mistral, pythonic and qwen3_coder formats whole and streamed in
 random splits of the text (ids sent once per call); the streamed argument pieces join into exactly the
 non-streamed arguments; malformed output stays content; the argument streamer never sends what a later token
-changes, and says so if it ever would; the request's tools reach the parser."""
+changes, and says so if it ever would; the request's tools reach the parser; `parallel_tool_calls: false` keeps
+the first call (FirstCallOnly, ToolPlan) and limits "required" to one call."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import random
 import pytest
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving_chat import plan_tools
+from pagedllm.entrypoints.openai.serving_chat import plan_tools, tool_constraint
 from pagedllm.entrypoints.openai.tool_parsers import (
+    FirstCallOnly,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -22,6 +24,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParserManager,
 )
 from pagedllm.entrypoints.openai.tool_parsers.abstract import ArgumentsStreamer, raw_arguments, value_end
+from pagedllm.entrypoints.openai.tool_parsers.required import RequiredToolCallsParser
 
 TEXT = (
     "Let me check.\n<tool_call>\n"
@@ -362,6 +365,35 @@ def test_the_request_tools_reach_the_parser() -> None:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=WEATHER_TOOLS)
     parser = plan_tools(request, True, "qwen3_coder").parser(None)
     assert isinstance(parser, Qwen3CoderToolParser) and parser.tools == WEATHER_TOOLS
+
+
+def test_first_call_only() -> None:
+    _, text, _, _ = CASES["llama3_json"]
+    out = FirstCallOnly(Llama3JsonToolParser(None)).extract_tool_calls(text)
+    assert [c.function.name for c in out.tool_calls] == ["get_weather"]
+    assert out.content == 'Checking. {"not": "a call"} '
+    content, calls = _stream(FirstCallOnly(Llama3JsonToolParser(None)), _splits(text, 7))
+    assert list(calls) == [0] and calls[0]["arguments"] == out.tool_calls[0].function.arguments
+    assert content == out.content
+
+
+def test_parallel_tool_calls_false_plans_one_call() -> None:
+    def request(**kw: object) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=WEATHER_TOOLS, **kw)
+
+    assert request().parallel_tool_calls is True
+    plan = plan_tools(request(tool_choice="required", parallel_tool_calls=False), True, "hermes")
+    assert not plan.parallel
+    constraint = tool_constraint(request(), plan)
+    assert constraint is not None and constraint.json["maxItems"] == 1
+    assert isinstance(plan.parser(None), FirstCallOnly)
+    parallel = plan_tools(request(tool_choice="required"), True, "hermes")
+    assert "maxItems" not in tool_constraint(request(), parallel).json
+    assert isinstance(parallel.parser(None), RequiredToolCallsParser)
+    auto = plan_tools(request(parallel_tool_calls=False), True, "qwen3_coder")
+    parser = auto.parser(None)
+    assert isinstance(parser, FirstCallOnly) and isinstance(parser.parser, Qwen3CoderToolParser)
+    assert parser.parser.tools == WEATHER_TOOLS
 
 
 @pytest.mark.parametrize(

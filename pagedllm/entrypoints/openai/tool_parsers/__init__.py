@@ -14,13 +14,14 @@ Parsers (vLLM's names): `hermes` (`<tool_call>{json}</tool_call>`), `llama3_json
 `mistral`, `pythonic` (alias `llama4_pythonic`) and `qwen3_coder`; each module's docstring gives its format. A
 parser is made with the tokenizer and the request's tools (`Parser(tokenizer, tools=None)`: qwen3_coder types its
 values by them). The newer ones are `IncrementalToolParser`s: written once as a stream, the whole-text parse being
-the same machine fed the whole text.
+the same machine fed the whole text. `FirstCallOnly` wraps a parser for `parallel_tool_calls: false`.
 """
 
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract import (
     ExtractedToolCalls,
+    FirstCallOnly,
     FunctionCall,
     IncrementalToolParser,
     StreamedToolCallDelta,
@@ -36,6 +37,7 @@ from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolP
 
 __all__ = [
     "ExtractedToolCalls",
+    "FirstCallOnly",
     "FunctionCall",
     "HermesToolParser",
     "IncrementalToolParser",

@@ -1,5 +1,6 @@
-"""The tool-parser interface, its registry, the streaming of arguments from partial JSON, and the base of parsers
-written once as a stream (`IncrementalToolParser`); see __init__.py."""
+"""The tool-parser interface, its registry, the streaming of arguments from partial JSON, the base of parsers written
+once as a stream (`IncrementalToolParser`) and the `parallel_tool_calls: false` limit (`FirstCallOnly`); see
+__init__.py."""
 
 from __future__ import annotations
 
@@ -271,3 +272,27 @@ class IncrementalToolParser(ToolParser):
             self._call.function.arguments = arguments
             self._calls.append(self._call)
         self._call = None
+
+
+class FirstCallOnly(ToolParser):
+    """`parallel_tool_calls: false`: the wrapped parser's output with its first call only (later calls are dropped,
+    whole and streamed)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__(parser.tokenizer, parser.tools)
+        self.parser = parser
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        out = self.parser.extract_tool_calls(text)
+        return ExtractedToolCalls(out.tools_called, out.tool_calls[:1], out.content)
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> StreamDelta:
+        return self._first(self.parser.extract_tool_calls_streaming(delta_text))
+
+    def finish(self) -> StreamDelta:
+        return self._first(self.parser.finish())
+
+    @staticmethod
+    def _first(delta: StreamDelta) -> StreamDelta:
+        delta.tool_calls = [piece for piece in delta.tool_calls if piece.index == 0]
+        return delta
