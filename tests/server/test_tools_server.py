@@ -1,7 +1,8 @@
 """Tool calling over HTTP on the default model, with a server started with `--enable-auto-tool-choice
 --tool-call-parser hermes`: tool_choice "required" and a named function give valid calls (enforced by a JSON
 schema built from the tools, checked here with jsonschema); "auto" parses Hermes `<tool_call>` blocks; "none"
-gives text; streamed calls assemble into exactly the non-streamed ones; bad tool requests are 400s."""
+gives text; streamed calls assemble into exactly the non-streamed ones; `parallel_tool_calls: false` gives one call
+at most (required and auto, streamed and not); bad tool requests are 400s."""
 
 from __future__ import annotations
 
@@ -127,6 +128,28 @@ def test_auto_parses_hermes_calls(tclient):
     plain = _create(tclient, tools=TOOLS, extra_body={"guided_choice": ["It is sunny."]})
     assert plain.choices[0].message.content == "It is sunny." and not plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_gives_one_call(tclient):
+    kw = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120}
+    resp = _create(tclient, **kw)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    _check_calls([call])
+    calls, finish, _ = _streamed_calls(tclient, **kw)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+    # auto: the output holds two calls (a regex makes the model write them); only the first is returned
+    second = r'<tool_call>\{"name": "get_time", "arguments": \{"timezone": "UTC"\}\}</tool_call>'
+    auto = {"tools": TOOLS, "extra_body": {"structured_outputs": {"regex": HERMES_REGEX + second}}, "max_tokens": 160}
+    both = _create(tclient, **auto)
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "get_time"]
+    one = _create(tclient, parallel_tool_calls=False, **auto)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    calls, finish, _ = _streamed_calls(tclient, parallel_tool_calls=False, **auto)
+    assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather"]
+    assert calls[0]["arguments"] == one.choices[0].message.tool_calls[0].function.arguments
 
 
 def test_none_gives_text(tclient):

@@ -245,6 +245,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True  # false: at most one call (null: the default)
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -17,7 +17,11 @@ Contract:
   parses the output with that parser; "required" and a named function are enforced by a JSON-schema constraint
   built from the tools' parameters (a list of {name, parameters}; the function's parameters). A choice that
   returns calls ends with finish_reason "tool_calls"; streamed, each call comes as OpenAI streams it (id, type
-  and name first, then pieces of `arguments` that join into the non-streamed string).
+  and name first, then pieces of `arguments` that join into the non-streamed string). `parallel_tool_calls:
+  false` allows one call at most (`ToolPlan.parallel`): "required" is constrained to a list of one, "auto" returns
+  the first call the parser finds (later ones are dropped, streamed too), a named choice is one call anyway. A
+  parser whose format uses special tokens (mistral) gets them in the text unless the request sets
+  skip_special_tokens.
 * Reasoning (--reasoning-parser): the thinking goes to `reasoning_content` (streamed as its own deltas), the rest
   is the content (and what tools are parsed from).
 * Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
@@ -67,6 +71,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagedllm.entrypoints.openai.tool_parsers import (
+    FirstCallOnly,
     FunctionCall,
     StreamedToolCallDelta,
     ToolCall,
@@ -129,24 +134,42 @@ def messages_to_dicts(messages: Sequence[ChatMessageParam]) -> list[dict[str, An
 class ToolPlan:
     """How a request's tools are handled: `mode` "none" (plain text), "auto" (the model may call them; its output
     goes through the server's tool-call parser), "required" (a JSON list of calls, enforced by a JSON-schema
-    constraint) or "named" (the arguments of `name`, enforced by that tool's parameters schema)."""
+    constraint) or "named" (the arguments of `name`, enforced by that tool's parameters schema). `tools` are the
+    request's (parsers that type values by them get them); `parallel` false (`parallel_tool_calls: false`) allows
+    one call at most: the constraint of "required" stops after one, and the parser returns the first call only."""
 
     mode: str = "none"
     name: str | None = None
     parser_name: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    parallel: bool = True
 
     def parser(self, tokenizer: Any) -> ToolParser | None:
+        """A new parser of the output (one per choice: it keeps a stream's state); None for "none" and "named"."""
+        parser: ToolParser
         if self.mode == "auto":
             assert self.parser_name is not None
-            return ToolParserManager.get(self.parser_name)(tokenizer)
-        if self.mode == "required":
-            return RequiredToolCallsParser(tokenizer)
-        return None
+            parser = ToolParserManager.get(self.parser_name)(tokenizer, tools=self.tools)
+        elif self.mode == "required":
+            parser = RequiredToolCallsParser(tokenizer, tools=self.tools)
+        else:
+            return None
+        return parser if self.parallel else FirstCallOnly(parser)
+
+    def needs_special_tokens(self) -> bool:
+        """Whether the output must keep special tokens for the parser to read it (mistral's [TOOL_CALLS])."""
+        return (
+            self.mode == "auto"
+            and self.parser_name is not None
+            and ToolParserManager.get(self.parser_name).needs_special_tokens
+        )
 
 
 def plan_tools(request: ChatCompletionRequest, auto_enabled: bool, parser_name: str | None) -> ToolPlan:
-    """Validate `tools` and `tool_choice` (OpenAI's rules; a 400 naming the field) and say how to serve them."""
+    """Validate `tools` and `tool_choice` (OpenAI's rules; a 400 naming the field) and say how to serve them
+    (`parallel_tool_calls` read when the request has it: the Responses API has it too)."""
     tools = request.tools or []
+    parallel = getattr(request, "parallel_tool_calls", True) is not False
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if (
@@ -177,14 +200,14 @@ def plan_tools(request: ChatCompletionRequest, auto_enabled: bool, parser_name: 
                 400,
                 "tool_choice",
             )
-        return ToolPlan("auto", parser_name=parser_name)
+        return ToolPlan("auto", parser_name=parser_name, tools=tools, parallel=parallel)
     if choice == "required":
-        return ToolPlan("required")
+        return ToolPlan("required", tools=tools, parallel=parallel)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise OpenAIError(f"tool_choice names the function {name!r}, which is not in tools", 400, "tool_choice")
-        return ToolPlan("named", name=name)
+        return ToolPlan("named", name=name, tools=tools, parallel=parallel)
     raise OpenAIError(
         f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
         f"got {choice!r}",
@@ -197,7 +220,7 @@ def tool_constraint(request: ChatCompletionRequest, plan: ToolPlan) -> Structure
     """The JSON-schema constraint that enforces `required` and named tool choices (compact JSON)."""
     tools = request.tools or []
     if plan.mode == "required":
-        schema = required_calls_schema(tools)
+        schema = required_calls_schema(tools, max_calls=None if plan.parallel else 1)
     elif plan.mode == "named":
         fn = next(t["function"] for t in tools if t["function"]["name"] == plan.name)
         schema = fn.get("parameters") or {"type": "object"}
@@ -314,6 +337,8 @@ class OpenAIServingChat(OpenAIServing):
                 except ValueError as e:
                     raise OpenAIError(f"tools: the parameters schema does not compile: {e}", 400, "tools") from None
                 params = params.clone(structured_outputs=constraint)
+            if plan.needs_special_tokens() and "skip_special_tokens" not in request.model_fields_set:
+                params = params.clone(skip_special_tokens=False)
             self.validate_prompt(ids, params)
         except OpenAIError:
             raise

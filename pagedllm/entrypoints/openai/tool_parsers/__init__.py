@@ -9,24 +9,42 @@ get now: content, and tool-call deltas (the id, type and name once, then pieces 
 (a bracket-and-string scanner finds where the value ends), so joined they equal the non-streamed `arguments`
 exactly. (Re-serialising partial parses cannot promise that: `1.5e3` parsed early dumps as `1.5`, whole as
 `1500.0`.) `finish()` flushes what the stream still holds at the end of the output.
+
+Parsers (vLLM's names): `hermes` (`<tool_call>{json}</tool_call>`), `llama3_json` (alias `llama4_json`),
+`mistral`, `pythonic` (alias `llama4_pythonic`) and `qwen3_coder`; each module's docstring gives its format. A
+parser is made with the tokenizer and the request's tools (`Parser(tokenizer, tools=None)`: qwen3_coder types its
+values by them). The newer ones are `IncrementalToolParser`s: written once as a stream, the whole-text parse being
+the same machine fed the whole text. `FirstCallOnly` wraps a parser for `parallel_tool_calls: false`.
 """
 
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract import (
     ExtractedToolCalls,
+    FirstCallOnly,
     FunctionCall,
+    IncrementalToolParser,
     StreamedToolCallDelta,
     ToolCall,
     ToolParser,
     ToolParserManager,
 )
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
     "ExtractedToolCalls",
+    "FirstCallOnly",
     "FunctionCall",
     "HermesToolParser",
+    "IncrementalToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "StreamedToolCallDelta",
     "ToolCall",
     "ToolParser",

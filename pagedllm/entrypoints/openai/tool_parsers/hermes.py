@@ -43,8 +43,8 @@ def _call_from(body: str) -> ToolCall:
 
 @ToolParserManager.register("hermes")
 class HermesToolParser(ToolParser):
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._text = ""
         self._pos = 0  # text before this index has been handled
         self._in_call = False

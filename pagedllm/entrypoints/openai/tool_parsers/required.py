@@ -25,8 +25,9 @@ _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _PARAMETERS = re.compile(r'"parameters"\s*:')
 
 
-def required_calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of a non-empty list of calls to these tools, with each tool's own parameters."""
+def required_calls_schema(tools: list[dict[str, Any]], max_calls: int | None = None) -> dict[str, Any]:
+    """The JSON schema of a non-empty list of calls to these tools, with each tool's own parameters (at most
+    `max_calls` of them: 1 for `parallel_tool_calls: false`, so that generation stops after one)."""
     variants = []
     for tool in tools:
         fn = tool["function"]
@@ -41,7 +42,10 @@ def required_calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
 
 
 def _elements(text: str) -> list[tuple[int, int | None]]:
@@ -64,8 +68,8 @@ def _elements(text: str) -> list[tuple[int, int | None]]:
 
 
 class RequiredToolCallsParser(ToolParser):
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._text = ""
         self._names_sent: dict[int, bool] = {}
         self._streamers: dict[int, ArgumentsStreamer] = {}
