@@ -60,6 +60,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one by `model`',
     )
     g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="role of the chat reply when the request asks for a generation prompt (add_generation_prompt, the "
+        "default); else the reply continues the last message and takes its role (default: assistant)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request when it is received: its id, prompt (see --max-log-len) and sampling params (off by "
+        "default, as in vLLM)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no log line per request (the default; vLLM's older flag, kept so that its launch lines run unchanged; "
+        "wins over --enable-log-requests)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="with --enable-log-requests: the most prompt characters and prompt token ids logged (default: all)",
+    )
+    g.add_argument(
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",
