@@ -1,10 +1,10 @@
 """vLLM's launch flags on real servers of the default model. One started with a vLLM-style line,
 `--chat-template FILE --trust-remote-code --disable-log-requests --max-logprobs 5 --generation-config auto
---response-role bot`: the template (a recognisable one) is what chat requests and /tokenize run on; top_logprobs 6
-is a 400 naming 5; the reply's role is "bot" (the last message's without a generation prompt); the remote-code note
-is logged once, and no request. One started with `--enable-log-requests --max-log-len 12 --generation-config FOLDER`:
-each request is logged with its prompt cut to 12 characters and its sampling params, which take the folder's
-generation config where the request leaves them unset."""
+--response-role bot`: the template (a recognisable one, which also renders tools) is what chat requests and /tokenize
+run on, with or without tools; top_logprobs 6 is a 400 naming 5; the reply's role is "bot" (the last message's without
+a generation prompt); the remote-code note is logged once, and no request. One started with `--enable-log-requests
+--max-log-len 12 --generation-config FOLDER`: each request is logged with its prompt cut to 12 characters and its
+sampling params, which take the folder's generation config where the request leaves them unset."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ TEMPLATE = (
 )
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 RENDERED = "<<system>> Be brief.\n<<user>> Name a colour.\n<<reply>>"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone"}},
+]
 GENERATION_CONFIG = {"temperature": 0.25, "top_k": 7, "max_new_tokens": 6, "top_p": 1.0}
 
 
@@ -62,6 +66,25 @@ def test_chat_template_file_reaches_chat_and_tokenize(servers):
     status, chat = _chat(srv)
     assert status == 200, chat
     assert chat["usage"]["prompt_tokens"] == tok["count"]
+
+
+@pytest.mark.timeout(600)
+def test_tokenize_renders_tools_as_chat_does(servers):
+    srv = servers["vllm_line"]
+    without = srv.request("POST", "/tokenize", {"messages": MESSAGES})[1]
+    status, with_tools = srv.request("POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert status == 200, with_tools
+    assert with_tools["count"] > without["count"]
+    text = srv.request("POST", "/detokenize", {"tokens": with_tools["tokens"]})[1]["prompt"]
+    assert text == "[tools: get_weather get_time]\n" + RENDERED
+    status, chat = _chat(srv, tools=TOOLS, tool_choice="none")
+    assert status == 200, chat
+    assert chat["usage"]["prompt_tokens"] == with_tools["count"]
+    # the chat route's checks of the tools' shape, and tools only with messages
+    status, body = srv.request("POST", "/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]})
+    assert status == 400 and body["error"]["param"] == "tools[0]", body
+    status, body = srv.request("POST", "/tokenize", {"prompt": "hi", "tools": TOOLS})
+    assert status == 400 and body["error"]["param"] == "tools", body
 
 
 @pytest.mark.timeout(600)
