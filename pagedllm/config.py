@@ -224,6 +224,12 @@ class ModelConfig:
     is_encoder: bool = False
     # A sentence-transformers folder's `do_lower_case`: the front end lower-cases input text first.
     do_lower_case: bool = False
+    # --max-logprobs: the most logprobs (and prompt_logprobs, top_logprobs) a request may ask for.
+    max_logprobs: int = 20
+    # --generation-config: the SamplingParams values a request that leaves them unset takes (model/generation_config.py)
+    # and the generation_config.json they came from (None: none).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults_source: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -233,6 +239,10 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The default sampling values of --generation-config (vLLM's name), as SamplingParams keyword arguments."""
+        return dict(self.sampling_defaults)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ vLLM's ``ignore_eos``, sent with ``--ignore-eos``. For each request, timed on th
 * output tokens: ``usage.completion_tokens`` of the final chunk when the server sends it, else the generated
   text tokenized with the benchmark's tokenizer.
 
+The benchmark's tokenizer (prompt lengths, and output lengths without usage) is ``--tokenizer``'s; else the served
+model's, from the ``root`` of its ``GET /v1/models`` card when that is a path on this machine that loads (a pagedllm
+server's root is its model file or folder); else ``--model``'s when it is a path, else the default model's, with a
+warning that says why.
+
 The report (printed like vLLM's, saved as JSON with ``--save-result``) gives mean, median, std and the
 ``--metric-percentiles`` of TTFT, TPOT, ITL and E2EL in ms over successful requests; request, output-token and
 total-token throughput over the benchmark's wall time; peak output tok/s (1 s buckets) and peak concurrency;
@@ -343,6 +348,42 @@ def resolve_tokenizer_path(args: argparse.Namespace) -> str | None:
     return None
 
 
+def served_root(card: dict[str, Any], cards: Sequence[dict[str, Any]]) -> str | None:
+    """The `root` GET /v1/models gives for a model (a LoRA adapter's: its base model's, its `parent`)."""
+    parent = card.get("parent")
+    if parent:
+        card = next((c for c in cards if c.get("id") == parent), card)
+    root = card.get("root")
+    return root if isinstance(root, str) and root else None
+
+
+def choose_tokenizer(
+    args: argparse.Namespace, card: dict[str, Any], cards: Sequence[dict[str, Any]]
+) -> tuple[str | None, Any]:
+    """(its path, the tokenizer) that counts tokens: --tokenizer; else the served model's `root` where it is a path
+    on this machine that loads (a pagedllm server's is its model file or folder); else `resolve_tokenizer_path`'s
+    choice (--model when it is a path, else the default model's), with a warning saying why."""
+    if args.tokenizer:
+        return args.tokenizer, load_tokenizer(args.tokenizer)
+    root = served_root(card, cards)
+    if root is None:
+        reason = "GET /v1/models gives no root for the model"
+    elif not os.path.exists(os.path.expanduser(root)):
+        reason = f"the served model's root {root!r} is not a path on this machine"
+    else:
+        try:
+            return root, load_tokenizer(root)
+        except Exception as e:  # noqa: BLE001 - any failure to load falls back, named in the warning
+            reason = f"the served model's root {root!r} does not load as a tokenizer ({type(e).__name__}: {e})"
+    fallback = resolve_tokenizer_path(args)
+    print(
+        f"WARNING: {reason}: counting tokens with the tokenizer of {fallback or 'the default model'} "
+        "(--tokenizer names one)",
+        file=sys.stderr,
+    )
+    return fallback, load_tokenizer(fallback)
+
+
 # ---- report ------------------------------------------------------------------------------------------------------
 
 
@@ -508,7 +549,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--port", type=int, default=8000)
     add("--endpoint", default="/v1/completions", help="/v1/completions (default) or /v1/chat/completions")
     add("--model", default=None, help="served model name (default: the first id from GET /v1/models)")
-    add("--tokenizer", default=None, help="tokenizer: .gguf or HF folder (default: --model if a path, else SmolLM2)")
+    add(
+        "--tokenizer",
+        default=None,
+        help="tokenizer: .gguf or HF folder (default: the served model's root from /v1/models when it is a local "
+        "path that loads, else --model if a path, else SmolLM2)",
+    )
     add("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     add_dataset_args(parser)
     add("--num-prompts", type=int, default=100, help="number of requests (default 100)")
@@ -564,8 +610,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"WARNING: could not list models at {models_url}; using --model {args.model!r}", file=sys.stderr)
     model = args.model or cards[0]["id"]
     card = next((c for c in cards if c.get("id") == model), {})
-    tokenizer_path = resolve_tokenizer_path(args)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer_path, tokenizer = choose_tokenizer(args, card, cards)
     requests = sample_requests(args, tokenizer, args.num_prompts, args.seed, card.get("max_model_len"))
     print(f"model {model!r} at {url}; tokenizer {tokenizer_path or 'of the default model'}")
     print(

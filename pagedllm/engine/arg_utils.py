@@ -50,6 +50,7 @@ from pagedllm.config import (
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
+from pagedllm.model.generation_config import sampling_defaults
 from pagedllm.model.registry import CONVERTS, RUNNERS
 from pagedllm.reasoning import REASONING_PARSERS
 
@@ -61,15 +62,25 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "shortest")
 
 
 def resolve_chat_template(value: str) -> str:
-    """--chat-template: the text of a Jinja file, or the value itself where it is a template (it holds "{{" or
-    "{%"); ValueError naming the value otherwise (a path that does not exist)."""
+    """--chat-template, by vLLM's rule: the text of the file `value` names where it can be opened; else, where
+    `value` holds one of "{", "}" or a newline, `value` itself as the template (its backslash escapes such as "\\n"
+    decoded, as vLLM does: a shell passes them literally); else it was meant as a path: ValueError naming it."""
     path = os.path.expanduser(value)
-    if os.path.isfile(path):
+    try:
         with open(path, encoding="utf-8") as f:
             return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the value
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"chat_template {value!r} looks like a file path, but it cannot be opened "
+                f"({getattr(e, 'strerror', None) or e}); "
+                "give a Jinja file or the template itself"
+            ) from None
+    # vLLM's codecs.decode(value, "unicode_escape"), without its mangling of non-ASCII text.
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"chat_template {value!r:.80}: a bad backslash escape: {e.reason}") from None
 
 
 def _arg(default: Any, help: str, *, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
@@ -90,8 +101,22 @@ class EngineArgs:
     served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
     chat_template: str | None = _arg(
         None,
-        "the chat template: a Jinja file, or the template itself (default: the model's, from its folder or GGUF "
-        "metadata)",
+        "the chat template of chat requests, /tokenize and LLM.chat: a Jinja file, or the template itself (a value "
+        "with {, } or a newline; its backslash escapes decoded, as vLLM) (default: the model's, from its folder or "
+        "GGUF metadata)",
+    )
+    trust_remote_code: bool = _arg(
+        False, "accepted for vLLM compatibility: pagedllm runs no code from a model folder, whatever this says"
+    )
+    max_logprobs: int = _arg(
+        20, "the most logprobs / prompt_logprobs / top_logprobs a request may ask for; -1: the vocabulary size"
+    )
+    generation_config: str = _arg(
+        "auto",
+        "default sampling values for requests that leave them unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model's generation_config.json (an HF "
+        "folder's, or one beside a GGUF file), vllm uses none, a folder reads its generation_config.json",
+        metavar="auto|vllm|FOLDER",
     )
     dtype: str = _arg(
         "auto",
@@ -328,9 +353,18 @@ class EngineArgs:
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
 
+        changes: dict[str, Any] = {"max_logprobs": self._max_logprobs(model_config.vocab_size)}
         if self.chat_template is not None:
-            model_config = dataclasses.replace(model_config, chat_template=resolve_chat_template(self.chat_template))
-        return model_config
+            changes["chat_template"] = resolve_chat_template(self.chat_template)
+        if model_config.runner == "generate":
+            model_dir = model_config.model if model_config.gguf_file is None else os.path.dirname(model_config.model)
+            defaults, source = sampling_defaults(self.generation_config, model_dir)
+            _check_sampling_defaults(defaults, source)
+            changes.update(sampling_defaults=defaults, sampling_defaults_source=source)
+        return dataclasses.replace(model_config, **changes)
+
+    def _max_logprobs(self, vocab_size: int) -> int:
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     def for_engine_core(self) -> EngineArgs:
         """These arguments, validated, for the engine-core process, which builds its config from them while the
@@ -356,6 +390,17 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or at least 0, got {self.max_logprobs}")
+        if self.generation_config in ("auto", "vllm"):
+            pass
+        elif not isinstance(self.generation_config, str) or not os.path.isdir(
+            os.path.expanduser(self.generation_config)
+        ):
+            raise ValueError(
+                f"generation_config must be auto, vllm or a folder holding generation_config.json, got "
+                f"{self.generation_config!r}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.scheduling_policy is not None and self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -443,6 +488,16 @@ class EngineArgs:
         if self.attention_backend is None:
             return attention_backend_from_env()
         return normalise_attention_backend(self.attention_backend, "attention_backend")
+
+
+def _check_sampling_defaults(defaults: dict[str, Any], source: str | None) -> None:
+    """A generation config's values must make valid SamplingParams (ValueError naming the file and the value)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"generation config {source}: {e}") from None
 
 
 def _flag_type(name: str, hint: Any) -> type:

@@ -4,7 +4,8 @@ One output-handler task pulls EngineCoreOutputs from the engine-core process, ru
 them in chunks (yielding to the event loop between chunks so HTTP handlers stay responsive) and fills one
 `RequestOutputCollector` per request. A slow consumer does not block anyone: the collector merges deltas
 (or keeps the newest cumulative output) until it is read. Stop strings found here abort the request in
-the core. If the core dies, every waiting consumer gets `EngineDeadError`.
+the core. If the core dies, every waiting consumer gets `EngineDeadError`. With `log_requests` (the server's
+--enable-log-requests) each request is logged at INFO when it is added: id, prompt, sampling params.
 
 Stats: every step's SchedulerStats and the front end's IterationStats go to each of `stat_loggers`, with the index
 of the data-parallel engine that ran the step (`record(scheduler_stats, iteration_stats, engine_idx=i)`). When
@@ -28,7 +29,7 @@ from pagedllm.engine.core_client import AsyncMPClient, merge_invariants
 from pagedllm.engine.core_process import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.input_processor import PromptType
-from pagedllm.engine.llm import start_front_end
+from pagedllm.engine.llm import log_startup_notes, start_front_end
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARegistry, LoRARequest, lora_errors
@@ -98,9 +99,19 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs, core: CoreProcess | None = None) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        core: CoreProcess | None = None,
+        log_requests: bool = False,
+        max_log_len: int | None = None,
+    ) -> None:
         """`core`: the engine-core process, if already started from `engine_args.for_engine_core()` (as
-        `pagedllm serve` does, before its imports); else it is started here. It is stopped if this fails."""
+        `pagedllm serve` does, before its imports); else it is started here. It is stopped if this fails.
+        `log_requests` (--enable-log-requests): log each request as it is added, its prompt text and token ids cut
+        to `max_log_len` (--max-log-len; None: whole)."""
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         # The core process builds its config from the same arguments (with the KV budget fixed in them).
         self.engine_args = engine_args.for_engine_core()
         # The front end needs only the model's config (tokenizer, limits, name): no torch is imported for it.
@@ -111,6 +122,7 @@ class AsyncLLM:
                 core.close()
             raise
         self.model_config = mc
+        log_startup_notes(self.engine_args, mc)
         # The core process starts first: it loads the model while this process loads the tokenizer.
         self.engine_core = AsyncMPClient(self.engine_args, connect=False, core=core)
         name = self.engine_args.reasoning_parser
@@ -158,6 +170,8 @@ class AsyncLLM:
         text, req = self.input_processor.process(
             request_id, prompt, params, time.time(), priority, add_special_tokens, lora_request
         )
+        if self.log_requests:
+            self._log_request(request_id, text, req.prompt_token_ids, params, lora_request)
         if lora_request is not None:
             await self.add_lora(lora_request)
         self._ensure_handler()
@@ -175,6 +189,24 @@ class AsyncLLM:
             self.engine_core.abort_requests_nowait(ids)
             raise
         return collector
+
+    def _log_request(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams | PoolingParams,
+        lora_request: LoRARequest | None,
+    ) -> None:
+        """vLLM's "Received request" line (its RequestLogger), the prompt and its ids cut to --max-log-len."""
+        n = self.max_log_len
+        if n is not None:
+            text = None if text is None else text[:n]
+            ids = ids[:n]
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s.",
+            request_id, text, params, ids, lora_request,
+        )  # fmt: skip
 
     async def generate(
         self,

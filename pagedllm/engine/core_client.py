@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,9 @@ class InprocClient:
             )
         self.engine_core = EngineCore(config)
         self.num_engines = 1
+        # Dropping the client stops the engine (an executor's worker processes, a Ray placement group) at once, not
+        # at the interpreter's exit; the engine holds no reference back to this client.
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
     def connect(self) -> None:
         """Nothing to wait for: the core was built in the constructor."""
@@ -145,7 +149,20 @@ class InprocClient:
         return [self.call_utility(method, *args)]
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self._finalizer()
+
+
+def _weak_callback(method: Any) -> Callable[[], None]:
+    """`method` (a bound method) as a callback that does not keep its object alive: a watcher thread holding the
+    client would keep it, and its engine, from ever being collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _cleanup(core: CoreProcess, ctx: zmq.Context, stop: threading.Event, reader: threading.Thread | None) -> None:
@@ -176,10 +193,17 @@ class SyncMPClient:
         self.core = core or CoreProcess(engine_args, zmq.Context())
         self.ctx = self.core.ctx
         self._stop = threading.Event()
-        self._reader = threading.Thread(target=self._output_loop, daemon=True, name="engine-output")
-        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, self._stop, self._reader)
         self.outputs: queue.Queue[Any] = queue.Queue()
         self.utility_results: dict[int, Future] = {}
+        # The reader gets what it uses, not this client: a running thread holding the client would keep it alive
+        # (and its engine core running) after its last user dropped it. Dropping it runs the finalizer.
+        self._reader = threading.Thread(
+            target=_sync_output_loop,
+            args=(self.core.output_socket, self._stop, self.outputs, self.utility_results),
+            daemon=True,
+            name="engine-output",
+        )
+        self._finalizer = weakref.finalize(self, _cleanup, self.core, self.ctx, self._stop, self._reader)
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
         self.dead = False
@@ -193,25 +217,7 @@ class SyncMPClient:
         """Wait for every core's READY (raising a start-up error), then start reading their outputs."""
         self.ready = self.core.wait_ready(self.core.input_socket)
         self._reader.start()
-        self.core.watch(self._on_core_death)
-
-    def _output_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        sock = self.core.output_socket
-        try:
-            while not self._stop.is_set():
-                # A blocking poll with a timeout (not a spin) so that shutdown is noticed.
-                if not sock.poll(200):
-                    continue
-                outputs = decoder.decode(sock.recv(copy=False).buffer)
-                if outputs.utility_output is not None:
-                    fut = self.utility_results.pop(outputs.utility_output.call_id, None)
-                    if fut is not None:
-                        _settle(fut, outputs.utility_output)
-                else:
-                    self.outputs.put(outputs)
-        except zmq.ZMQError:
-            return  # context closed at shutdown
+        self.core.watch(_weak_callback(self._on_core_death))
 
     def _on_core_death(self) -> None:
         self.dead = True
@@ -267,6 +273,27 @@ class SyncMPClient:
         self._finalizer()
 
 
+def _sync_output_loop(
+    sock: zmq.Socket, stop: threading.Event, outputs: queue.Queue[Any], utility_results: dict[int, Future]
+) -> None:
+    """SyncMPClient's reader thread: the PULL socket's outputs into `outputs`, utility answers to their futures."""
+    decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+    try:
+        while not stop.is_set():
+            # A blocking poll with a timeout (not a spin) so that shutdown is noticed.
+            if not sock.poll(200):
+                continue
+            item = decoder.decode(sock.recv(copy=False).buffer)
+            if item.utility_output is not None:
+                fut = utility_results.pop(item.utility_output.call_id, None)
+                if fut is not None:
+                    _settle(fut, item.utility_output)
+            else:
+                outputs.put(item)
+    except zmq.ZMQError:
+        return  # context closed at shutdown
+
+
 class AsyncMPClient:
     """asyncio client: sends are awaited, one task drains the PULL socket into an asyncio queue."""
 
@@ -294,7 +321,7 @@ class AsyncMPClient:
         # The handshake is read with a plain (blocking) socket on the same address family; the async
         # ROUTER takes over afterwards. zmq.asyncio sockets expose the sync API via `zmq.Socket.shadow`.
         self.ready = self.core.wait_ready(zmq.Socket.shadow(self.core.input_socket.underlying))
-        self.core.watch(self._on_core_death)
+        self.core.watch(_weak_callback(self._on_core_death))
 
     def _ensure_started(self) -> None:
         if self._task is None:

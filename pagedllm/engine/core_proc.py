@@ -209,6 +209,10 @@ def run_engine_core(
     out_thread = threading.Thread(target=proc._output_thread, daemon=True, name="core-output")
     try:
         proc.start()
+        # Again: ray.init (the Ray executor) replaces the SIGTERM handler with one that exits with status 15, after a
+        # stack dump of its own. A stop is a stop (status 0) here, whichever executor runs the ranks.
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=proc._input_thread, daemon=True, name="core-input").start()
         out_thread.start()
         proc.run_busy_loop()
@@ -219,6 +223,9 @@ def run_engine_core(
         logger.error("engine core died")
         status = 1
     finally:
+        # Stopping already: a stop asked for now must not cut the executor's shutdown short (its own waits are bounded;
+        # the client kills this process if it takes longer than it allows).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         proc.shutdown()
         # Let the output thread flush what is queued, then leave without waiting on blocked sockets.
         if out_thread.is_alive():

@@ -145,19 +145,25 @@ class CoreProcess:
             threading.Thread(target=wait, args=(index, proc), daemon=True, name=f"engine-monitor-{index}").start()
 
     def terminate(self) -> None:
-        """Stop every engine (SIGTERM to all, then wait; SIGKILL after 10 s) and remove the socket folder."""
+        """Stop every engine (SIGTERM to all, then wait; SIGKILL after 10 s) and remove the socket folder. The stop
+        of engines that were running is logged once, as a stop (the watcher reports only deaths, which this is not)."""
         self.shutting_down = True
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+        running = [i for i, proc in enumerate(self.procs) if proc.poll() is None]
+        for i in running:
+            self.procs[i].terminate()
         deadline = time.monotonic() + 10.0
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logger.warning("engine core process %d did not stop within 10 s: killed", proc.pid)
                 proc.kill()
                 proc.wait()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if running:
+            statuses = ", ".join(str(self.procs[i].returncode) for i in running)
+            which = "engine core process" if len(self.procs) == 1 else f"{len(running)} engine core processes"
+            logger.info("%s stopped (exit status %s)", which, statuses)
 
     def close(self) -> None:
         """Stop the children and close the sockets and their context: for processes never handed to a client (the

@@ -18,8 +18,6 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-MAX_LOGPROBS = 20
-
 PromptType = str | list[int] | dict[str, Any]
 
 # A pooling request's sampling settings: a placeholder (it samples nothing) that reports only its end.
@@ -64,6 +62,7 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
+        self.max_logprobs = model_config.max_logprobs  # --max-logprobs
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids. A text that cannot fit the context whatever its tokens (`max_prompt_chars`) is a
@@ -254,8 +253,8 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
-            if n is not None and n > MAX_LOGPROBS:
-                raise ValueError(f"{name}={n} exceeds the maximum of {MAX_LOGPROBS}")
+            if n is not None and n > self.max_logprobs:
+                raise ValueError(f"{name}={n} exceeds the maximum of {self.max_logprobs} (--max-logprobs)")
         for tok in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is out of the vocabulary")

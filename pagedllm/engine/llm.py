@@ -1,12 +1,16 @@
 """LLM: the offline front door. `generate()` and `chat()` block until every request is done.
 
 `LLM(model=None, **engine_args)` builds the EngineConfig once (vLLM argument names), loads the tokenizer in
-this process, and drives an engine core through a client. Results come back in input order.
+this process, and drives an engine core through a client. Results come back in input order. `generate` and `chat`
+without sampling params run `get_default_sampling_params()`: SamplingParams' defaults, with the model's generation
+config's values (--generation-config). An LLM lives as long as its last reference: dropping it stops its engine core
+and the core's workers (the client's finalizer; nothing in it refers back to the LLM), as does `shutdown()`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +34,8 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def make_client(engine_args: EngineArgs, kind: str) -> tuple[EngineConfig, Any]:
@@ -71,6 +77,23 @@ def start_front_end(
         client.shutdown()
         raise
     return tokenizer, *processors
+
+
+def log_startup_notes(engine_args: EngineArgs, mc: Any) -> None:
+    """What the front end says once at start-up about flags that change nothing or change request defaults."""
+    if engine_args.trust_remote_code:
+        logger.info(
+            "--trust-remote-code: accepted for vLLM compatibility; pagedllm runs no code from the model folder (its "
+            "architectures are built in)"
+        )
+    if mc.sampling_defaults:
+        logger.warning(
+            "Default sampling parameters have been overridden by the model's Hugging Face generation config "
+            "recommended from the model creator (%s): %s. If this is not intended, relaunch with "
+            "`--generation-config vllm`.",
+            mc.sampling_defaults_source,
+            mc.sampling_defaults,
+        )
 
 
 def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
@@ -118,6 +141,7 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs).for_engine_core()
         self.config, self.engine_core = make_client(self.engine_args, engine_client or engine_client_default())
         mc = self.config.model_config
+        log_startup_notes(self.engine_args, mc)
         self.tokenizer, self.input_processor, self.output_processor = start_front_end(
             mc, self.engine_core, self.engine_args.reasoning_parser, self.engine_args.enable_lora
         )
@@ -126,6 +150,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a call given none: SamplingParams' defaults, with the model's generation config's
+        values where --generation-config supplies some (vLLM's)."""
+        return SamplingParams(**self.config.model_config.get_diff_sampling_param())
 
     # ---- generation ---------------------------------------------------------------------------------
 
@@ -302,7 +331,7 @@ class LLM:
 
     def _as_params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

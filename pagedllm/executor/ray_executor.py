@@ -16,13 +16,15 @@ Contract (beyond executor/abstract.py).
   `check_health()` finds it without calling anyone: each actor runs one `watch()` call that never returns, in a
   concurrency group of its own (the calls of the default group stay one at a time, in order); its result turns
   ready, as an error, only when the actor dies, and `ray.wait(timeout=0)` asks for that. `shutdown()` kills the
-  actors and removes the placement group (and stops Ray if this executor started it).
+  actors and removes the placement group (and stops Ray if this executor started it); a cluster that does not answer
+  within RELEASE_TIMEOUT_S (it is gone) is left as it is, so that the engine still stops.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -35,6 +37,8 @@ from pagedllm.executor.abstract import RemoteWorkersExecutor
 logger = logging.getLogger(__name__)
 
 WATCH_GROUP = "watch"
+# Seconds the cluster gets to kill the actors and remove the placement group at shutdown (see shutdown()).
+RELEASE_TIMEOUT_S = 5.0
 
 
 class _RankActor:
@@ -178,6 +182,24 @@ class RayDistributedExecutor(RemoteWorkersExecutor):
         if self._stopped:
             return
         self._stopped = True
+        # Killing the actors and removing the placement group are calls to the cluster, which block, retrying, when
+        # it is gone (a cluster stopped under a live engine): they get RELEASE_TIMEOUT_S, in a thread of their own,
+        # so that the engine still stops (its actors went with the cluster anyway).
+        released = threading.Thread(target=self._release, daemon=True, name="ray-release")
+        released.start()
+        released.join(RELEASE_TIMEOUT_S)
+        if released.is_alive():
+            logger.warning(
+                "the Ray cluster did not answer within %.0f s (gone?): its actors and placement group are left to it",
+                RELEASE_TIMEOUT_S,
+            )
+            return
+        if self._started_ray:
+            deadline = time.monotonic() + 10
+            while self._ray.is_initialized() and time.monotonic() < deadline:
+                self._ray.shutdown()
+
+    def _release(self) -> None:
         for actor in self.actors:
             try:
                 self._ray.kill(actor)
@@ -187,7 +209,3 @@ class RayDistributedExecutor(RemoteWorkersExecutor):
             self._remove_pg(self.pg)
         except Exception:
             pass
-        if self._started_ray:
-            deadline = time.monotonic() + 10
-            while self._ray.is_initialized() and time.monotonic() < deadline:
-                self._ray.shutdown()

@@ -217,3 +217,18 @@ def test_output_tokens_counted_from_text_without_usage(tiny_tokenizer):
     assert serve._chunk_text({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) == ""
     assert serve._chunk_text({"choices": [{"index": 0, "text": " t6", "finish_reason": None}]}) == " t6"
     assert serve._chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+
+
+def test_without_tokenizer_the_served_models_root_counts_tokens(server, tiny_chat_llama, tmp_path, capsys):
+    """No --tokenizer: the tokenizer is the served model's, from the `root` of its /v1/models card (the server's model
+    folder here), not the default model's; prompt lengths then agree with the server's own counts."""
+    argv = ["--base-url", server.url, "--api-key", API_KEY, "--disable-tqdm", "--num-prompts", "3"]
+    argv += ["--random-input-len", "12", "--random-output-len", "2", "--ignore-eos", "--seed", "5"]
+    assert serve.main([*argv, "--result-dir", str(tmp_path), "--result-filename", "result.json"]) == 0
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert Path(rec["tokenizer_id"]) == Path(tiny_chat_llama).resolve()
+    assert "WARNING" not in capsys.readouterr().err
+    from pagedllm.benchmarks.datasets import load_tokenizer
+
+    sent = sample_random(load_tokenizer(tiny_chat_llama), 3, 12, 2, 0.0, seed=5)
+    assert _server_token_counts(server, rec["model_id"], [r.prompt for r in sent]) == rec["input_lens"]

@@ -174,3 +174,29 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
         serve.main(["--plot", "out.png"])
     assert exc.value.code == 2
     assert "--plot needs matplotlib: pip install 'pagedllm[bench]'" in capsys.readouterr().err
+
+
+def test_tokenizer_from_the_served_models_root(tmp_path, monkeypatch, capsys):
+    """--tokenizer; else the `root` of the served model's card where it is a path here that loads (an adapter's: its
+    base model's); else the old choice (--model as a path, else the default model's), with a warning saying why."""
+    monkeypatch.setattr(serve, "load_tokenizer", lambda path: f"tokenizer of {path}")
+    base = {"id": "base", "root": str(tmp_path)}
+    adapter = {"id": "adapter", "root": str(tmp_path / "adapter"), "parent": "base"}
+    assert serve.choose_tokenizer(_args(), base, [base]) == (str(tmp_path), f"tokenizer of {tmp_path}")
+    assert serve.choose_tokenizer(_args(), adapter, [base, adapter])[0] == str(tmp_path)
+    assert serve.choose_tokenizer(_args(tokenizer="tok"), base, [base])[0] == "tok"
+    assert capsys.readouterr().err == ""
+    hub = {"id": "m", "root": "Org/Model-7B"}  # a vLLM server's root: a hub name
+    assert serve.choose_tokenizer(_args(), hub, [hub]) == (None, "tokenizer of None")
+    assert "root 'Org/Model-7B' is not a path on this machine" in capsys.readouterr().err
+    assert serve.choose_tokenizer(_args(model=str(tmp_path)), {"id": "m"}, [])[0] == str(tmp_path)
+    assert "gives no root" in capsys.readouterr().err
+
+    def load(path):
+        if path is not None:
+            raise OSError("no tokenizer files")
+        return "default"
+
+    monkeypatch.setattr(serve, "load_tokenizer", load)
+    assert serve.choose_tokenizer(_args(), base, [base]) == (None, "default")
+    assert "does not load as a tokenizer (OSError: no tokenizer files)" in capsys.readouterr().err

@@ -1,13 +1,18 @@
 """The Ray executor on a two-node Ray cluster that the test starts on loopback (one CPU a node): TP=2 spans both
 nodes and gives TP=1's greedy tokens, and a rank killed while the engine is idle takes the engine down without a
 request; bundles the cluster cannot hold are a clear error within the placement
-timeout; the "ray" backend without Ray installed is refused up front, naming the extra."""
+timeout; the "ray" backend without Ray installed is refused up front, naming the extra. A Ray-backed LLM stops
+cleanly (status 0, no stack dump of Ray's SIGTERM handler), also when its cluster went away before the script
+ended."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,3 +93,57 @@ def test_the_ray_backend_without_ray_names_the_extra(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'pagedllm\[ray\]'"):
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray").for_engine_core()
+
+
+# Two Ray-backed LLMs on a cluster of the script's own: the first dropped while the cluster lives, the second left
+# alive while the cluster stops under it, until the interpreter exits.
+_OUTLIVE_SCRIPT = """
+import os, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+from ray.cluster_utils import Cluster
+from pagedllm import LLM, SamplingParams
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+os.environ["RAY_ADDRESS"] = cluster.address
+params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+kw = dict(tensor_parallel_size=2, dtype="float32", num_threads=1, kv_cache_memory_bytes=32 << 20)
+llm = LLM(model=sys.argv[1], **kw)
+assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+del llm
+print("DROPPED", flush=True)
+llm = LLM(model=sys.argv[1], **kw)
+assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+print("CORE", llm.engine_core.core.proc.pid, flush=True)
+cluster.shutdown()
+print("CLUSTER DOWN", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_backed_llm_stops_cleanly_also_after_its_cluster_is_gone(tiny_model_dir: Path) -> None:
+    if not HAVE_RAY:
+        pytest.skip("ray is not installed (it is in the test extra: pip install -e '.[test]')")
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=11)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_OUTLIVE_SCRIPT), folder],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream: the log lines and the script's marks in the order they came
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    assert "SIGTERM received" not in out, out[-4000:]  # Ray's stack dump of a signal it treats as a crash
+    dropped, _, rest = out.partition("DROPPED")
+    # dropped with its cluster alive: an ordinary stop, status 0
+    assert "engine core process stopped (exit status 0)" in dropped, dropped[-3000:]
+    assert "CLUSTER DOWN" in rest
+    core_pid = int(rest.split("CORE ", 1)[1].split()[0])
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{core_pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{core_pid}"), "the engine core outlived the script"

@@ -1,9 +1,11 @@
-"""Configuration edges and the `pagedllm generate` command, on tiny models built by the tests."""
+"""Configuration edges and the `pagedllm generate` command, on tiny models built by the tests; vLLM's launch flags
+(--chat-template, --trust-remote-code, --max-logprobs, --response-role, the request-log flags) parse and act."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import subprocess
 import sys
 
@@ -14,6 +16,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import DEFAULT_MODEL_INSTALL, default_model_path, parse_size
 from pagedllm.engine.arg_utils import EngineArgs
 from tests.model_utils import make_tiny_model, random_prompts
+
+TINY = dict(max_model_len=256, kv_cache_memory_bytes="8MiB", num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +181,86 @@ def test_version_flag_prints_the_version(capsys) -> None:
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"pagedllm {pagedllm.__version__}"
+
+
+# ---- vLLM's launch flags (issue 44): --chat-template, --trust-remote-code, --max-logprobs, --generation-config,
+# and the server's --response-role, --enable-log-requests / --disable-log-requests, --max-log-len ----------------
+
+VLLM_LAUNCH_LINE = [
+    "serve",
+    "some-model",
+    "--chat-template",
+    "template.jinja",
+    "--trust-remote-code",
+    "--disable-log-requests",
+    "--max-logprobs",
+    "5",
+    "--generation-config",
+    "vllm",
+    "--response-role",
+    "bot",
+]
+
+
+def test_a_vllm_launch_line_parses():
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.openai.api_server import log_requests
+
+    ns = build_parser().parse_args(VLLM_LAUNCH_LINE)
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.model, args.chat_template, args.trust_remote_code) == ("some-model", "template.jinja", True)
+    assert (args.max_logprobs, args.generation_config) == (5, "vllm")
+    assert ns.response_role == "bot" and ns.max_log_len is None and not log_requests(ns)
+    defaults = build_parser().parse_args(["serve"])
+    engine_defaults = EngineArgs.from_cli_args(defaults)
+    assert (engine_defaults.trust_remote_code, engine_defaults.max_logprobs) == (False, 20)
+    assert engine_defaults.generation_config == "auto" and defaults.response_role == "assistant"
+    assert not log_requests(defaults)  # off by default, as in recent vLLM
+    on = build_parser().parse_args(["serve", "--enable-log-requests", "--max-log-len", "12"])
+    assert log_requests(on) and on.max_log_len == 12
+    both = build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"])
+    assert not log_requests(both)  # vLLM's older flag wins
+    assert (
+        EngineArgs.from_cli_args(build_parser().parse_args(["serve", "--no-trust-remote-code"])).trust_remote_code
+        is False
+    )
+
+
+def test_chat_template_values_follow_vllms_rule(tmp_path):
+    """A file that opens is read; a value with "{", "}" or a newline is the template (backslash escapes decoded, as
+    vLLM's unicode_escape, non-ASCII text kept); anything else was meant as a path: a ValueError naming it."""
+    from pagedllm.engine.arg_utils import resolve_chat_template
+
+    file = tmp_path / "t.jinja"
+    file.write_text("{{ messages[0].content }}é\n")
+    assert resolve_chat_template(str(file)) == "{{ messages[0].content }}é\n"
+    assert resolve_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"
+    assert resolve_chat_template("{{ m }} — “é” 東\\t") == "{{ m }} — “é” 東\t"
+    assert resolve_chat_template("a } b") == "a } b"
+    assert resolve_chat_template("line one\nline two") == "line one\nline two"
+    for value in ("chatml", str(tmp_path / "missing.jinja"), str(tmp_path)):
+        with pytest.raises(ValueError, match="looks like a file path"):
+            resolve_chat_template(value)
+
+
+def test_max_logprobs_bounds_requests(model_dir):
+    with LLM(model_dir, engine_client="inproc", max_logprobs=3, **TINY) as llm:
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        out = llm.generate(prompt, SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=3), use_tqdm=False)[0]
+        assert len(out.outputs[0].logprobs) == 2
+        for name in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(ValueError, match=f"{name}=4 exceeds the maximum of 3"):
+                llm.generate(prompt, SamplingParams(max_tokens=2, **{name: 4}), use_tqdm=False)
+    vocab = EngineArgs(model=model_dir, max_logprobs=-1).create_model_config()
+    assert vocab.max_logprobs == vocab.vocab_size  # -1: no limit but the vocabulary
+    assert EngineArgs(model=model_dir).create_model_config().max_logprobs == 20
+    with pytest.raises(ValueError, match="max_logprobs must be -1 .* got -2"):
+        EngineArgs(model=model_dir, max_logprobs=-2).create_model_config()
+
+
+def test_trust_remote_code_is_accepted_and_said_once(model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        with LLM(model_dir, engine_client="inproc", trust_remote_code=True, **TINY) as llm:
+            assert llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    notes = [r for r in caplog.records if "--trust-remote-code" in r.getMessage()]
+    assert len(notes) == 1 and "runs no code from the model folder" in notes[0].getMessage()

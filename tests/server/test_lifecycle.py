@@ -127,8 +127,10 @@ def test_served_model_name_env_key_and_sigterm(servers):
 
 
 def test_ctrl_c_to_the_process_group_is_a_clean_stop(servers):
-    """A terminal's Ctrl-C sends SIGINT to the server and its engine core at once: the core leaves stopping to the
-    server, which exits 0 and logs a clean stop, not an engine that died under it."""
+    """A terminal's Ctrl-C (`make serve`) sends SIGINT to the server and its engine core at once, here right after a
+    completed request: the core leaves stopping to the server, which exits 0 and logs a clean stop of the core, not an
+    engine that died under it (before the core ignored SIGINT it exited 0 on it before the server stopped it, and the
+    server's watcher logged 'engine core process died (exit status 0)' and exited 1: make's "Error 1")."""
     srv = servers["ctrl_c"]
     assert srv.client().completions.create(model=srv.client().models.list().data[0].id, prompt=PROMPT, max_tokens=2)
     core_pid = srv.kv()["core_pid"]
@@ -137,6 +139,8 @@ def test_ctrl_c_to_the_process_group_is_a_clean_stop(servers):
     assert _pid_gone(core_pid), "the engine-core process outlived the server"
     log = srv.log_text()
     assert "engine core process died" not in log and "pagedllm server stopped" in log, log[-2000:]
+    # the stop of the core is logged as one, with its status
+    assert log.index("engine core process stopped (exit status 0)") > log.index("pagedllm server ready"), log[-2000:]
 
 
 def test_queue_limit_then_engine_death(servers):

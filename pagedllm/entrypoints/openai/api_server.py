@@ -611,6 +611,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         trust_template,
         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        response_role=getattr(args, "response_role", "assistant"),
     )
     state.serving_messages = AnthropicServingMessages(state.serving_chat)
     state.serving_responses = OpenAIServingResponses(state.serving_chat)
@@ -662,6 +663,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def log_requests(args: argparse.Namespace) -> bool:
+    """--enable-log-requests, unless --disable-log-requests (vLLM's older flag, which wins) is given too."""
+    return bool(getattr(args, "enable_log_requests", False)) and not getattr(args, "disable_log_requests", False)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -692,6 +698,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
             parse_lora_modules(args.lora_modules)  # a ValueError naming a malformed entry, before the model loads
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+        if args.max_log_len is not None and args.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
@@ -702,7 +710,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, 
         stats_interval = stats_log_interval()  # a bad $PAGEDLLM_STATS_LOG_INTERVAL fails before the model loads
         logger.info("starting the engine for the API server on %s:%d", host, port)
         engine_start = time.perf_counter()
-        engine = AsyncLLM(engine_args, core=core)
+        engine = AsyncLLM(engine_args, core=core, log_requests=log_requests(args), max_log_len=args.max_log_len)
         core = None  # the engine owns it now
         logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
         mc = engine.model_config

@@ -26,7 +26,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=int,
         default=None,
-        help="answer 429 to a completion/chat request when this many are already in flight (default: no limit)",
+        help="answer 429 to a generation request (completions, chat, messages, responses) when this many are "
+        "already in flight (default: no limit)",
     )
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
@@ -67,6 +68,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="refuse a request body larger than this with a 413, before it is read (e.g. 16MiB, 1GB or a byte "
         "count; default 16MiB: a million-token prompt as text is about 4 MB)",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="role of the chat reply when the request asks for a generation prompt (add_generation_prompt, the "
+        "default); else the reply continues the last message and takes its role (default: assistant)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request when it is received: its id, prompt (see --max-log-len) and sampling params (off by "
+        "default, as in vLLM)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no log line per request (the default; vLLM's older flag, kept so that its launch lines run unchanged; "
+        "wins over --enable-log-requests)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="with --enable-log-requests: the most prompt characters and prompt token ids logged (default: all)",
     )
     g.add_argument(
         "--enable-debug-routes",

@@ -334,6 +334,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    # With messages: OpenAI-style function definitions, rendered by the chat template as a chat request's are.
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

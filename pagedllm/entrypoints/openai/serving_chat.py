@@ -24,7 +24,9 @@ Contract:
   skip_special_tokens.
 * Reasoning (--reasoning-parser): the thinking goes to `reasoning_content` (streamed as its own deltas), the rest
   is the content (and what tools are parsed from).
-* Streaming: first one chunk per choice with `delta.role = "assistant"`, then content deltas (the last
+* The reply's role (the message's, and the first streamed delta's) is --response-role ("assistant" by default)
+  when a generation prompt opens it, else the last message's, which it continues (vLLM's rule).
+* Streaming: first one chunk per choice with `delta.role` (the reply's role), then content deltas (the last
   one of a choice carries its `finish_reason`), then the usage chunk if asked, then `data: [DONE]`.
 """
 
@@ -39,7 +41,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.engine.input_processor import MAX_LOGPROBS
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -257,10 +258,19 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        response_role: str = "assistant",
     ) -> None:
         super().__init__(engine, served_model_names, trust_request_chat_template)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
+        self.response_role = response_role  # --response-role
+
+    def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
+        """The role of the reply (vLLM's rule): --response-role when a generation prompt opens a new message, else
+        that of the last message, which the reply continues."""
+        if request.add_generation_prompt and not request.continue_final_message:
+            return self.response_role
+        return request.messages[-1].role
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         run = await self.start(request, f"chatcmpl-{random_uuid()}")
@@ -311,9 +321,12 @@ class OpenAIServingChat(OpenAIServing):
         self.check_chat_template(request.chat_template)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        max_logprobs = self.engine.input_processor.max_logprobs  # --max-logprobs
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= max_logprobs:
             raise OpenAIError(
-                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}", 400, "top_logprobs"
+                f"top_logprobs must be between 0 and {max_logprobs} (--max-logprobs), got {request.top_logprobs}",
+                400,
+                "top_logprobs",
             )
         try:
             text, ids = self.render(request)
@@ -416,6 +429,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
             message, finish_reason = self._message(plan, c.text, c.finish_reason)
+            message.role = self.get_chat_request_role(request)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
@@ -513,8 +527,9 @@ class OpenAIServingChat(OpenAIServing):
         merged = merge_async_iterators(gen)
         try:
             try:
+                reply_role = self.get_chat_request_role(request)
                 for i in range(request.n):
-                    role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=reply_role, content=""))
                     yield self._chunk(request_id, model, created, role, usage_for(i), include_usage)
                 async for _, out in merged:
                     raise_if_failed(out)

@@ -4,7 +4,9 @@ Contract:
 * `prompt` is a string, a list of strings, a list of token ids or a list of token-id lists. Each prompt is
   one generation with `n` choices; choice index = prompt_index * n + i. All prompts are validated before
   any is sent to the engine, so a bad one rejects the whole request (400) and nothing runs.
-* `max_tokens` defaults to 16 (OpenAI and vLLM); an explicit null means "up to the context length".
+* `max_tokens` defaults to 16 (OpenAI and vLLM), or the generation config's max_new_tokens where smaller; an
+  explicit null means "up to the context length" (at most that max_new_tokens). Sampling values a request leaves
+  unset come from the generation config (--generation-config; serving_engine.py).
 * `logprobs=N` returns OpenAI's legacy format (tokens, token_logprobs, top_logprobs, text_offset); with
   `echo` the prompt text is prepended and, with logprobs, the prompt tokens come first (the first one has
   no logprob). `finish_reason` is the engine's ("stop" or "length"), `stop_reason` the matched stop
@@ -98,8 +100,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("stream_options can only be given when stream is true", 400, "stream_options")
         try:
             prompts = []
+            requested = request.max_tokens
+            if "max_tokens" not in request.model_fields_set and requested is not None:
+                # OpenAI's default of 16, lowered by the generation config's max_new_tokens (as vLLM takes the least)
+                requested = min(requested, self.default_sampling_params.get("max_tokens", requested))
             for text, ids in self._parse_prompts(request):
-                max_tokens = self.resolve_max_tokens(request.max_tokens, len(ids), "prompt")
+                max_tokens = self.resolve_max_tokens(requested, len(ids), "prompt")
                 prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
                 params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
                 self.validate_prompt(ids, params)

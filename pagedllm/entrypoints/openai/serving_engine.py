@@ -6,7 +6,10 @@ Contract:
   sent to the engine): model name, SamplingParams, tokenization, context length, `InputProcessor.validate`.
   So a bad request is a 400 JSON error even when it asked to stream, and never reaches the engine core.
 * The context rule is vLLM's: prompt + max_tokens must fit in max_model_len (400 otherwise, with vLLM's
-  message); a request without max_tokens gets max_model_len - prompt_len.
+  message); a request without max_tokens gets max_model_len - prompt_len, at most the generation config's
+  max_new_tokens.
+* Sampling values a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty) come from the
+  model's generation config (--generation-config, `ModelConfig.sampling_defaults`), else SamplingParams' defaults.
 * A client that goes away aborts its generations: streams through `SSEResponse` (which closes the body
   generator whatever happened), non-streaming requests through `run_until_disconnected`.
 """
@@ -71,6 +74,8 @@ class OpenAIServing:
         self.max_model_len = int(engine.model_config.max_model_len)
         self.served_model_names = served_model_names
         self.trust_request_chat_template = trust_request_chat_template
+        # --generation-config: the values a request that leaves them unset takes (ModelConfig.sampling_defaults).
+        self.default_sampling_params: dict[str, Any] = dict(getattr(engine.model_config, "sampling_defaults", {}))
 
     @property
     def model_name(self) -> str:
@@ -140,12 +145,17 @@ class OpenAIServing:
         return None
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, what: str) -> int:
+        """The request's max_tokens, checked against the context; unset (None): what is left of the context, at
+        most the generation config's max_new_tokens (as vLLM)."""
         if requested is not None and requested < 1:
             raise OpenAIError(f"max_tokens must be at least 1, got {requested}", 400, "max_tokens")
         err = self.context_error(prompt_len, requested, what)
         if err is not None:
             raise err
-        return requested if requested is not None else self.max_model_len - prompt_len
+        if requested is not None:
+            return requested
+        rest = self.max_model_len - prompt_len
+        return min(rest, self.default_sampling_params.get("max_tokens", rest))
 
     # ---- request -> SamplingParams ------------------------------------------------------------------------
 
@@ -167,18 +177,19 @@ class OpenAIServing:
                 raise ValueError(
                     f"logit_bias keys must be token ids (integers as strings), got {list(request.logit_bias)!r:.100}"
                 ) from None
-        top_k = request.top_k
+        defaults = self.default_sampling_params  # --generation-config's, for what the request leaves unset
+        top_k = _or(request.top_k, defaults.get("top_k", -1))
         if top_k == 0:
             top_k = -1  # vLLM: 0 also means "no top-k"
         return SamplingParams(
             n=request.n,
             presence_penalty=_or(request.presence_penalty, 0.0),
             frequency_penalty=_or(request.frequency_penalty, 0.0),
-            repetition_penalty=_or(request.repetition_penalty, 1.0),
-            temperature=_or(request.temperature, 1.0),
-            top_p=_or(request.top_p, 1.0),
-            top_k=_or(top_k, -1),
-            min_p=_or(request.min_p, 0.0),
+            repetition_penalty=_or(request.repetition_penalty, defaults.get("repetition_penalty", 1.0)),
+            temperature=_or(request.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(request.top_p, defaults.get("top_p", 1.0)),
+            top_k=top_k,
+            min_p=_or(request.min_p, defaults.get("min_p", 0.0)),
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,

@@ -1,9 +1,9 @@
 """POST /tokenize and POST /detokenize (vLLM's extra endpoints), with the engine's own tokenizer.
 
 Contract: /tokenize takes exactly one of {"prompt": str} (special tokens added by default, as a completion
-request would) or {"messages": [...]} (the chat template applied, no special tokens added again, as a chat
-request would) and answers {"count", "max_model_len", "tokens"} — the very ids a generation request with
-the same input would run on. /detokenize turns {"tokens": [...]} back into {"prompt": str}; ids outside
+request would) or {"messages": [...]} (the chat template applied, with `tools` if given, no special tokens added
+again, as a chat request would) and answers {"count", "max_model_len", "tokens"} — the very ids a generation
+request with the same input would run on. /detokenize turns {"tokens": [...]} back into {"prompt": str}; ids outside
 the vocabulary are a 400.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_chat import messages_to_dicts
+from pagedllm.entrypoints.openai.serving_chat import messages_to_dicts, plan_tools
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 
 
@@ -25,6 +26,11 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give exactly one of `prompt` or `messages`", 400, "prompt")
+        if request.tools is not None and request.messages is None:
+            raise OpenAIError("`tools` go with `messages` (the chat template renders them)", 400, "tools")
+        if request.tools:
+            # The chat route's checks of each tool's shape (a 400 naming tools[i]); tool_choice "none" asks no more.
+            plan_tools(ChatCompletionRequest.model_construct(tools=request.tools, tool_choice="none"), False, None)
         self.check_chat_template(request.chat_template)
         processor = self.engine.input_processor
         try:
@@ -34,6 +40,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     add_generation_prompt=request.add_generation_prompt,
                     chat_template=request.chat_template,
                     continue_final_message=request.continue_final_message,
+                    tools=request.tools or None,
                 )
                 add_special = bool(request.add_special_tokens)
             else:

@@ -1,0 +1,76 @@
+"""--generation-config: the default sampling values a model's creator recommends (vLLM's `get_diff_sampling_param`).
+
+Contract: `sampling_defaults(source, model_dir)` returns the values of a `generation_config.json` that a request
+leaving them unset takes, as SamplingParams keyword arguments: `temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`, and `max_new_tokens` as `max_tokens`. As vLLM (`GenerationConfig.to_diff_dict()`), a value
+equal to transformers' own default (temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0) is no
+recommendation and is left out, and so is a null. `source`:
+* "auto": the `generation_config.json` of `model_dir` (an HF model's folder; for a GGUF file, the folder it sits in:
+  a GGUF carries no sampling defaults, but a `generation_config.json` downloaded beside it from the original
+  model is read), none if there is no such file;
+* "vllm": none (SamplingParams' own defaults, as `vllm serve --generation-config vllm`);
+* a folder: its `generation_config.json`, which must exist (ValueError otherwise).
+A file that is not a JSON object, or a value of the wrong type, is a ValueError naming the file.
+Reads one small JSON file; imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# transformers' GenerationConfig defaults of the keys read here: equal values are not the model creator's choice.
+HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+# generation_config.json key -> SamplingParams field, and the type it must have.
+SAMPLING_KEYS: dict[str, tuple[str, type]] = {
+    "repetition_penalty": ("repetition_penalty", float),
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
+    "max_new_tokens": ("max_tokens", int),
+}
+
+
+def generation_config_path(source: str, model_dir: str) -> str | None:
+    """The generation_config.json that `source` names for a model whose files are in `model_dir` (None: none)."""
+    if source == "vllm":
+        return None
+    if source == "auto":
+        path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
+        return path if os.path.isfile(path) else None
+    folder = os.path.expanduser(source)
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"generation_config must be auto, vllm or a folder holding {GENERATION_CONFIG_FILE}, got {source!r}"
+        )
+    path = os.path.join(folder, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"generation_config {source!r}: the folder has no {GENERATION_CONFIG_FILE}")
+    return path
+
+
+def sampling_defaults(source: str, model_dir: str) -> tuple[dict[str, Any], str | None]:
+    """(SamplingParams defaults, the file they came from) for `--generation-config source` (module docstring)."""
+    path = generation_config_path(source, model_dir)
+    if path is None:
+        return {}, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"generation config {path}: cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"generation config {path}: expected a JSON object, got {type(config).__name__}")
+    out: dict[str, Any] = {}
+    for key, (name, kind) in SAMPLING_KEYS.items():
+        value = config.get(key)
+        if value is None or value == HF_DEFAULTS.get(key):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"generation config {path}: {key} must be {what}, got {value!r}")
+        out[name] = kind(value)
+    return out, path

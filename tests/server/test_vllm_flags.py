@@ -1,0 +1,154 @@
+"""vLLM's launch flags on real servers of the default model. One started with a vLLM-style line,
+`--chat-template FILE --trust-remote-code --disable-log-requests --max-logprobs 5 --generation-config auto
+--response-role bot`: the template (a recognisable one, which also renders tools) is what chat requests and /tokenize
+run on, with or without tools; top_logprobs 6 is a 400 naming 5; the reply's role is "bot" (the last message's without
+a generation prompt); the remote-code note is logged once, and no request. One started with `--enable-log-requests
+--max-log-len 12 --generation-config FOLDER`: each request is logged with its prompt cut to 12 characters and its
+sampling params, which take the folder's generation config where the request leaves them unset."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import signal
+
+import pytest
+
+from tests.server.server_utils import RemoteServer, read_sse
+
+TEMPLATE = (
+    "{% if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]\n{% endif %}"
+    "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<reply>>{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+RENDERED = "<<system>> Be brief.\n<<user>> Name a colour.\n<<reply>>"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone"}},
+]
+GENERATION_CONFIG = {"temperature": 0.25, "top_k": 7, "max_new_tokens": 6, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_flags")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    gen = folder / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    vllm_line = RemoteServer(
+        *("--chat-template", str(folder / "template.jinja"), "--trust-remote-code", "--disable-log-requests"),
+        *("--max-logprobs", "5", "--generation-config", "auto", "--response-role", "bot"),
+        start=False,
+    )
+    logging = RemoteServer("--enable-log-requests", "--max-log-len", "12", "--generation-config", str(gen), start=False)
+    try:
+        vllm_line.wait_ready()
+        logging.wait_ready()
+        yield {"vllm_line": vllm_line, "logging": logging}
+    finally:
+        vllm_line.stop(signal.SIGKILL)
+        logging.stop(signal.SIGKILL)
+
+
+def _chat(srv: RemoteServer, **body) -> tuple[int, dict]:
+    return srv.request("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, **body})
+
+
+@pytest.mark.timeout(600)
+def test_chat_template_file_reaches_chat_and_tokenize(servers):
+    srv = servers["vllm_line"]
+    status, tok = srv.request("POST", "/tokenize", {"messages": MESSAGES})
+    assert status == 200, tok
+    assert srv.request("POST", "/detokenize", {"tokens": tok["tokens"]})[1]["prompt"] == RENDERED
+    status, chat = _chat(srv)
+    assert status == 200, chat
+    assert chat["usage"]["prompt_tokens"] == tok["count"]
+
+
+@pytest.mark.timeout(600)
+def test_tokenize_renders_tools_as_chat_does(servers):
+    srv = servers["vllm_line"]
+    without = srv.request("POST", "/tokenize", {"messages": MESSAGES})[1]
+    status, with_tools = srv.request("POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert status == 200, with_tools
+    assert with_tools["count"] > without["count"]
+    text = srv.request("POST", "/detokenize", {"tokens": with_tools["tokens"]})[1]["prompt"]
+    assert text == "[tools: get_weather get_time]\n" + RENDERED
+    status, chat = _chat(srv, tools=TOOLS, tool_choice="none")
+    assert status == 200, chat
+    assert chat["usage"]["prompt_tokens"] == with_tools["count"]
+    # the chat route's checks of the tools' shape, and tools only with messages
+    status, body = srv.request("POST", "/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]})
+    assert status == 400 and body["error"]["param"] == "tools[0]", body
+    status, body = srv.request("POST", "/tokenize", {"prompt": "hi", "tools": TOOLS})
+    assert status == 400 and body["error"]["param"] == "tools", body
+
+
+@pytest.mark.timeout(600)
+def test_max_logprobs_bounds_top_logprobs(servers):
+    srv = servers["vllm_line"]
+    status, body = _chat(srv, logprobs=True, top_logprobs=6)
+    assert status == 400 and body["error"]["param"] == "top_logprobs", body
+    assert "between 0 and 5" in body["error"]["message"]
+    status, body = _chat(srv, logprobs=True, top_logprobs=5, max_tokens=1)
+    assert status == 200 and len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 5
+    status, body = srv.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": 6})
+    assert status == 400 and "logprobs=6 exceeds the maximum of 5" in body["error"]["message"], body
+
+
+@pytest.mark.timeout(600)
+def test_response_role(servers):
+    srv = servers["vllm_line"]
+    status, body = _chat(srv)
+    assert status == 200 and body["choices"][0]["message"]["role"] == "bot", body
+    conn = srv.connect()
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps({"messages": MESSAGES, "max_tokens": 2, "stream": True}),
+            headers=srv.headers(),
+        )
+        events = read_sse(conn.getresponse())
+    finally:
+        conn.close()
+    assert events[0]["choices"][0]["delta"]["role"] == "bot"
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:-1] if e["choices"])
+    # without a generation prompt the reply continues the last message: its role
+    status, body = _chat(srv, add_generation_prompt=False)
+    assert status == 200 and body["choices"][0]["message"]["role"] == "user", body
+
+
+@pytest.mark.timeout(600)
+def test_startup_notes_and_no_request_log(servers):
+    srv = servers["vllm_line"]
+    assert _chat(srv)[0] == 200
+    log = srv.log_text()
+    assert log.count("--trust-remote-code: accepted for vLLM compatibility") == 1, log[-3000:]
+    assert "Received request" not in log
+    assert "Default sampling parameters" not in log  # no generation_config.json beside the default GGUF
+
+
+@pytest.mark.timeout(600)
+def test_requests_logged_with_the_generation_configs_defaults(servers):
+    srv = servers["logging"]
+    log = srv.log_text()
+    assert "Default sampling parameters have been overridden" in log and "'temperature': 0.25" in log
+    status, body = _chat(srv, max_tokens=None, ignore_eos=True)
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 6  # max_new_tokens: the default max_tokens
+    status, body = _chat(srv, temperature=0.9, top_k=3, max_tokens=2)
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
+    lines = [line for line in srv.log_text().splitlines() if "Received request chatcmpl-" in line]
+    assert len(lines) == 2, lines
+    unset, given = lines
+    assert "temperature=0.25" in unset and "top_k=7" in unset and "max_tokens=6" in unset, unset
+    assert "temperature=0.9" in given and "top_k=3" in given and "max_tokens=2" in given, given
+    # the prompt and its ids cut to --max-log-len 12
+    prompt = re.search(r"prompt: ('.*?'), params:", unset).group(1)
+    assert len(ast.literal_eval(prompt)) == 12
+    ids = re.search(r"prompt_token_ids: \[([\d, ]*)\]", unset).group(1)
+    assert len(ids.split(",")) == 12
