@@ -126,9 +126,9 @@ class EngineArgs:
     )
     quantization: str | None = _arg(
         None,
-        "how a GGUF model's quantized weights run: as stored by default (gguf: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K "
-        "on the native CPU kernels; other types are de-quantized at load), or none: every weight de-quantized at "
-        "load to --dtype (the float32 reference path)",
+        "how a GGUF model's quantized weights run: as stored by default (gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K "
+        "to Q6_K, IQ4_NL, IQ4_XS and MXFP4 on the native CPU kernels, F16/BF16/F32 as they are; a tensor of another "
+        "type is an error naming it), or none: every weight de-quantized at load to --dtype (the reference path)",
         aliases=("-q",),
         choices=("gguf", "none"),
     )
