@@ -5,7 +5,8 @@ Starts `pagedllm serve` (the default model unless --model), measures its RSS (th
 then sends --rounds requests with a prompt of --prompt-mb megabytes (default 20: over the default --max-request-bytes
 of 16MiB, a 413; with --prompt-mb 12 the body is read and parsed and the prompt refused by its length in characters,
 a 400) from a thread, and meanwhile times GET /health and a 1-token completion back to back. Prints the statuses, the
-latencies (max and median) and the RSS before and after (after a settle of one second).
+latencies (max and median; and the completion's alone, before), and the RSS before and after (after a settle of one
+second).
 
     python bench/request_limits.py [--prompt-mb 20] [--rounds 3] [--model PATH]
 """
@@ -72,6 +73,7 @@ def main() -> None:
         short = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
         for _ in range(3):  # warm up
             request(port, "POST", "/v1/completions", short)
+        alone = [request(port, "POST", "/v1/completions", short)[1] for _ in range(10)]
         time.sleep(1.0)
         before = rss_mb(proc.pid)
         prompt = "word " * int(args.prompt_mb * (1 << 20) / 5)
@@ -99,6 +101,7 @@ def main() -> None:
                 f"{name}: {len(times)} answered meanwhile, max {max(times) * 1e3:.1f} ms, "
                 f"median {statistics.median(times) * 1e3:.1f} ms"
             )
+        print(f"1-token completion alone (before): median {statistics.median(alone) * 1e3:.1f} ms")
         print(f"server RSS: {before:.0f} MB before, {after:.0f} MB after ({after - before:+.0f} MB)")
     finally:
         proc.terminate()
