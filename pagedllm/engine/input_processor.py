@@ -8,6 +8,7 @@ never disturbs those in flight: every problem raises `ValueError` naming the bad
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -267,7 +268,8 @@ class InputProcessor:
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """Content given as a list of {'type': 'text', 'text': ...} parts becomes one string."""
+    """Content given as a list of {'type': 'text', 'text': ...} parts becomes one string; tool calls' arguments
+    given as JSON text become objects."""
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -279,4 +281,23 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
             else:
                 raise ValueError(f"unsupported message content part {part!r:.80} (only text is supported)")
         message = {**message, "content": "".join(parts)}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:  # as vLLM: templates get a call's arguments as an object, not JSON text
+        message = {**message, "tool_calls": [_arguments_as_object(c) for c in calls]}
     return message
+
+
+def _arguments_as_object(call: Any) -> Any:
+    """A tool call whose `function.arguments` is JSON text of an object, with that object instead (templates write
+    it with `tojson`: JSON text would be quoted a second time, and models copy what they see)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": value}}

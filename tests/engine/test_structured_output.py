@@ -261,3 +261,20 @@ def test_llm_chat_gives_tools_to_the_template(llm: LLM) -> None:
         tools=tools,
     )[0]
     assert out.prompt.startswith("TOOL get_weather\nuser: Weather in Oslo?")
+
+
+def test_template_gets_tool_call_arguments_as_an_object(llm: LLM) -> None:
+    """As vLLM: a past call's arguments given as JSON text reach the template as an object, so that `tojson` writes
+    them once (the Qwen and Hermes templates do); text that is not a JSON object is left as it is."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:"
+        "{% for c in m.tool_calls or [] %} {{ c.function.arguments | tojson }}{% endfor %}|{% endfor %}"
+    )
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}},
+        {"id": "b", "type": "function", "function": {"name": "f", "arguments": "not json"}},
+    ]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    text = llm.input_processor.apply_chat_template(messages, add_generation_prompt=False, chat_template=template)
+    assert text == 'user:|assistant: {"city": "Oslo"} "not json"|'
+    assert calls[0]["function"]["arguments"] == '{"city": "Oslo"}'  # the caller's messages are not changed
