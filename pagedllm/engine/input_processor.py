@@ -20,6 +20,9 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+# Tokens a cut inside a word can add to a text's head (its last word split in pieces): a head over the context by
+# more than this means the whole text is too.
+PREFIX_CUT_MARGIN = 16
 
 # A pooling request's sampling settings: a placeholder (it samples nothing) that reports only its end.
 _POOLING_PLACEHOLDER = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -66,14 +69,19 @@ class InputProcessor:
         self.max_logprobs = model_config.max_logprobs  # --max-logprobs
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`text`'s token ids. A text that cannot fit the context whatever its tokens (`max_prompt_chars`) is a
-        ValueError before it is tokenized: tokenizing megabytes takes seconds and memory for nothing."""
-        if len(text) > self.max_prompt_chars:
-            raise ValueError(
-                f"the prompt has {len(text):,} characters, more than this model's context of {self.max_model_len} "
-                f"tokens can hold: no token of its vocabulary is longer than {self.max_token_chars} characters, so "
-                f"at most {self.max_prompt_chars:,} fit. Please reduce the length of the prompt."
-            )
+        """`text`'s token ids. A text of more than `max_prompt_chars` characters is first tokenized in part, its
+        first `max_prompt_chars`: when those alone overflow the context (with a margin for the cut), it is a
+        ValueError without tokenizing the rest (megabytes take seconds and memory for nothing); else (a tokenizer
+        that drops much of it, e.g. BERT's whitespace) the whole text is tokenized."""
+        limit = self.max_prompt_chars
+        if len(text) > limit:
+            head = self.tokenizer.encode(text[:limit], add_special_tokens=False)
+            if len(head) > self.max_model_len + PREFIX_CUT_MARGIN:
+                raise ValueError(
+                    f"the prompt has {len(text):,} characters, and its first {limit:,} alone are {len(head):,} "
+                    f"tokens: more than this model's context of {self.max_model_len} tokens. Please reduce the "
+                    "length of the prompt."
+                )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @functools.cached_property
@@ -88,8 +96,8 @@ class InputProcessor:
 
     @property
     def max_prompt_chars(self) -> int:
-        """A bound on the characters of a prompt that fits the context: `max_model_len` tokens of the longest kind,
-        doubled for what a tokenizer drops (runs of spaces, control characters)."""
+        """The characters that `max_model_len` tokens of the longest kind would take, doubled: a prompt longer than
+        this is checked on its head before it is tokenized whole (`tokenize`)."""
         return 2 * self.max_model_len * self.max_token_chars
 
     def apply_chat_template(
@@ -294,6 +302,8 @@ def _arguments_as_object(call: Any) -> Any:
     arguments = function.get("arguments") if isinstance(function, dict) else None
     if not isinstance(arguments, str):
         return call
+    if not arguments.strip():  # as vLLM: no arguments are an empty object
+        return {**call, "function": {**function, "arguments": {}}}
     try:
         value = json.loads(arguments)
     except ValueError:

@@ -311,3 +311,26 @@ def test_encoder_tensor_parallel_matches_one_rank(st_model) -> None:
     with LLM(minilm_folder(), tensor_parallel_size=2) as llm:
         got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False, truncate_prompt_tokens=-1)])
     assert torch.nn.functional.cosine_similarity(got, ref.cpu(), dim=1).min().item() >= 0.99999
+
+
+def test_long_text_that_fits_is_not_refused_by_its_characters() -> None:
+    """A text longer than `max_prompt_chars` is judged by the tokens of its head: aligned columns that BERT's
+    tokenizer mostly drops (whitespace) are tokenized whole and fit; a dense text is refused without tokenizing
+    all of it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.engine.input_processor import InputProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    processor = InputProcessor(
+        SimpleNamespace(vocab_size=tokenizer.vocab_size, max_model_len=256, max_logprobs=20), tokenizer, None
+    )
+    sparse = ("total" + " " * 120 + "42\n") * 80
+    assert len(sparse) > processor.max_prompt_chars
+    ids = processor.tokenize(sparse)
+    assert ids == tokenizer.encode(sparse) and len(ids) < 256
+    dense = "word " * (2 * processor.max_prompt_chars)
+    with pytest.raises(ValueError, match="characters"):
+        processor.tokenize(dense)

@@ -265,7 +265,8 @@ def test_llm_chat_gives_tools_to_the_template(llm: LLM) -> None:
 
 def test_template_gets_tool_call_arguments_as_an_object(llm: LLM) -> None:
     """As vLLM: a past call's arguments given as JSON text reach the template as an object, so that `tojson` writes
-    them once (the Qwen and Hermes templates do); text that is not a JSON object is left as it is."""
+    them once (the Qwen and Hermes templates do); empty text is an empty object; other text that is not a JSON object
+    is left as it is."""
     template = (
         "{% for m in messages %}{{ m.role }}:"
         "{% for c in m.tool_calls or [] %} {{ c.function.arguments | tojson }}{% endfor %}|{% endfor %}"
@@ -273,8 +274,9 @@ def test_template_gets_tool_call_arguments_as_an_object(llm: LLM) -> None:
     calls = [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}},
         {"id": "b", "type": "function", "function": {"name": "f", "arguments": "not json"}},
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}},
     ]
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     text = llm.input_processor.apply_chat_template(messages, add_generation_prompt=False, chat_template=template)
-    assert text == 'user:|assistant: {"city": "Oslo"} "not json"|'
+    assert text == 'user:|assistant: {"city": "Oslo"} "not json" {}|'
     assert calls[0]["function"]["arguments"] == '{"city": "Oslo"}'  # the caller's messages are not changed

@@ -229,3 +229,20 @@ def test_errors_have_anthropics_shape(server, model_name, change, status, words)
     assert out["type"] == "error" and set(out["error"]) == {"type", "message"}, out
     assert out["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
     assert words in out["error"]["message"], out
+
+
+def test_consecutive_user_turns_are_one(aclient, client, model_name):
+    """As Anthropic: two user messages in a row are one turn (templates that want the roles to alternate would
+    refuse them apart)."""
+    two = [{"role": "user", "content": "What is the capital"}, {"role": "user", "content": "of France?"}]
+    counted = aclient.messages.count_tokens(model=model_name, messages=two)
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "What is the capital\nof France?"}], max_tokens=1
+    )
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    assert _create(aclient, model_name, messages=two, max_tokens=2).usage.input_tokens == counted.input_tokens
+
+
+def test_auto_without_tools_is_plain_text(aclient, model_name):
+    msg = _create(aclient, model_name, tool_choice={"type": "auto"}, max_tokens=2)
+    assert msg.content[0].type == "text"

@@ -95,3 +95,17 @@ def test_a_smaller_limit_applies(model_name):
         assert status == 200, out
     finally:
         srv.stop()
+
+
+def test_a_client_waiting_for_100_continue_gets_the_413_at_once(server, model_name):
+    """With `Expect: 100-continue` (curl's large uploads) the body is not asked for: the 413 comes first."""
+    conn = server.connect(timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for k, v in {**server.headers(), "Content-Length": str(20 * MiB), "Expect": "100-continue"}.items():
+            conn.putheader(k, v)
+        conn.endheaders()  # no body sent
+        resp = conn.getresponse()
+        assert resp.status == 413 and "--max-request-bytes" in json.loads(resp.read())["error"]["message"]
+    finally:
+        conn.close()

@@ -198,3 +198,9 @@ def test_errors(server, model_name, change, status, words):
     assert words in out["error"]["message"], out
     got, out = server.request("GET", "/v1/responses/resp_unknown")
     assert got == 404 and "not found" in out["error"]["message"]
+
+
+def test_auto_tool_choice_without_tools_is_plain_text(client, model_name):
+    """The Responses API reports tool_choice "auto" by default; clients send it back without tools."""
+    r = _create(client, model_name, tool_choice="auto", max_output_tokens=2)
+    assert r.output[0].type == "message"

@@ -8,6 +8,7 @@ Contract:
     messages (in order, with the `tool_use_id`), its text blocks its content; an assistant message's `tool_use`
     blocks become its tool calls (input as JSON), `thinking` blocks are dropped; a last assistant message is
     continued (Anthropic's prefill). Image, document and other blocks are a 400 naming the block.
+  - consecutive user (or assistant) messages are one turn, as Anthropic combines them.
   - `tools` ({name, description, input_schema}) are function tools; `tool_choice` auto (the default with tools),
     any (at least one call), tool (that one), none; `disable_parallel_tool_use` allows one call. Server tools
     (a `type` other than custom) are a 400.
@@ -150,8 +151,8 @@ def _tools(request: MessagesRequestBase) -> list[dict[str, Any]] | None:
 def _tool_choice(request: MessagesRequestBase) -> tuple[Any, bool]:
     """The chat tool_choice and whether several calls are allowed."""
     choice = request.tool_choice
-    if choice is None:
-        return None, True
+    if choice is None or (choice.get("type") == "auto" and not request.tools):
+        return None, True  # auto without tools: plain text
     parallel = not choice.get("disable_parallel_tool_use", False)
     kind = choice.get("type")
     if kind == "auto":
@@ -169,6 +170,21 @@ def _tool_choice(request: MessagesRequestBase) -> tuple[Any, bool]:
     )
 
 
+def _merge_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) messages as one turn, as Anthropic combines them: chat templates that want
+    the roles to alternate would refuse them apart. Tool messages stay where they are."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        last = out[-1] if out else None
+        if last is None or m["role"] != last["role"] or m["role"] not in ("user", "assistant"):
+            out.append(dict(m))
+            continue
+        last["content"] = "\n".join(c for c in (last["content"], m["content"]) if c)
+        if m.get("tool_calls"):
+            last["tool_calls"] = [*last.get("tool_calls", []), *m["tool_calls"]]
+    return out
+
+
 def to_chat_request(request: MessagesRequestBase) -> ChatCompletionRequest:
     """The chat request a Messages (or count_tokens) request stands for; a 400 naming the field if it is not one."""
     messages: list[dict[str, Any]] = []
@@ -180,6 +196,7 @@ def to_chat_request(request: MessagesRequestBase) -> ChatCompletionRequest:
             messages += _user_messages(m.content, where)
         else:
             messages.append(_assistant_message(m.content, where))
+    messages = _merge_turns(messages)
     prefill = request.messages[-1].role == "assistant"
     choice, parallel = _tool_choice(request)
     fields: dict[str, Any] = {

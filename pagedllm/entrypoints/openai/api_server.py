@@ -210,9 +210,14 @@ class RequestSizeMiddleware:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send, int(declared), more=True)
+            # Drained (see _refuse) unless the client waits for a 100 Continue before it sends the body (curl does
+            # for large uploads: it then reads the 413 at once) or the body is too large to be worth reading.
+            waiting = headers.get(b"expect", b"").lower() == b"100-continue"
+            more = not waiting and int(declared) <= DRAIN_LIMIT_BYTES
+            await self._refuse(scope, receive, send, int(declared), more=more)
             return
         chunks: list[bytes] = []
         size = 0

@@ -122,7 +122,9 @@ def _tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, has_tools: bool) -> Any:
+    if choice == "auto" and not has_tools:
+        return None  # the Responses API's default, which clients send back even without tools: plain text
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
@@ -185,7 +187,7 @@ class OpenAIServingResponses:
             "top_p": request.top_p,
             "top_k": request.top_k,
             "tools": _tools(request),
-            "tool_choice": _tool_choice(request.tool_choice),
+            "tool_choice": _tool_choice(request.tool_choice, bool(request.tools)),
             "response_format": _response_format(request.text),
             "stream": request.stream,
             "priority": request.priority,
