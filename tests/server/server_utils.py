@@ -30,6 +30,25 @@ COMMON_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--disa
 _READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
 
 
+# The tool schemas the tool-calling tests share (tight: bounded strings, no extra keys, so a small model's
+# constrained calls end).
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 20}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+
+
 class RemoteServer:
     def __init__(
         self,

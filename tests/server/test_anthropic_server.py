@@ -11,22 +11,10 @@ import json
 import jsonschema
 import pytest
 
-from tests.server.server_utils import API_KEY
+from tests.server.server_utils import API_KEY, TIME, WEATHER
 
 anthropic = pytest.importorskip("anthropic")
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
     {"name": "get_time", "description": "Time now", "input_schema": TIME},
@@ -154,7 +142,12 @@ def test_tool_results_in_the_conversation(aclient, model_name):
             "role": "assistant",
             "content": [
                 {"type": "text", "text": "Let me look."},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris", "unit": "celsius"},
+                },
             ],
         },
         {

@@ -12,18 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,
-}
+from tests.server.server_utils import TIME, WEATHER
+
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
     {"type": "function", "name": "get_time", "description": "Time now", "parameters": TIME},
@@ -146,7 +136,7 @@ def test_function_call_output_as_input(client, model_name):
             "type": "function_call",
             "call_id": "call_1",
             "name": "get_weather",
-            "arguments": '{"city": "Paris", "unit": "c"}',
+            "arguments": '{"city": "Paris", "unit": "celsius"}',
         },
         {"type": "function_call_output", "call_id": "call_1", "output": "21 C, sunny"},
     ]

@@ -12,23 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.server_utils import RemoteServer
+from tests.server.server_utils import TIME, WEATHER, RemoteServer
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

@@ -229,6 +229,12 @@ class IncrementalToolParser(ToolParser):
         """Handle what can be handled of the text from `_pos` on, and return (also after `_give_up`/`_stop`)."""
         raise NotImplementedError
 
+    def _run_steps(self, steps: dict[str, Callable[[bool], bool]], final: bool) -> None:
+        """A state machine's `_advance`: run the step of the current `self._mode` while it makes progress (a step
+        returns False to wait for more text) and the calls go on."""
+        while not (self._stopped or self._rest_is_content) and steps[self._mode](final):
+            pass
+
     def _give_up(self, start: int) -> None:
         """The text from `start` on (held back so far) is not a call after all: with no call before it, it and all
         that follows are content; after calls, the calls are over."""

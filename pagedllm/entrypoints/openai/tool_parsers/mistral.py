@@ -53,8 +53,7 @@ class MistralToolParser(JsonObjectCalls):
             "arguments": self._arguments_step,
             "next": self._next_step,
         }
-        while not (self._stopped or self._rest_is_content) and steps[self._mode](final):
-            pass
+        self._run_steps(steps, final)
 
     def _end(self) -> None:
         self._give_up(self._region)

@@ -148,8 +148,7 @@ class Qwen3CoderToolParser(IncrementalToolParser):
             "parameter": self._parameter_step,
             "value": self._value_step,
         }
-        while not (self._stopped or self._rest_is_content) and steps[self._mode](final):
-            pass
+        self._run_steps(steps, final)
 
     def _end(self) -> None:
         self._give_up(self._region)
