@@ -22,7 +22,8 @@ Contract:
   function_call_arguments.delta ... / done, whose pieces join into the call's arguments), output_item.done, and
   last response.completed or response.incomplete with the whole response; `sequence_number` counts the events. A
   failure after the stream began is an `error` event.
-* Responses with `store` (the default) are kept in memory, the last `MAX_STORED_RESPONSES`, for
+* Responses with `store` (the default) are kept in memory, the last `MAX_STORED_RESPONSES` within
+  `MAX_STORED_BYTES` of their JSON (the oldest dropped first; one larger than that is not kept), for
   `previous_response_id` and GET /v1/responses/{id} (404 for any other id).
 """
 
@@ -45,6 +46,7 @@ from pagedllm.outputs import RequestOutput
 
 # Stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest are dropped first.
 MAX_STORED_RESPONSES = 1024
+MAX_STORED_BYTES = 256 << 20
 
 
 def _invalid(message: str, param: str) -> OpenAIError:
@@ -153,13 +155,18 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 class StoredResponse:
     body: dict[str, Any]  # the response object
     conversation: list[dict[str, Any]]  # its chat messages, input and output, without the instructions
+    size: int = 0  # bytes of both as JSON
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, max_stored: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(
+        self, chat: OpenAIServingChat, max_stored: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES
+    ) -> None:
         self.chat = chat
         self.max_stored = max_stored
+        self.max_bytes = max_bytes
         self.stored: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.stored_bytes = 0
 
     # ---- the request ----------------------------------------------------------------------------------------
 
@@ -171,7 +178,8 @@ class OpenAIServingResponses:
             if previous is None:
                 raise _invalid(
                     f"Previous response with id '{request.previous_response_id}' not found: it was never stored "
-                    f"here (store: false), or it is older than the last {self.max_stored} responses.",
+                    f"here (store: false), or it is older than the last {self.max_stored} responses (or the last "
+                    f"{self.max_bytes >> 20} MiB of them).",
                     "previous_response_id",
                 )
             conversation = list(previous.conversation)
@@ -288,9 +296,14 @@ class OpenAIServingResponses:
     ) -> None:
         if not request.store:
             return
-        self.stored[body["id"]] = StoredResponse(body, conversation + items.messages())
-        while len(self.stored) > self.max_stored:
-            self.stored.popitem(last=False)
+        entry = StoredResponse(body, conversation + items.messages())
+        entry.size = len(json.dumps(entry.body)) + len(json.dumps(entry.conversation))
+        if entry.size > self.max_bytes:
+            return
+        self.stored[body["id"]] = entry
+        self.stored_bytes += entry.size
+        while len(self.stored) > self.max_stored or self.stored_bytes > self.max_bytes:
+            self.stored_bytes -= self.stored.popitem(last=False)[1].size
 
     async def _stream(
         self,
