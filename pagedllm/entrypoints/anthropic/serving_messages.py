@@ -46,7 +46,7 @@ from pagedllm.entrypoints.anthropic.protocol import (
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_uuid
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import SSEResponse, merge_async_iterators, raise_if_failed
+from pagedllm.entrypoints.openai.serving_engine import SSEResponse, merge_async_iterators, raise_if_failed, sse_event
 from pagedllm.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def stop_reason(finish_reason: str | None, matched: int | str | None) -> tuple[s
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+    return sse_event(kind, {"type": kind, **data})
 
 
 class AnthropicServingMessages:
@@ -335,7 +335,7 @@ class AnthropicServingMessages:
                         yield _event("message_stop", {})
             except Exception as e:
                 err = self.chat.error_for(e, request)
-                yield f"event: error\ndata: {json.dumps(anthropic_error_body(err.message, err.status))}\n\n"
+                yield sse_event("error", anthropic_error_body(err.message, err.status))
         finally:
             await merged.aclose()
 

@@ -361,6 +361,14 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
     return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
+async def _answer(call: Awaitable[Response]) -> Response:
+    """The handler's response, or a 499 when the client went away first (its engine requests were aborted)."""
+    try:
+        return await call
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening
+
+
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
@@ -369,10 +377,7 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     serving = raw_request.app.state.serving_completion
     _check_generates(serving, request.model)
-    try:
-        return await serving.create_completion(request, raw_request)
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the generation was aborted
+    return await _answer(serving.create_completion(request, raw_request))
 
 
 @router.post(
@@ -383,10 +388,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving = raw_request.app.state.serving_chat
     _check_generates(serving, request.model)
-    try:
-        return await serving.create_chat_completion(request, raw_request)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await _answer(serving.create_chat_completion(request, raw_request))
 
 
 @router.post(
@@ -401,10 +403,7 @@ async def create_message(request: MessagesRequest, raw_request: Request) -> Resp
     """Anthropic's Messages API (what Claude Code and Anthropic's SDKs speak), run as a chat completion."""
     serving = raw_request.app.state.serving_messages
     _check_generates(serving.chat, request.model)
-    try:
-        return await serving.create_message(request, raw_request)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await _answer(serving.create_message(request, raw_request))
 
 
 @router.post(
@@ -424,10 +423,7 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
     """OpenAI's Responses API, run as a chat completion; kept for previous_response_id unless `store` is false."""
     serving = raw_request.app.state.serving_responses
     _check_generates(serving.chat, request.model)
-    try:
-        return await serving.create_response(request, raw_request)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await _answer(serving.create_response(request, raw_request))
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=errors(404))
@@ -455,36 +451,29 @@ def _check_generates(serving: OpenAIServing, model: str | None) -> None:
 _POOLING_ERRORS = errors(400, 404, 503)
 
 
-async def _pooling(call: Awaitable[Response]) -> Response:
-    try:
-        return await call
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the engine requests were aborted
-
-
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POOLING_ERRORS)
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     """OpenAI's embeddings (vLLM's extras: truncate_prompt_tokens, add_special_tokens, priority, normalize)."""
-    return await _pooling(raw_request.app.state.serving_embedding.create_embedding(request, raw_request))
+    return await _answer(raw_request.app.state.serving_embedding.create_embedding(request, raw_request))
 
 
 @router.post("/pooling", response_model=PoolingResponse, responses=_POOLING_ERRORS)
 async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
     """The model's pooled states (task "encode"): one vector per input, or one per token with pooling type ALL."""
-    return await _pooling(raw_request.app.state.serving_embedding.create_pooling(request, raw_request))
+    return await _answer(raw_request.app.state.serving_embedding.create_pooling(request, raw_request))
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=_POOLING_ERRORS)
 async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
     """Class probabilities of each input, with the model's label of the likeliest class."""
-    return await _pooling(raw_request.app.state.serving_embedding.create_classify(request, raw_request))
+    return await _answer(raw_request.app.state.serving_embedding.create_classify(request, raw_request))
 
 
 @router.post("/score", operation_id="score", response_model=ScoreResponse, responses=_POOLING_ERRORS)
 @router.post("/v1/score", operation_id="score_v1", response_model=ScoreResponse, responses=_POOLING_ERRORS)
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     """Scores of text pairs: a cross-encoder's, or the cosine similarity of an embedder's embeddings."""
-    return await _pooling(raw_request.app.state.serving_score.create_score(request, raw_request))
+    return await _answer(raw_request.app.state.serving_score.create_score(request, raw_request))
 
 
 @router.post("/rerank", operation_id="rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
@@ -492,7 +481,7 @@ async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
 @router.post("/v2/rerank", operation_id="rerank_v2", response_model=RerankResponse, responses=_POOLING_ERRORS)
 async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
     """Jina's and Cohere's rerank: the documents by relevance to the query, best first."""
-    return await _pooling(raw_request.app.state.serving_score.create_rerank(request, raw_request))
+    return await _answer(raw_request.app.state.serving_score.create_rerank(request, raw_request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))

@@ -363,6 +363,11 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def sse_event(name: str, payload: dict[str, Any]) -> str:
+    """A named server-sent event (Anthropic's and the Responses API's streams): `event: NAME` and its JSON."""
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 def sse_error(err: OpenAIError) -> str:
     return sse(json.dumps(error_body(err.message, err.status, err.param, err.err_type)))
 

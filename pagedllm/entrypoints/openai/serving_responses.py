@@ -41,7 +41,7 @@ from fastapi.responses import Response
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, now_s, random_uuid
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import SSEResponse, merge_async_iterators, raise_if_failed
+from pagedllm.entrypoints.openai.serving_engine import SSEResponse, merge_async_iterators, raise_if_failed, sse_event
 from pagedllm.outputs import RequestOutput
 
 # Stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest are dropped first.
@@ -368,7 +368,7 @@ class _Events:
         """Queue an event; its data is serialised now (an item that changes later is sent as it is now)."""
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        self.queue.append(f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n")
+        self.queue.append(sse_event(kind, data))
 
     def drain(self) -> list[str]:
         out, self.queue = self.queue, []
