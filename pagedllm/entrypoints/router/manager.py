@@ -20,7 +20,8 @@ Contract:
 * `shutdown()` stops every engine (and a load in progress, when its engine comes up).
 
 All state lives on the event loop; nothing here blocks it: engines are built (`build(spec)`, blocking) and their
-processes stopped in worker threads.
+processes stopped in worker threads. Engines are built one at a time: the front end's first imports (transformers'
+lazy module) fail when two threads make them at once, and two cores gain little from two loads side by side.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -148,6 +150,7 @@ class ModelManager:
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task | None = None
         self._closed = False
+        self._build_lock = threading.Lock()
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -279,7 +282,8 @@ class ModelManager:
 
     def _build(self, spec: ModelSpec) -> Any:
         """In a worker thread: the model's stack; stopped again if the router closed meanwhile."""
-        stack = self.build(spec)
+        with self._build_lock:
+            stack = self.build(spec)
         if self._closed:
             stack.engine.shutdown()
             raise ModelUnavailable("the server is shutting down")
