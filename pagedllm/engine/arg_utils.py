@@ -108,6 +108,11 @@ class EngineArgs:
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm runs no code from a model folder, whatever this says"
     )
+    enable_sleep_mode: bool = _arg(
+        False,
+        "accepted for vLLM compatibility: sleep mode (POST /sleep, LLM.sleep) needs no preparation here and is always "
+        "available",
+    )
     max_logprobs: int = _arg(
         20, "the most logprobs / prompt_logprobs / top_logprobs a request may ask for; -1: the vocabulary size"
     )

@@ -27,9 +27,9 @@ import msgspec
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient, merge_invariants
 from pagedllm.engine.core_process import CoreProcess
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagedllm.engine.input_processor import PromptType
-from pagedllm.engine.llm import log_startup_notes, start_front_end
+from pagedllm.engine.llm import check_sleep_level, log_startup_notes, start_front_end
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARegistry, LoRARequest, lora_errors
@@ -41,6 +41,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 OUTPUT_CHUNK_SIZE = 128
+SLEEP_DRAIN_POLL_S = 0.01  # how often sleep() looks whether the requests in flight have finished
 
 
 class RequestOutputCollector:
@@ -105,11 +106,13 @@ class AsyncLLM:
         core: CoreProcess | None = None,
         log_requests: bool = False,
         max_log_len: int | None = None,
+        sleep_auto_wake: bool = False,
     ) -> None:
         """`core`: the engine-core process, if already started from `engine_args.for_engine_core()` (as
         `pagedllm serve` does, before its imports); else it is started here. It is stopped if this fails.
         `log_requests` (--enable-log-requests): log each request as it is added, its prompt text and token ids cut
-        to `max_log_len` (--max-log-len; None: whole)."""
+        to `max_log_len` (--max-log-len; None: whole). `sleep_auto_wake` (--sleep-auto-wake): a request that arrives
+        while the engine sleeps wakes it, rather than failing with EngineSleepingError."""
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         # The core process builds its config from the same arguments (with the KV budget fixed in them).
@@ -136,6 +139,9 @@ class AsyncLLM:
         self.errored: BaseException | None = None
         self.stat_loggers: list[Any] = []
         self._stats_tasks: set[asyncio.Task] = set()
+        self.sleep_auto_wake = sleep_auto_wake
+        self.sleep_level = 0  # as the front end last set it (sleep()); requests check it before entering
+        self._sleep_lock: asyncio.Lock | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -167,6 +173,12 @@ class AsyncLLM:
         loaded first if the engines do not hold it); returns the collector its outputs go to."""
         if self.errored is not None:
             raise (self.errored if isinstance(self.errored, EngineDeadError) else EngineDeadError(str(self.errored)))
+        if self.sleep_level:
+            if not self.sleep_auto_wake:
+                raise EngineSleepingError(
+                    f"the model is asleep (level {self.sleep_level}): wake it up first (POST /wake_up)"
+                )
+            await self.wake_up()
         text, req = self.input_processor.process(
             request_id, prompt, params, time.time(), priority, add_special_tokens, lora_request
         )
@@ -366,6 +378,50 @@ class AsyncLLM:
         if self.loras.removed(lora_id) is None:
             return False
         return any(await self.engine_core.call_utility_all_async("remove_lora", lora_id))
+
+    # ---- sleep mode ---------------------------------------------------------------------------------
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine sleeps, or is being put to sleep (new requests are refused or wait for wake_up)."""
+        return self.sleep_level > 0
+
+    def _lock(self) -> asyncio.Lock:
+        if self._sleep_lock is None:  # made on the running loop (the constructor may run on another thread)
+            self._sleep_lock = asyncio.Lock()
+        return self._sleep_lock
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engines to sleep (engine/core.py `sleep`): from now on requests are refused (or wake it, with
+        sleep_auto_wake); those in flight finish first."""
+        check_sleep_level(level)
+        async with self._lock():
+            if level <= self.sleep_level:
+                return
+            self.sleep_level = level
+            try:
+                while self.output_processor.has_unfinished_requests():
+                    await asyncio.sleep(SLEEP_DRAIN_POLL_S)
+                await self.engine_core.call_utility_all_async("sleep", level)
+            except BaseException:
+                self.sleep_level = 0 if not await self._core_sleeping() else level
+                raise
+
+    async def wake_up(self) -> None:
+        """Wake the engines; requests are accepted again once they are up."""
+        async with self._lock():
+            if self.sleep_level:
+                await self.engine_core.call_utility_all_async("wake_up")
+                self.sleep_level = 0
+
+    async def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def _core_sleeping(self) -> bool:
+        try:
+            return any(await self.engine_core.call_utility_all_async("is_sleeping"))
+        except Exception:
+            return False
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self.engine_core.call_utility_all_async("reset_prefix_cache"))

@@ -11,6 +11,7 @@ not a branch to `step`. The process wrapper (EngineCoreProc) drives the same obj
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import Executor
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.heap import trim_heap
 from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -62,9 +64,13 @@ class EngineCore:
         # Computes the grammar bitmask of a step with constrained requests while this thread runs its forward pass.
         self._step_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
         self.max_model_len = config.model_config.max_model_len
+        self.sleep_level = 0  # 0 awake; 1 weights aside, KV cache freed; 2 executor gone (sleep())
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleep_level:  # the front ends refuse or wake first; a request that still arrives wakes the engine
+            logger.warning("a request arrived while the engine was asleep: waking it up")
+            self.wake_up()
         params = request.sampling_params
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 1))
@@ -161,6 +167,50 @@ class EngineCore:
             self._loras_to_remove.discard(lora_id)
             self._loras.pop(lora_id, None)
             self.executor.collective_rpc("remove_lora", (lora_id,))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory without stopping it (vLLM's sleep mode). Level 1: the KV cache is freed and the
+        weights wait in a temporary file (page cache), to be read back by `wake_up` in a fraction of a second.
+        Level 2: the workers are stopped (everything but the config goes); `wake_up` starts them again, as at
+        start-up. Either way the prefix cache starts cold after it. Only an idle engine sleeps (ValueError
+        naming the requests in flight); a deeper level than the current one applies, a shallower one does nothing."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        busy = self.scheduler.get_num_unfinished_requests()
+        if busy:
+            raise ValueError(f"the engine has {busy} requests in flight: it sleeps once they finish")
+        if level <= self.sleep_level:
+            return
+        start = time.perf_counter()
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if level == 1:
+            self.executor.collective_rpc("sleep")
+        else:
+            self.executor.shutdown()
+            self.executor = Executor(self.config)  # no ranks: health checks pass, nothing runs until wake_up
+            gc.unfreeze()  # what start-up froze (engine/core_proc.py) may now be collected
+            gc.collect()
+            trim_heap()
+        self.sleep_level = level
+        logger.info("engine asleep (level %d) in %.2f s", level, time.perf_counter() - start)
+
+    def wake_up(self) -> None:
+        """Back from `sleep`: the weights as they were (level 1) or loaded again (level 2); the prefix cache empty."""
+        if not self.sleep_level:
+            return
+        start = time.perf_counter()
+        if self.sleep_level == 1:
+            self.executor.collective_rpc("wake_up")
+        else:
+            self.executor = Executor.get_class(self.config)(self.config)
+            self.executor.initialize_cache(self.num_blocks)
+            for lora in self._loras.values():  # the adapters the workers held before
+                self.executor.collective_rpc("add_lora", (lora,))
+        logger.info("engine awake (from level %d) in %.2f s", self.sleep_level, time.perf_counter() - start)
+        self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

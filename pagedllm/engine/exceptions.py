@@ -8,3 +8,10 @@ class EngineDeadError(RuntimeError):
 
     def __init__(self, message: str = "the engine core process died; restart the engine") -> None:
         super().__init__(message)
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode): it frees its memory until woken; requests are refused meanwhile."""
+
+    def __init__(self, message: str = "the engine is asleep: wake it up first (POST /wake_up, LLM.wake_up())") -> None:
+        super().__init__(message)

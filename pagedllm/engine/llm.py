@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig, engine_client_default
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.exceptions import EngineSleepingError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import EngineCoreRequest
@@ -130,6 +131,13 @@ def _check_one_label(mc: Any) -> None:
         raise ValueError(f"Score API is only enabled for num_labels == 1 (this model has {labels} labels)")
 
 
+def check_sleep_level(level: object) -> int:
+    """A sleep level (1 or 2); ValueError naming any other value."""
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    return int(level)  # type: ignore[arg-type]
+
+
 class LLM:
     """An offline engine: `LLM().generate("Hello")` runs the default model."""
 
@@ -147,6 +155,7 @@ class LLM:
         )
         self._counter = itertools.count()
         self.loras = LoRARegistry()  # the adapters the engines hold
+        self._sleep_level = 0
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -356,6 +365,8 @@ class LLM:
         add_special_tokens: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[Any]:
+        if self._sleep_level:
+            raise EngineSleepingError(f"the engine is asleep (level {self._sleep_level}): call LLM.wake_up() first")
         # Validate everything first: a bad prompt rejects the call before any request enters the engine.
         now = time.time()
         staged = []
@@ -420,6 +431,24 @@ class LLM:
     def list_loras(self) -> list[int]:
         """The ids of the adapters the engines hold."""
         return sorted(set().union(*self.engine_core.call_utility_all("list_loras")))
+
+    # ---- sleep mode ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory without stopping it (vLLM's sleep mode): level 1 frees the KV cache and sets the
+        weights aside in a temporary file, for a fast `wake_up`; level 2 stops the workers (wake_up loads the model
+        again). Generating while asleep raises EngineSleepingError."""
+        check_sleep_level(level)
+        self.engine_core.call_utility_all("sleep", level)
+        self._sleep_level = max(self._sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Back from `sleep`: the same outputs as before it; the prefix cache starts empty."""
+        self.engine_core.call_utility_all("wake_up")
+        self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
 
     # ---- utilities ----------------------------------------------------------------------------------
 

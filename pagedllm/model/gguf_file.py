@@ -11,12 +11,12 @@ loaded, `release_gguf_readers()` drops them and hands the freed heap back to the
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import gc
 import os
 from typing import Any
+
+from pagedllm.model.heap import trim_heap
 
 
 @functools.lru_cache(maxsize=4)
@@ -44,8 +44,4 @@ def release_gguf_readers() -> None:
     parse leaves hundreds of MB of small objects on the heap, which glibc keeps unless asked (malloc_trim)."""
     _open.cache_clear()
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    trim_heap()

@@ -40,3 +40,15 @@ def reuse_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

@@ -167,6 +167,9 @@ class QuantParts:
         segments = self.segments()
         if out is None:
             _, out = hugepages.arena(self.shapes(), torch.uint8)
+        # The matrix's bytes, for its layer to keep (`qweight_bytes`): the kernels read them through raw pointers,
+        # and sleep mode (worker/sleep.py) finds a weight's memory through the tensors its layer holds.
+        self.packed = list(out)
         for view, (_, ts) in zip(out, segments, strict=True):
             torch.cat(ts, out=view) if len(ts) > 1 else view.copy_(ts[0])
         self.parts.clear()

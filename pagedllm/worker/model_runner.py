@@ -44,6 +44,7 @@ from pagedllm.structured_output import GrammarOutput
 from pagedllm.worker.cpu_decode_runner import CpuDecodeRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.pooler_runner import PoolerRunner
+from pagedllm.worker.sleep import MemorySleeper
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, device, self.kv_layout.num_groups
         )
         self._pending: _PendingSample | None = None
+        self._sleeper: MemorySleeper | None = None
 
     def lora_manager_or_raise(self) -> LoRAManager:
         if self.lora_manager is None:
@@ -187,6 +189,21 @@ class ModelRunner:
                     hugepages.zeros(shape, dtype=dtype, device=self.device, huge=False),
                 )
             attn.kv_cache = tensors[slot]
+
+    # ---- sleep mode (worker/sleep.py) ------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the weights' and the KV cache's memory (the weights wait in a temporary file); nothing may run
+        until `wake_up`."""
+        if self._sleeper is None:
+            kv = [t for attn in self.model.attention_layers() for t in (attn.kv_cache or ())]
+            self._sleeper = MemorySleeper(self.model, kv)
+        self._sleeper.sleep()
+
+    def wake_up(self) -> None:
+        """The weights back where they were; the KV cache empty (zeros)."""
+        if self._sleeper is not None:
+            self._sleeper.wake_up()
 
     # ---- one step ----------------------------------------------------------------------------------
 

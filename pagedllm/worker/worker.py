@@ -127,6 +127,13 @@ class Worker:
     def list_loras(self) -> list[int]:
         return self.model_runner.lora_manager_or_raise().list()
 
+    def sleep(self) -> None:
+        """Level-1 sleep: the weights' and KV cache's memory back to the system (worker/sleep.py)."""
+        self.model_runner.sleep()
+
+    def wake_up(self) -> None:
+        self.model_runner.wake_up()
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, args)` (FastAPI) and `run_server(args)` (uvicorn).
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
-GET /health, GET|POST /ping, GET /version, GET /load, GET /metrics, and with --enable-debug-routes
+GET /health, GET|POST /ping, GET /version, GET /load, GET /metrics, POST /sleep?level=1|2, POST /wake_up,
+GET /is_sleeping (sleep mode: engine/core.py), and with --enable-debug-routes
 GET /debug/kv_cache. For pooling models (--runner pooling): POST /v1/embeddings, POST /pooling, POST /classify,
 POST /score and /v1/score, POST /rerank, /v1/rerank and /v2/rerank (on a generative model, a 400 naming the
 runner; a pooling model answers the generation routes a 400 likewise).
@@ -79,6 +80,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
+    IsSleepingResponse,
     LoadLoRAAdapterRequest,
     LoadResponse,
     ModelCard,
@@ -523,6 +525,38 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
     return Response(result.model_dump_json(), media_type="application/json")
 
 
+@single_router.post("/sleep", response_class=Response, responses={**empty_ok("The model sleeps."), **errors(400, 503)})
+async def sleep(raw_request: Request, level: str = "1") -> Response:
+    """Sleep mode (vLLM's route): level 1 frees the KV cache and sets the weights aside for a fast wake-up, level 2
+    frees everything but the config. Requests in flight finish first; later ones get a 503 (or wake the model,
+    with --sleep-auto-wake)."""
+    engine = _engine(raw_request)
+    try:
+        value = int(level)
+    except ValueError:
+        value = None
+    if value not in (1, 2):
+        return error_response(OpenAIError(f"level must be 1 or 2, got {level!r}", 400, "level"))
+    if not _engine_alive(engine):
+        return error_response(OpenAIError("The engine core process died.", 503))
+    await engine.sleep(value)
+    return Response(status_code=200)
+
+
+@single_router.post("/wake_up", response_class=Response, responses={**empty_ok("The model is awake."), **errors(503)})
+async def wake_up(raw_request: Request) -> Response:
+    engine = _engine(raw_request)
+    if not _engine_alive(engine):
+        return error_response(OpenAIError("The engine core process died.", 503))
+    await engine.wake_up()
+    return Response(status_code=200)
+
+
+@single_router.get("/is_sleeping", response_model=IsSleepingResponse)
+async def is_sleeping(raw_request: Request) -> JSONResponse:
+    return JSONResponse({"is_sleeping": await _engine(raw_request).is_sleeping()})
+
+
 @debug_router.get("/debug/kv_cache", response_model=dict[str, Any], responses=errors(503))
 async def debug_kv_cache(raw_request: Request) -> JSONResponse:
     """Block-pool counts from the engine cores (`check_invariants`, summed over data-parallel engines, each one's
@@ -828,7 +862,13 @@ def _start_engine(
     from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
 
     engine_start = time.perf_counter()
-    engine = AsyncLLM(engine_args, core=core, log_requests=log_requests(args), max_log_len=args.max_log_len)
+    engine = AsyncLLM(
+        engine_args,
+        core=core,
+        log_requests=log_requests(args),
+        max_log_len=args.max_log_len,
+        sleep_auto_wake=args.sleep_auto_wake,
+    )
     logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
     mc = engine.model_config
     engine.stat_loggers += [

@@ -99,6 +99,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests: the most prompt characters and prompt token ids logged (default: all)",
     )
     g.add_argument(
+        "--sleep-auto-wake",
+        action="store_true",
+        help="a request that arrives while the model sleeps (POST /sleep) wakes it, instead of a 503",
+    )
+    g.add_argument(
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",

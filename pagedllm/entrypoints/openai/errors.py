@@ -18,7 +18,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, EngineSleepingError
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -74,6 +74,8 @@ def error_from_exception(exc: BaseException, fields: Iterable[str] = ()) -> Open
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"The engine is not available: {exc}", 503)
+    if isinstance(exc, EngineSleepingError):
         return OpenAIError(f"The engine is not available: {exc}", 503)
     if isinstance(exc, TemplateError):
         # The chat template itself refused the conversation (e.g. roles out of order).

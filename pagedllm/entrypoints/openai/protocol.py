@@ -61,6 +61,10 @@ class LoadResponse(OpenAIBaseModel):
     server_load: int  # generation requests in flight
 
 
+class IsSleepingResponse(OpenAIBaseModel):
+    is_sleeping: bool
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -294,8 +294,7 @@ class ModelManager:
         try:
             while entry.in_flight:
                 await self._changed.wait()
-            sleep = getattr(entry.engine, "sleep", None)
-            # TODO(sleep mode): AsyncLLM.sleep/wake_up land on main; until then a model without them is unloaded.
+            sleep = getattr(entry.engine, "sleep", None)  # an engine without sleep mode is unloaded instead
             if how == "sleep" and sleep is not None and not engine_dead(entry.engine):
                 await sleep(1)
                 entry.state = ModelState.SLEEPING

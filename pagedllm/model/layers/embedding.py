@@ -86,6 +86,7 @@ class VocabParallelEmbedding(nn.Module):
                 return True
             return False
         self.qweight = self.quant.build(self.ops, quant_out)
+        self.qweight_bytes = self.quant.packed  # what the matrix points into (quant.py)
         self.quant = None
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True

