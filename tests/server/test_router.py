@@ -189,6 +189,16 @@ def test_routing_errors_name_the_model(router):
     assert status == 400  # the model's own check: a generative model does not embed
 
 
+def test_the_openapi_description_has_the_routers_routes(router):
+    status, spec = router.request("GET", "/openapi.json")
+    assert status == 200
+    paths = spec["paths"]
+    assert {"/models/load", "/models/unload", "/health", "/v1/models"} <= set(paths)
+    assert not {"/sleep", "/wake_up", "/v1/load_lora_adapter"} & set(paths)  # one model's
+    for path in ("/tokenize", "/v1/embeddings", "/v1/messages/count_tokens"):
+        assert {"404", "503"} <= set(paths[path]["post"]["responses"]), path
+
+
 def test_a_model_that_fails_to_load_fails_alone(router, references):
     for _ in range(2):
         status, body = router.request("POST", "/v1/completions", {"model": "broken", "prompt": "x", "max_tokens": 1})

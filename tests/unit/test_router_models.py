@@ -424,3 +424,15 @@ def test_models_share_the_metric_families_each_with_its_model_name():
     value = registry.get_sample_value
     assert value("pagedllm:generation_tokens_total", {"model_name": "a", "engine": "0"}) == 0
     assert value("pagedllm:generation_tokens_total", {"model_name": "b", "engine": "0"}) == 10
+
+
+def test_serve_refuses_one_models_flags_with_the_router(models_dir, capsys):
+    from pagedllm.entrypoints.cli import main
+
+    base = ["serve", "--port", "0", "--models-dir", str(models_dir)]
+    assert main([*base[:1], "some.gguf", *base[1:]]) == 2
+    assert "MODEL (or --model) and --models/--models-dir are exclusive" in capsys.readouterr().err
+    assert main([*base, "--served-model-name", "x"]) == 2
+    assert "--served-model-name applies to one model" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--models", str(models_dir / "notes.txt")]) == 2
+    assert "neither a .gguf file nor a folder" in capsys.readouterr().err

@@ -189,6 +189,8 @@ class ModelManager:
                 await self._wait_change(deadline, entry)
         finally:
             entry.waiting -= 1
+            if entry.evictable:  # its last waiter gave up: it may make room for another model's now
+                self._notify()
 
     def release(self, name: str) -> None:
         entry = self.entries[name]
