@@ -19,14 +19,8 @@ from typing import Any
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.router.manager import (
-    ModelEntry,
-    ModelManager,
-    ModelState,
-    ModelUnavailable,
-    UnknownModel,
-    pick_evictee,
-)
+from pagedllm.entrypoints.router.entry import ModelEntry, ModelState, ModelUnavailable, UnknownModel, pick_evictee
+from pagedllm.entrypoints.router.manager import ModelManager
 from pagedllm.entrypoints.router.models import ModelSpec, discover, model_engine_args, model_name
 
 pytestmark = pytest.mark.timeout(60)

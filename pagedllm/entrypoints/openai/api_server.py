@@ -821,16 +821,21 @@ def run_server(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        if engine is not None:
-            engine.shutdown()
-            logger.info("pagedllm server stopped: engine shut down")
-        if manager is not None:
-            manager.close()  # what the app's shutdown did not stop (nothing, after a clean stop)
-            logger.info("pagedllm server stopped: every model's engine shut down")
-        if core is not None:
-            core.close()
-        if sock is not None:
-            sock.close()
+        _stop(engine, manager, core, sock)
+
+
+def _stop(engine: AsyncLLM | None, manager: Any, core: CoreProcess | None, sock: socket.socket | None) -> None:
+    """What run_server started and still runs."""
+    if engine is not None:
+        engine.shutdown()
+        logger.info("pagedllm server stopped: engine shut down")
+    if manager is not None:
+        manager.close()  # what the app's shutdown did not stop (nothing, after a clean stop)
+        logger.info("pagedllm server stopped: every model's engine shut down")
+    if core is not None:
+        core.close()
+    if sock is not None:
+        sock.close()
 
 
 def _check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None:

@@ -44,7 +44,8 @@ from pagedllm.entrypoints.openai.api_server import (
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.openapi_spec import errors
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, OpenAIBaseModel
-from pagedllm.entrypoints.router.manager import ModelManager, ModelUnavailable, UnknownModel
+from pagedllm.entrypoints.router.entry import ModelUnavailable, UnknownModel
+from pagedllm.entrypoints.router.manager import ModelManager
 from pagedllm.entrypoints.router.models import ModelSpec, discover, model_engine_args
 from pagedllm.metrics import LoggingStatLogger, PrometheusMetrics, PrometheusStatLogger
 
