@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
 import time
@@ -245,6 +246,27 @@ def test_metrics_carry_each_model_name(router):
     assert status == 200
     for name in ("smollm", "tiny", "minilm"):
         assert f'pagedllm:prompt_tokens_total{{engine="0",model_name="{name}"}}' in text, name
+
+
+def _finished(srv: RemoteServer, model: str) -> float:
+    text = srv.request("GET", "/metrics")[1]
+    series = f'pagedllm:e2e_request_latency_seconds_count{{engine="0",model_name="{model}"}} '
+    return float(next(line for line in text.splitlines() if line.startswith(series)).split()[-1])
+
+
+def test_the_serve_benchmark_sends_to_the_models_in_turn(router, tmp_path):
+    """`pagedllm bench serve --models A B --switch-every 2` (A A B B A A B B: eight tiny requests, one at a time; a
+    function check)."""
+    from pagedllm.benchmarks import serve
+
+    before = {name: _finished(router, name) for name in GENERATIVE}
+    argv = ["--base-url", router.url, "--api-key", API_KEY, "--models", *GENERATIVE, "--switch-every", "2"]
+    argv += ["--num-prompts", "8", "--random-input-len", "8", "--random-output-len", "3", "--max-concurrency", "1"]
+    argv += ["--tokenizer", SMOLLM, "--disable-tqdm", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    assert serve.main(argv) == 0
+    with open(tmp_path / "r.json") as f:
+        assert json.load(f)["completed"] == 8
+    assert {name: _finished(router, name) - before[name] for name in GENERATIVE} == {"smollm": 4, "tiny": 4}
 
 
 # ---- --models-max 2 ---------------------------------------------------------------------------------------------
