@@ -20,6 +20,9 @@ Contract:
   `run_server` returns 1.
 * SIGINT/SIGTERM stop uvicorn gracefully (open requests get --timeout-graceful-shutdown seconds), then the
   engine-core process is shut down; `run_server` returns 0. No child process outlives the server.
+* Router mode (--models, --models-dir; entrypoints/router/server.py builds its app with `make_app`): the same
+  model routes, each reading the stack (`ModelStack`: engine and serving objects) of the model its body names;
+  /health, /ping and /v1/models are the router's, and a dead engine is restarted rather than ending the server.
 """
 
 from __future__ import annotations
