@@ -7,6 +7,8 @@ interval) and owns the registry. Names follow vLLM's, under the `pagedllm:` pref
 and an `engine` label (prometheus_client exports counters with a `_total` suffix and histograms as `_bucket`, `_sum` and
 `_count`). A stat logger is anything with `record(scheduler_stats, iteration_stats, engine_idx=0)`, called once
 per engine step with the index of the data-parallel engine that ran it; `AsyncLLM.stat_loggers` holds them.
+The families are registered once per registry (`PrometheusMetrics`); the router's models share them, each model's
+`PrometheusStatLogger` writing the series of its own `model_name`.
 With speculative decoding the core also reports its drafts (the `spec_decode_*` counters, and the draft acceptance
 rate and mean acceptance length on the stats line).
 
@@ -107,21 +109,13 @@ def _token_buckets(max_len: int) -> list[int]:
         base *= 10
 
 
-class PrometheusStatLogger:
-    """Owns the `pagedllm:` metrics in `registry` (one logger per registry: names cannot be registered twice).
-    Every series has the labels `model_name` and `engine` (the data-parallel engine's index, "0" without data
-    parallelism, as vLLM's); the series of engines 0 .. num_engines-1 exist from the start."""
+class PrometheusMetrics:
+    """The `pagedllm:` metric families, registered once in `registry` (a name cannot be registered twice). Every
+    series has the labels `model_name` and `engine`; the loggers of several models (the router's) share one
+    instance, each writing its own `model_name`. The token-count histograms' buckets go up to `max_model_len`."""
 
-    def __init__(
-        self,
-        model_name: str,
-        max_model_len: int,
-        registry: CollectorRegistry = REGISTRY,
-        num_engines: int = 1,
-        max_lora: int = 0,
-    ) -> None:
+    def __init__(self, max_model_len: int, registry: CollectorRegistry = REGISTRY) -> None:
         labels = ["model_name", "engine"]
-        self.model_name = model_name
         families: dict[str, Any] = {}
 
         def gauge(name: str, doc: str) -> None:
@@ -160,14 +154,14 @@ class PrometheusStatLogger:
             "Tokens scheduled per engine step",
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
         )
-        self._families = families
-        self._success = Counter(
+        self.families = families
+        self.success = Counter(
             "pagedllm:request_success",
             "Finished requests by finish reason",
             labels + ["finished_reason"],
             registry=registry,
         )
-        self._per_pos = Counter(
+        self.per_pos = Counter(
             "pagedllm:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted at each draft position",
             labels + ["position"],
@@ -175,12 +169,35 @@ class PrometheusStatLogger:
         )
         # vLLM's LoRA gauge: the adapters running and waiting in its labels, the time of the update as its value
         # (the latest label set is the current one; the previous one is removed).
-        self._lora_info = Gauge(
+        self.lora_info = Gauge(
             "pagedllm:lora_requests_info",
             "LoRA adapters of the running and waiting requests (in the labels; the value is the update's time)",
             labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=registry,
         )
+
+
+class PrometheusStatLogger:
+    """Writes one model's series of the `pagedllm:` metrics: those of `metrics` when given (shared by several
+    models' loggers), else of families it registers in `registry` itself (then one logger per registry). The
+    series of engines 0 .. num_engines-1 (the data-parallel engine's index, "0" without data parallelism, as
+    vLLM's) exist from the start."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        registry: CollectorRegistry = REGISTRY,
+        num_engines: int = 1,
+        max_lora: int = 0,
+        metrics: PrometheusMetrics | None = None,
+    ) -> None:
+        self.model_name = model_name
+        metrics = metrics or PrometheusMetrics(max_model_len, registry)
+        self._families = metrics.families
+        self._success = metrics.success
+        self._per_pos = metrics.per_pos
+        self._lora_info = metrics.lora_info
         self.max_lora = max_lora
         self._lora_labels: dict[int, tuple[str, ...]] = {}
         self._engines: dict[int, dict[str, Any]] = {}
@@ -254,11 +271,15 @@ class PrometheusStatLogger:
 
 class LoggingStatLogger:
     """Logs one line every `interval` seconds while the engine is busy (vLLM's "Avg prompt throughput" line); with
-    data parallelism, one line per engine, each starting with "Engine <index>:"."""
+    data parallelism, one line per engine, each starting with "Engine <index>:"; with a `model_name` (the router's
+    models), each line starts with "Model <name>:"."""
 
-    def __init__(self, interval: float = DEFAULT_STATS_LOG_INTERVAL_S, num_engines: int = 1) -> None:
+    def __init__(
+        self, interval: float = DEFAULT_STATS_LOG_INTERVAL_S, num_engines: int = 1, model_name: str | None = None
+    ) -> None:
         self.interval = interval
         self.num_engines = num_engines
+        self.model_name = model_name
         self.last: dict[int, SchedulerStats] = {}
         self._counts: dict[int, list[int]] = {}  # engine -> [prompt, generation, prefix queries, prefix hits]
         self._spec: dict[int, list[int]] = {}  # engine -> [drafts, draft tokens, accepted] (speculative decoding)
@@ -296,6 +317,8 @@ class LoggingStatLogger:
             s = self.last.get(engine_idx) or SchedulerStats()
             hit_rate = 100.0 * hits / queries if queries else 0.0
             prefix = f"Engine {engine_idx:03d}: " if len(self._counts) > 1 else ""
+            if self.model_name is not None:
+                prefix = f"Model {self.model_name}: {prefix}"
             line = (
                 f"{prefix}Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "

@@ -5,7 +5,9 @@ Poisson process at ``--request-rate`` (gamma inter-arrival times with shape ``--
 default, sends them all at once), at most ``--max-concurrency`` in flight. Each request is a plain OpenAI body
 (``/v1/completions``: prompt + max_tokens; ``/v1/chat/completions``: one user message + max_completion_tokens)
 with ``temperature`` (default 0), ``stream=true`` and ``stream_options.include_usage``; the only extra field is
-vLLM's ``ignore_eos``, sent with ``--ignore-eos``. For each request, timed on the client:
+vLLM's ``ignore_eos``, sent with ``--ignore-eos``. With ``--models A B C`` (a router's models) the requests, in
+dataset order, name A for ``--switch-every`` requests, then B, then C, then A again. For each request, timed on the
+client:
 
 * TTFT: from sending the request to the first chunk carrying text;
 * ITL: the gaps between consecutive chunks carrying text (a chunk normally carries one token);
@@ -279,10 +281,16 @@ def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int)
     return [0.0, *np.cumsum(gaps[:-1]).tolist()][:num]
 
 
+def model_of(index: int, models: Sequence[str], switch_every: int) -> str:
+    """The model request `index` names: each of `models` in turn, `switch_every` requests each."""
+    return models[(index // switch_every) % len(models)]
+
+
 async def run_requests(
-    args: argparse.Namespace, model: str, requests: list[SampleRequest], headers: dict[str, str]
+    args: argparse.Namespace, models: Sequence[str], requests: list[SampleRequest], headers: dict[str, str]
 ) -> tuple[list[RequestResult], float]:
-    """Send every request on schedule; returns the results in dataset order and the wall time (s)."""
+    """Send every request on schedule (to the models in turn, see model_of); returns the results in dataset order
+    and the wall time (s)."""
     import httpx
     from tqdm import tqdm
 
@@ -299,9 +307,9 @@ async def run_requests(
             await client.get(models_url, headers=headers)
         t0 = time.perf_counter()
 
-        async def one(req: SampleRequest, offset: float) -> RequestResult:
+        async def one(index: int, req: SampleRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            payload = build_payload(args, model, req)
+            payload = build_payload(args, model_of(index, models, args.switch_every), req)
             if semaphore is None:
                 result = await send_request(client, url, headers, payload, req, t0)
             else:
@@ -310,7 +318,7 @@ async def run_requests(
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+        results = await asyncio.gather(*(one(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
         duration = time.perf_counter() - t0
     bar.close()
     return list(results), duration
@@ -550,6 +558,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--endpoint", default="/v1/completions", help="/v1/completions (default) or /v1/chat/completions")
     add("--model", default=None, help="served model name (default: the first id from GET /v1/models)")
     add(
+        "--models",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="served model names taken in turn, --switch-every requests each (a router's models; the tokenizer is "
+        "the first one's)",
+    )
+    add("--switch-every", type=int, default=10, help="with --models: requests per model before the next (default 10)")
+    add(
         "--tokenizer",
         default=None,
         help="tokenizer: .gguf or HF folder (default: the served model's root from /v1/models when it is a local "
@@ -583,6 +600,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--burstiness must be a positive number, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if args.switch_every < 1:
+        parser.error(f"--switch-every must be at least 1, got {args.switch_every}")
+    if args.models and args.model:
+        parser.error("--model and --models are exclusive")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if not args.endpoint.startswith("/") or not args.endpoint.rstrip("/").endswith("/completions"):
@@ -608,18 +629,20 @@ def run(args: argparse.Namespace) -> int:
             raise
         cards = []
         print(f"WARNING: could not list models at {models_url}; using --model {args.model!r}", file=sys.stderr)
-    model = args.model or cards[0]["id"]
+    models = args.models or [args.model or cards[0]["id"]]
+    model = models[0]
     card = next((c for c in cards if c.get("id") == model), {})
     tokenizer_path, tokenizer = choose_tokenizer(args, card, cards)
     requests = sample_requests(args, tokenizer, args.num_prompts, args.seed, card.get("max_model_len"))
-    print(f"model {model!r} at {url}; tokenizer {tokenizer_path or 'of the default model'}")
+    names = f"model {model!r}" if len(models) == 1 else f"models {models!r}, {args.switch_every} requests each in turn"
+    print(f"{names} at {url}; tokenizer {tokenizer_path or 'of the default model'}")
     print(
         f"{len(requests)} requests ({args.dataset_name}): {sum(r.prompt_len for r in requests)} prompt tokens, "
         f"{sum(r.expected_output_len for r in requests)} output tokens asked; request rate {args.request_rate}, "
         f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'unlimited'}",
         flush=True,
     )
-    results, duration = asyncio.run(run_requests(args, model, requests, headers))
+    results, duration = asyncio.run(run_requests(args, models, requests, headers))
     fill_output_tokens(results, tokenizer)
     metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
     print_summary(metrics, args, args.metric_percentiles)

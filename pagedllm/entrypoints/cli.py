@@ -2,7 +2,8 @@
 
 The engine flags of every command are `EngineArgs.add_cli_args` (engine/arg_utils.py), named as `vllm serve`
 names them, and become `EngineArgs` through `EngineArgs.from_cli_args`; no flag of the engine is defined here.
-With no model the default model is used. A bad value exits with status 2 and names it.
+With no model the default model is used. A bad value exits with status 2 and names it. `serve --models-dir DIR`
+(or `--models A B ...`) runs the model router instead of one model (entrypoints/router/).
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.cli_args import router_mode
+
+    if router_mode(ns):  # the router: no engine starts before a request names its model (MODEL: an error there)
+        from pagedllm.entrypoints.openai.api_server import run_server
+        from pagedllm.entrypoints.router.server import build_router_app
+
+        return run_server(ns, router_app=build_router_app)
+
     import zmq.asyncio
 
     from pagedllm.engine.core_process import CoreProcess

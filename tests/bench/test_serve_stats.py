@@ -131,6 +131,11 @@ def test_urls_and_tokenizer_resolution(tmp_path):
     assert serve.resolve_tokenizer_path(_args(model=str(tmp_path), tokenizer="tok")) == "tok"
 
 
+def test_models_in_turn():
+    assert [serve.model_of(i, ["a", "b", "c"], 2) for i in range(8)] == ["a", "a", "b", "b", "c", "c", "a", "a"]
+    assert {serve.model_of(i, ["only"], 10) for i in range(25)} == {"only"}
+
+
 def test_parsers():
     assert serve.parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
     assert serve.parse_slo("tpot:12.5") == ("tpot", 12.5)
@@ -153,6 +158,8 @@ def test_parsers():
         (["--endpoint", "/v1/embeddings"], "got '/v1/embeddings'"),
         (["--dataset-name", "sonnet"], "invalid choice: 'sonnet'"),
         (["--metric-percentiles", "50,200"], "percentiles must be in (0, 100], got '50,200'"),
+        (["--models", "a", "b", "--switch-every", "0"], "--switch-every must be at least 1, got 0"),
+        (["--models", "a", "b", "--model", "a"], "--model and --models are exclusive"),
     ],
 )
 def test_bad_cli_input_names_the_value(argv, message, capsys):

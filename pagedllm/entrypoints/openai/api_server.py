@@ -20,6 +20,9 @@ Contract:
   `run_server` returns 1.
 * SIGINT/SIGTERM stop uvicorn gracefully (open requests get --timeout-graceful-shutdown seconds), then the
   engine-core process is shut down; `run_server` returns 0. No child process outlives the server.
+* Router mode (--models, --models-dir; entrypoints/router/server.py builds its app with `make_app`): the same
+  model routes, each reading the stack (`ModelStack`: engine and serving objects) of the model its body names;
+  /health, /ping and /v1/models are the router's, and a dead engine is restarted rather than ending the server.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +63,7 @@ from pagedllm.entrypoints.anthropic.protocol import (
     is_anthropic_path,
 )
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES
+from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, router_mode
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     error_bytes,
@@ -119,6 +122,8 @@ DRAIN_LIMIT_BYTES = 1 << 30
 # After the engine died the server keeps answering (503) this long before it exits, so that health probes see
 # the 503 and in-flight requests receive their error responses; well within the 10 s a supervisor expects.
 ENGINE_DEATH_GRACE_S = 2.0
+# The key of the request's scope under which the router (router/server.py) puts the stack of the request's model.
+ROUTED_STACK = "pagedllm.model_stack"
 
 
 # ---- middlewares (plain ASGI: they must not buffer streams or hide client disconnects) -------------------
@@ -131,15 +136,21 @@ def _error_response(path: str, err: OpenAIError) -> JSONResponse:
     return error_response(err)
 
 
-async def _send_error(
-    scope: Scope, send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]]
+async def send_error(
+    scope: Scope,
+    send: Send,
+    status: int,
+    message: str,
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
+    param: str | None = None,
 ) -> None:
+    """An error response from a plain ASGI middleware, in the shape of the path's API (OpenAI's or Anthropic's)."""
     if is_anthropic_path(scope["path"]):
         body = json.dumps(anthropic_error_body(message, status)).encode()
     else:
-        body = error_bytes(message, status)
+        body = error_bytes(message, status, param)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + extra_headers})
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -159,7 +170,7 @@ class ApiKeyMiddleware:
         else:  # Anthropic's clients send the key as x-api-key
             ok = secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
         if not ok:
-            await _send_error(
+            await send_error(
                 scope, send, 401,
                 "Incorrect or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                 [(b"www-authenticate", b"Bearer")],
@@ -186,7 +197,7 @@ class ServerLoadMiddleware:
             await self.app(scope, receive, send)
             return
         if self.load.limit is not None and self.load.in_flight >= self.load.limit:
-            await _send_error(
+            await send_error(
                 scope, send, 429, f"The server is busy: {self.load.in_flight} requests are in flight "
                 f"(--max-queued-requests {self.load.limit}). Retry later.", [(b"retry-after", b"1")],
             )  # fmt: skip
@@ -258,7 +269,7 @@ class RequestSizeMiddleware:
                 return
             drained += len(message.get("body", b""))
             more = bool(message.get("more_body", False))
-        await _send_error(
+        await send_error(
             scope, send, 413, f"The request body has {size:,} bytes or more, over the server's limit of "
             f"{self.limit:,} (--max-request-bytes).", [(b"connection", b"close")],
         )  # fmt: skip
@@ -267,13 +278,23 @@ class RequestSizeMiddleware:
 # ---- routes ----------------------------------------------------------------------------------------------
 
 
-router = APIRouter()
+router = APIRouter()  # the routes of both modes (the model-bearing ones read the request's model's stack)
+single_router = APIRouter()  # one model: its /health, /ping and /v1/models (router/server.py has the router's)
 debug_router = APIRouter()
 lora_router = APIRouter()  # with $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 
 
 def _engine(request: Request) -> AsyncLLM:
     return request.app.state.engine
+
+
+def _stack(request: Request) -> ModelStack:
+    """The engine and serving objects of the request's model: the router's pick (ROUTED_STACK in the request's
+    scope, see router/server.py), else the one model's."""
+    stack = request.scope.get(ROUTED_STACK) or request.app.state.stack
+    if stack is None:  # router mode, a body the router could not read a model from (and pydantic accepted)
+        raise OpenAIError("`model` is required: it names the model to run.", 400, "model")
+    return stack
 
 
 def _engine_alive(engine: AsyncLLM) -> bool:
@@ -283,7 +304,10 @@ def _engine_alive(engine: AsyncLLM) -> bool:
 # Each route declares every status it answers (openapi_spec.py; 401 and 429 are added there, per the flags).
 
 
-@router.get("/health", response_class=Response, responses={**empty_ok("The engine core is alive."), **errors(503)})
+_HEALTH_RESPONSES = {**empty_ok("The engine core is alive."), **errors(503)}
+
+
+@single_router.get("/health", response_class=Response, responses=_HEALTH_RESPONSES)
 async def health(raw_request: Request) -> Response:
     if not _engine_alive(_engine(raw_request)):
         return error_response(OpenAIError("The engine core process died.", 503))
@@ -293,8 +317,8 @@ async def health(raw_request: Request) -> Response:
 _PING_RESPONSES = {**empty_ok("The engine core is alive."), **errors(503)}
 
 
-@router.get("/ping", operation_id="ping_get", response_class=Response, responses=_PING_RESPONSES)
-@router.post("/ping", operation_id="ping_post", response_class=Response, responses=_PING_RESPONSES)
+@single_router.get("/ping", operation_id="ping_get", response_class=Response, responses=_PING_RESPONSES)
+@single_router.post("/ping", operation_id="ping_post", response_class=Response, responses=_PING_RESPONSES)
 async def ping(raw_request: Request) -> Response:
     return await health(raw_request)
 
@@ -318,7 +342,7 @@ async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models", response_model=ModelList)
+@single_router.get("/v1/models", response_model=ModelList)
 async def show_models(raw_request: Request) -> Response:
     state = raw_request.app.state
     mc = state.engine.model_config
@@ -377,7 +401,7 @@ async def _answer(call: Awaitable[Response]) -> Response:
     responses={**streamable("The completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
 )
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    serving = raw_request.app.state.serving_completion
+    serving = _stack(raw_request).serving_completion
     _check_generates(serving, request.model)
     return await _answer(serving.create_completion(request, raw_request))
 
@@ -388,7 +412,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     responses={**streamable("The chat completion; with `stream: true`, its chunks."), **errors(400, 404, 503)},
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    serving = raw_request.app.state.serving_chat
+    serving = _stack(raw_request).serving_chat
     _check_generates(serving, request.model)
     return await _answer(serving.create_chat_completion(request, raw_request))
 
@@ -403,7 +427,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 )
 async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
     """Anthropic's Messages API (what Claude Code and Anthropic's SDKs speak), run as a chat completion."""
-    serving = raw_request.app.state.serving_messages
+    serving = _stack(raw_request).serving_messages
     _check_generates(serving.chat, request.model)
     return await _answer(serving.create_message(request, raw_request))
 
@@ -413,7 +437,7 @@ async def create_message(request: MessagesRequest, raw_request: Request) -> Resp
 )
 async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> Response:
     """The prompt tokens a Messages request would have (system, messages and tools through the chat template)."""
-    return await raw_request.app.state.serving_messages.count_tokens(request)
+    return await _stack(raw_request).serving_messages.count_tokens(request)
 
 
 @router.post(
@@ -423,7 +447,7 @@ async def count_message_tokens(request: CountTokensRequest, raw_request: Request
 )
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
     """OpenAI's Responses API, run as a chat completion; kept for previous_response_id unless `store` is false."""
-    serving = raw_request.app.state.serving_responses
+    serving = _stack(raw_request).serving_responses
     _check_generates(serving.chat, request.model)
     return await _answer(serving.create_response(request, raw_request))
 
@@ -431,7 +455,12 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
 @router.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=errors(404))
 async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     """A stored response (one of the last ones created with `store` true)."""
-    return raw_request.app.state.serving_responses.retrieve(response_id)
+    state = raw_request.app.state
+    stacks = [state.stack] if state.manager is None else state.manager.stacks()
+    for stack in stacks:  # the router's models keep their own (while loaded or sleeping)
+        if response_id in stack.serving_responses.stored:
+            return stack.serving_responses.retrieve(response_id)
+    raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
 
 
 def _check_generates(serving: OpenAIServing, model: str | None) -> None:
@@ -456,26 +485,26 @@ _POOLING_ERRORS = errors(400, 404, 503)
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POOLING_ERRORS)
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     """OpenAI's embeddings (vLLM's extras: truncate_prompt_tokens, add_special_tokens, priority, normalize)."""
-    return await _answer(raw_request.app.state.serving_embedding.create_embedding(request, raw_request))
+    return await _answer(_stack(raw_request).serving_embedding.create_embedding(request, raw_request))
 
 
 @router.post("/pooling", response_model=PoolingResponse, responses=_POOLING_ERRORS)
 async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
     """The model's pooled states (task "encode"): one vector per input, or one per token with pooling type ALL."""
-    return await _answer(raw_request.app.state.serving_embedding.create_pooling(request, raw_request))
+    return await _answer(_stack(raw_request).serving_embedding.create_pooling(request, raw_request))
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=_POOLING_ERRORS)
 async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
     """Class probabilities of each input, with the model's label of the likeliest class."""
-    return await _answer(raw_request.app.state.serving_embedding.create_classify(request, raw_request))
+    return await _answer(_stack(raw_request).serving_embedding.create_classify(request, raw_request))
 
 
 @router.post("/score", operation_id="score", response_model=ScoreResponse, responses=_POOLING_ERRORS)
 @router.post("/v1/score", operation_id="score_v1", response_model=ScoreResponse, responses=_POOLING_ERRORS)
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     """Scores of text pairs: a cross-encoder's, or the cosine similarity of an embedder's embeddings."""
-    return await _answer(raw_request.app.state.serving_score.create_score(request, raw_request))
+    return await _answer(_stack(raw_request).serving_score.create_score(request, raw_request))
 
 
 @router.post("/rerank", operation_id="rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
@@ -483,23 +512,23 @@ async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
 @router.post("/v2/rerank", operation_id="rerank_v2", response_model=RerankResponse, responses=_POOLING_ERRORS)
 async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
     """Jina's and Cohere's rerank: the documents by relevance to the query, best first."""
-    return await _answer(raw_request.app.state.serving_score.create_rerank(request, raw_request))
+    return await _answer(_stack(raw_request).serving_score.create_rerank(request, raw_request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
-    serving = raw_request.app.state.serving_tokenization
+    serving = _stack(raw_request).serving_tokenization
     result = await serving.off_loop(serving.tokenize, request)
     return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
-    result = raw_request.app.state.serving_tokenization.detokenize(request)
+    result = _stack(raw_request).serving_tokenization.detokenize(request)
     return Response(result.model_dump_json(), media_type="application/json")
 
 
-@router.post("/sleep", response_class=Response, responses={**empty_ok("The model sleeps."), **errors(400, 503)})
+@single_router.post("/sleep", response_class=Response, responses={**empty_ok("The model sleeps."), **errors(400, 503)})
 async def sleep(raw_request: Request, level: str = "1") -> Response:
     """Sleep mode (vLLM's route): level 1 frees the KV cache and sets the weights aside for a fast wake-up, level 2
     frees everything but the config. Requests in flight finish first; later ones get a 503 (or wake the model,
@@ -517,7 +546,7 @@ async def sleep(raw_request: Request, level: str = "1") -> Response:
     return Response(status_code=200)
 
 
-@router.post("/wake_up", response_class=Response, responses={**empty_ok("The model is awake."), **errors(503)})
+@single_router.post("/wake_up", response_class=Response, responses={**empty_ok("The model is awake."), **errors(503)})
 async def wake_up(raw_request: Request) -> Response:
     engine = _engine(raw_request)
     if not _engine_alive(engine):
@@ -526,7 +555,7 @@ async def wake_up(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/is_sleeping", response_model=IsSleepingResponse)
+@single_router.get("/is_sleeping", response_model=IsSleepingResponse)
 async def is_sleeping(raw_request: Request) -> JSONResponse:
     return JSONResponse({"is_sleeping": await _engine(raw_request).is_sleeping()})
 
@@ -535,7 +564,7 @@ async def is_sleeping(raw_request: Request) -> JSONResponse:
 async def debug_kv_cache(raw_request: Request) -> JSONResponse:
     """Block-pool counts from the engine cores (`check_invariants`, summed over data-parallel engines, each one's
     under "engines"), the cores' pids (`core_pid`: the first engine's) and the front end's view."""
-    engine = _engine(raw_request)
+    engine = _stack(raw_request).engine
     stats = dict(await engine.check_invariants())
     ready = getattr(engine.engine_core, "ready", None) or []
     stats["core_pids"] = [msg.pid for msg in ready]
@@ -578,9 +607,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # From our routers, not app.openapi(): building the schema here delayed the first 200 on /health by 0.2-0.7 s
     # (it is built on the first GET /openapi.json instead); app.routes wraps included routers (FastAPI >= 0.16x).
     logger.info("Available routes are:")
-    routers = [router, debug_router] if getattr(app.state.args, "enable_debug_routes", False) else [router]
     methods: dict[str, set[str]] = {}
-    for route in (r for rt in routers for r in rt.routes if isinstance(r, APIRoute)):
+    for route in (r for rt in app.state.routers for r in rt.routes if isinstance(r, APIRoute)):
         methods.setdefault(route.path, set()).update(route.methods)
     for path, ms in methods.items():
         logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(ms)))
@@ -591,6 +619,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             app.state.exit_code = 1
             raise
         logger.info("LoRA adapter %r served (from %s)", lora.lora_name, lora.lora_path)
+    manager = app.state.manager
+    if manager is not None:
+        manager.start()
     watchdog = asyncio.create_task(_watchdog(app), name="engine-watchdog")
     try:
         yield
@@ -598,10 +629,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         watchdog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watchdog
+        if manager is not None:  # the router's engines stop with the server
+            await manager.shutdown()
 
 
 async def _watchdog(app: FastAPI) -> None:
-    """Announce readiness once uvicorn listens; if the engine core dies, make uvicorn exit with status 1."""
+    """Announce readiness once uvicorn listens; if the engine core dies, make uvicorn exit with status 1 (not in
+    router mode: there the router restarts a dead engine on its next request)."""
     state = app.state
     announced = False
     while True:
@@ -609,7 +643,7 @@ async def _watchdog(app: FastAPI) -> None:
         if not announced and server is not None and server.started:
             announced = True
             logger.info("pagedllm server ready at %s", getattr(state, "base_url", "?"))
-        if not _engine_alive(state.engine):
+        if state.manager is None and not _engine_alive(state.engine):
             logger.error("the engine core process died: the server exits in %.0f s", ENGINE_DEATH_GRACE_S)
             state.exit_code = 1
             await asyncio.sleep(ENGINE_DEATH_GRACE_S)
@@ -619,21 +653,25 @@ async def _watchdog(app: FastAPI) -> None:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
 
 
-def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
-    """The FastAPI app serving `engine`. `args` holds the server flags of `cli_args.add_server_args`."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan)
+@dataclass
+class ModelStack:
+    """One model's engine and the serving objects of its routes (in router mode, one per model)."""
+
+    engine: AsyncLLM
+    serving_completion: OpenAIServingCompletion
+    serving_chat: OpenAIServingChat
+    serving_messages: AnthropicServingMessages
+    serving_responses: OpenAIServingResponses
+    serving_tokenization: OpenAIServingTokenization
+    serving_embedding: OpenAIServingEmbedding
+    serving_score: OpenAIServingScore
+
+
+def build_stack(engine: AsyncLLM, args: argparse.Namespace) -> ModelStack:
+    """The serving objects of `engine`'s model, configured by the server flags `args`."""
     names = [engine.model_config.served_model_name]
-    state = app.state
-    state.engine = engine
-    state.args = args
-    state.served_model_names = names
-    state.exit_code = 0
-    state.lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
-    state.lora_ids = itertools.count(len(state.lora_modules) + 1)  # ids of adapters loaded at run time
-    state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
     trust_template = bool(getattr(args, "trust_request_chat_template", False))
-    state.serving_completion = OpenAIServingCompletion(engine, names)
-    state.serving_chat = OpenAIServingChat(
+    chat = OpenAIServingChat(
         engine,
         names,
         trust_template,
@@ -641,17 +679,56 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         response_role=getattr(args, "response_role", "assistant"),
     )
-    state.serving_messages = AnthropicServingMessages(state.serving_chat)
-    state.serving_responses = OpenAIServingResponses(state.serving_chat)
-    state.serving_tokenization = OpenAIServingTokenization(engine, names, trust_template)
-    state.serving_embedding = OpenAIServingEmbedding(engine, names)
-    state.serving_score = OpenAIServingScore(engine, names)
-    app.include_router(router)
+    return ModelStack(
+        engine=engine,
+        serving_completion=OpenAIServingCompletion(engine, names),
+        serving_chat=chat,
+        serving_messages=AnthropicServingMessages(chat),
+        serving_responses=OpenAIServingResponses(chat),
+        serving_tokenization=OpenAIServingTokenization(engine, names, trust_template),
+        serving_embedding=OpenAIServingEmbedding(engine, names),
+        serving_score=OpenAIServingScore(engine, names),
+    )
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app serving `engine`. `args` holds the server flags of `cli_args.add_server_args`."""
+    routers = [router, single_router]
     if getattr(args, "enable_debug_routes", False):
-        app.include_router(debug_router)
+        routers.append(debug_router)
     if runtime_lora_updating_allowed():
-        app.include_router(lora_router)
+        routers.append(lora_router)
+    app = make_app(args, routers)
+    state = app.state
+    state.engine = engine
+    state.stack = build_stack(engine, args)
+    state.served_model_names = [engine.model_config.served_model_name]
+    state.lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    state.lora_ids = itertools.count(len(state.lora_modules) + 1)  # ids of adapters loaded at run time
+    return app
+
+
+def make_app(
+    args: argparse.Namespace,
+    routers: list[APIRouter],
+    inner_middleware: Callable[[FastAPI], None] | None = None,
+) -> FastAPI:
+    """The app of either mode, without its model(s): `routers`, the error handlers and the middlewares (those that
+    `inner_middleware` adds run after the others, just before the routes)."""
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan)
+    state = app.state
+    state.args = args
+    state.routers = routers
+    state.exit_code = 0
+    state.manager = None  # router mode: the ModelManager
+    state.stack = None
+    state.lora_modules = []
+    state.server_load = ServerLoad(limit=getattr(args, "max_queued_requests", None))
+    for included in routers:
+        app.include_router(included)
     _install_error_handlers(app)
+    if inner_middleware is not None:
+        inner_middleware(app)
     app.add_middleware(ServerLoadMiddleware, load=state.server_load)
     max_request_bytes = parse_size(getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
     app.add_middleware(RequestSizeMiddleware, limit=max_request_bytes)
@@ -700,89 +777,134 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_server(args: argparse.Namespace, engine_args: EngineArgs | None = None, core: CoreProcess | None = None) -> int:
+def run_server(
+    args: argparse.Namespace,
+    engine_args: EngineArgs | None = None,
+    core: CoreProcess | None = None,
+    router_app: Callable[[argparse.Namespace, EngineArgs, float], FastAPI] | None = None,
+) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (0) or until the engine dies (1); returns the exit status.
     `core`: an engine-core process already started from `engine_args` (the CLI starts it before importing this
-    module); it is stopped here if the server fails before the engine takes it over."""
+    module); it is stopped here if the server fails before the engine takes it over. `router_app` (router mode,
+    --models or --models-dir: router/server.py's `build_router_app`): the app of the model router, built from the
+    flags, the engine arguments every model shares and the stats interval; no engine starts here then, each
+    model's starts on its first request."""
     engine = None
+    manager = None
     sock = None
     previous = None
     try:
         if engine_args is None:
             engine_args = EngineArgs.from_cli_args(args)
-        if not getattr(args, "api_key", None):
-            args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
-        if parse_size(args.max_request_bytes) < 1:  # a ValueError naming a malformed size, before the model loads
-            raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes!r}")
-        if args.max_queued_requests is not None and args.max_queued_requests < 1:
-            raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
-        if args.tool_call_parser is not None:
-            from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
-
-            ToolParserManager.get(args.tool_call_parser)  # a ValueError naming the choices
-        if getattr(args, "lora_modules", None):
-            if not engine_args.enable_lora:
-                raise ValueError("--lora-modules needs --enable-lora")
-            parse_lora_modules(args.lora_modules)  # a ValueError naming a malformed entry, before the model loads
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
-        if args.max_log_len is not None and args.max_log_len < 0:
-            raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
+        _check_server_args(args, engine_args)
+        if router_mode(args) and router_app is None:
+            raise ValueError("--models and --models-dir need the router: run_server(..., router_app=build_router_app)")
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
         # so that the engine-core child is terminated by its client rather than left behind.
         previous = signal.signal(signal.SIGTERM, _interrupt)
-        from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger, stats_log_interval
+        from pagedllm.metrics import stats_log_interval
 
         stats_interval = stats_log_interval()  # a bad $PAGEDLLM_STATS_LOG_INTERVAL fails before the model loads
-        logger.info("starting the engine for the API server on %s:%d", host, port)
-        engine_start = time.perf_counter()
-        engine = AsyncLLM(
-            engine_args,
-            core=core,
-            log_requests=log_requests(args),
-            max_log_len=args.max_log_len,
-            sleep_auto_wake=args.sleep_auto_wake,
-        )
-        core = None  # the engine owns it now
-        logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
-        mc = engine.model_config
-        engine.stat_loggers += [
-            PrometheusStatLogger(
-                mc.served_model_name,
-                mc.max_model_len,
-                num_engines=engine.num_engines,
-                max_lora=engine_args.max_loras if engine_args.enable_lora else 0,
-            ),
-            LoggingStatLogger(stats_interval, num_engines=engine.num_engines),
-        ]
-        app = build_app(engine, args)
-        app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        config = uvicorn.Config(
-            app,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-            timeout_keep_alive=5,
-        )
-        server = _Server(config)
-        app.state.server = server
-        asyncio.run(server.serve(sockets=[sock]))
-        return int(app.state.exit_code)
+        if router_app is not None:
+            app = router_app(args, engine_args, stats_interval)
+            manager = app.state.manager
+            logger.info("router: %d models on %s:%d, each started on its first request", len(manager.entries),
+                        host, port)  # fmt: skip
+        else:
+            logger.info("starting the engine for the API server on %s:%d", host, port)
+            engine = _start_engine(args, engine_args, core, stats_interval)
+            core = None  # the engine owns it now
+            app = build_app(engine, args)
+        return _serve(app, args, sock, host, port)
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 0
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        if engine is not None:
-            engine.shutdown()
-            logger.info("pagedllm server stopped: engine shut down")
-        if core is not None:
-            core.close()
-        if sock is not None:
-            sock.close()
+        _stop(engine, manager, core, sock)
 
 
-__all__ = ["build_app", "run_server"]
+def _stop(engine: AsyncLLM | None, manager: Any, core: CoreProcess | None, sock: socket.socket | None) -> None:
+    """What run_server started and still runs."""
+    if engine is not None:
+        engine.shutdown()
+        logger.info("pagedllm server stopped: engine shut down")
+    if manager is not None:
+        manager.close()  # what the app's shutdown did not stop (nothing, after a clean stop)
+        logger.info("pagedllm server stopped: every model's engine shut down")
+    if core is not None:
+        core.close()
+    if sock is not None:
+        sock.close()
+
+
+def _check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """ValueError naming a bad server flag, before any model loads."""
+    if not getattr(args, "api_key", None):
+        args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
+    if parse_size(args.max_request_bytes) < 1:  # a ValueError naming a malformed size, before the model loads
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes!r}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
+    if args.tool_call_parser is not None:
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+        ToolParserManager.get(args.tool_call_parser)  # a ValueError naming the choices
+    if getattr(args, "lora_modules", None):
+        if not engine_args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        parse_lora_modules(args.lora_modules)  # a ValueError naming a malformed entry, before the model loads
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
+
+
+def _start_engine(
+    args: argparse.Namespace, engine_args: EngineArgs, core: CoreProcess | None, stats_interval: float
+) -> AsyncLLM:
+    """The one model's engine with its stat loggers (`core`: its process, if started already)."""
+    from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
+
+    engine_start = time.perf_counter()
+    engine = AsyncLLM(
+        engine_args,
+        core=core,
+        log_requests=log_requests(args),
+        max_log_len=args.max_log_len,
+        sleep_auto_wake=args.sleep_auto_wake,
+    )
+    logger.info("startup: engine %.2f s (model config, tokenizer, engine core)", time.perf_counter() - engine_start)
+    mc = engine.model_config
+    engine.stat_loggers += [
+        PrometheusStatLogger(
+            mc.served_model_name,
+            mc.max_model_len,
+            num_engines=engine.num_engines,
+            max_lora=engine_args.max_loras if engine_args.enable_lora else 0,
+        ),
+        LoggingStatLogger(stats_interval, num_engines=engine.num_engines),
+    ]
+    return engine
+
+
+def _serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, host: str, port: int) -> int:
+    """Serve `app` on `sock` with uvicorn until it stops; the exit status."""
+    app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    config = uvicorn.Config(
+        app,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        timeout_keep_alive=5,
+    )
+    server = _Server(config)
+    app.state.server = server
+    asyncio.run(server.serve(sockets=[sock]))
+    return int(app.state.exit_code)
+
+
+__all__ = ["ModelStack", "build_app", "build_stack", "make_app", "run_server"]

@@ -12,6 +12,11 @@ DEFAULT_MAX_REQUEST_BYTES = "16MiB"
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
+def router_mode(args: argparse.Namespace) -> bool:
+    """True when `pagedllm serve` runs the model router (--models or --models-dir)."""
+    return bool(getattr(args, "models", None) or getattr(args, "models_dir", None))
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -102,4 +107,54 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--enable-debug-routes",
         action="store_true",
         help="expose GET /debug/kv_cache (KV block-pool counts and the engine-core pid), for tests",
+    )
+    add_router_args(parser)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("router (many models behind one server; instead of MODEL)")
+    g.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every .gguf file and every folder with config.json in DIR, each named by its file (without "
+        ".gguf) or folder, each in its own engine-core process started on its first request; the engine flags apply "
+        "to every model (--max-model-len as a ceiling), the runner is each model's own (--runner auto)",
+    )
+    g.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="serve these .gguf files and HF folders as the router does (named likewise; with --models-dir: both)",
+    )
+    g.add_argument(
+        "--models-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N models awake at once: loading another puts the least recently used idle one to sleep (see "
+        "--models-evict); a model with requests in flight is never evicted (default: no limit)",
+    )
+    g.add_argument(
+        "--models-evict",
+        default="sleep",
+        choices=("sleep", "unload"),
+        help="how --models-max makes room: sleep (the process stays, its weights and KV cache are freed; waking is "
+        "fast) or unload (the process stops) (default: sleep)",
+    )
+    g.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="put a model that served no request for S seconds to sleep (default: never)",
+    )
+    g.add_argument(
+        "--models-wait-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="the longest a request waits for its model to load, or for room to load it, before a 503 (default "
+        "600); a client that leaves ends its wait",
     )

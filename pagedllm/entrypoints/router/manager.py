@@ -1,0 +1,360 @@
+"""ModelManager: the router's models, each in its own engine-core process, started on first use.
+
+Contract:
+* Every model has a state: unloaded (no process), loading (its engine starting, or waking from sleep), loaded
+  (awake, serving), sleeping (its process kept, its weights and KV cache freed: `AsyncLLM.sleep(1)`) or failed (its
+  load raised; the error is kept and answered to its requests, 503, until `POST /models/load` retries it or
+  `/models/unload` clears it; the other models serve on).
+* `acquire(name)` returns the model's `ModelStack` (engine and serving objects) once it is loaded, counting one
+  request in flight until `release(name)`; it loads or wakes the model first when needed. It waits (for the load,
+  or for room) at most `wait_timeout` seconds, then raises `ModelUnavailable`; an unknown name raises
+  `UnknownModel`. A waiter that is cancelled (its client left) leaves a load it started running.
+* `max_loaded` (--models-max): at most that many models awake (loading or loaded) at once. Room is made by putting
+  the least recently used idle model (no request in flight or waiting for it) to sleep, or by unloading it
+  (`evict="unload"`, or an engine without sleep mode). A model with requests in flight is never evicted: when every
+  awake model is busy, a request for another model waits until one is idle.
+* `sleep_idle_s` (--sleep-idle-seconds): a model awake and idle that long goes to sleep.
+* A dead engine (its process killed) is noticed within MONITOR_INTERVAL_S (or by the next request for it): its
+  requests in flight have their error (503), its process is reaped, its state becomes unloaded, and the next request
+  starts it again. A restart that fails makes the model failed.
+* `shutdown()` stops every engine (and a load in progress, when its engine comes up).
+
+All state lives on the event loop; nothing here blocks it: engines are built (`build(spec)`, blocking) and their
+processes stopped in worker threads. Engines are built one at a time: the front end's first imports (transformers'
+lazy module) fail when two threads make them at once, and two cores gain little from two loads side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from pagedllm.entrypoints.router.entry import (
+    ModelEntry,
+    ModelState,
+    ModelUnavailable,
+    UnknownModel,
+    engine_dead,
+    engine_pids,
+    pick_evictee,
+    stop_engine,
+)
+from pagedllm.entrypoints.router.models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.5
+SHUTDOWN_WAIT_S = 30.0  # for loads in progress at shutdown (a model load cannot be interrupted)
+
+
+class ModelManager:
+    def __init__(
+        self,
+        specs: Iterable[ModelSpec],
+        build: Callable[[ModelSpec], Any],
+        max_loaded: int | None = None,
+        evict: str = "sleep",
+        sleep_idle_s: float | None = None,
+        wait_timeout: float = 600.0,
+    ) -> None:
+        """`build(spec)` returns the ModelStack of a started engine (blocking: it runs in a worker thread)."""
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"--models-max must be at least 1, got {max_loaded}")
+        if evict not in ("sleep", "unload"):
+            raise ValueError(f"--models-evict must be sleep or unload, got {evict!r}")
+        if sleep_idle_s is not None and not sleep_idle_s > 0:
+            raise ValueError(f"--sleep-idle-seconds must be positive, got {sleep_idle_s}")
+        if not wait_timeout > 0:
+            raise ValueError(f"--models-wait-timeout must be positive, got {wait_timeout}")
+        self.entries = {spec.name: ModelEntry(spec) for spec in specs}
+        self.build = build
+        self.max_loaded = max_loaded
+        self.evict = evict
+        self.sleep_idle_s = sleep_idle_s
+        self.wait_timeout = wait_timeout
+        self._changed = asyncio.Event()
+        self._monitor: asyncio.Task | None = None
+        self._closed = False
+        self._build_lock = threading.Lock()
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise UnknownModel(f"The model `{name}` does not exist. Available models: {', '.join(self.entries)}.")
+        return entry
+
+    def try_acquire(self, name: str) -> Any:
+        """The model's stack, counted in flight, if it is ready now; else None (then `acquire`)."""
+        entry = self.entry(name)
+        if not entry.ready:
+            return None
+        entry.in_flight += 1
+        entry.last_used = time.monotonic()
+        return entry.stack
+
+    async def acquire(self, name: str) -> Any:
+        """The model's stack once it is loaded, counted in flight (see the module docstring)."""
+        entry = self.entry(name)
+        deadline = time.monotonic() + self.wait_timeout
+        entry.waiting += 1
+        try:
+            while True:
+                self._reap_if_dead(entry)
+                if entry.ready:
+                    entry.in_flight += 1
+                    entry.last_used = time.monotonic()
+                    return entry.stack
+                if entry.state is ModelState.FAILED:
+                    raise ModelUnavailable(f"The model `{name}` failed to load: {entry.error}")
+                if entry.task is None and entry.state in (ModelState.UNLOADED, ModelState.SLEEPING):
+                    if self._make_room(entry):
+                        self._start_bring_up(entry)
+                await self._wait_change(deadline, entry)
+        finally:
+            entry.waiting -= 1
+            if entry.evictable:  # its last waiter gave up: it may make room for another model's now
+                self._notify()
+
+    def release(self, name: str) -> None:
+        entry = self.entries[name]
+        entry.in_flight -= 1
+        entry.last_used = time.monotonic()
+        if entry.in_flight == 0:
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[Any]:
+        """The model's stack for the duration of one request."""
+        stack = self.try_acquire(name) or await self.acquire(name)
+        try:
+            yield stack
+        finally:
+            self.release(name)
+
+    # ---- operations (POST /models/load, /models/unload) --------------------------------------------------
+
+    async def load(self, name: str) -> ModelEntry:
+        """Load (or wake) the model and wait until it is loaded; a failed model is tried again."""
+        entry = self.entry(name)
+        if entry.state is ModelState.FAILED and entry.task is None:
+            entry.state, entry.error = ModelState.UNLOADED, None
+        async with self.use(name):
+            return entry
+
+    async def unload(self, name: str) -> ModelEntry:
+        """Stop the model's engine once its requests in flight have finished (a failed model: forget its error)."""
+        entry = self.entry(name)
+        deadline = time.monotonic() + self.wait_timeout
+        while entry.task is not None:  # a load, wake or sleep under way ends first
+            await self._wait_change(deadline, entry)
+        if entry.stack is not None:
+            entry.task = self._spawn(self._evict(entry, "unload"), f"unload-{name}")
+            await asyncio.shield(entry.task)
+        elif entry.state is ModelState.FAILED:
+            entry.state, entry.error = ModelState.UNLOADED, None
+        return entry
+
+    # ---- transitions ------------------------------------------------------------------------------------
+
+    def _make_room(self, entry: ModelEntry) -> bool:
+        """True when `entry` may come up now; otherwise an eviction is started if a model is idle (the caller waits
+        for a change either way)."""
+        if self.max_loaded is None:
+            return True
+        awake = [e for e in self.entries.values() if e is not entry and e.awake]
+        if len(awake) < self.max_loaded:
+            return True
+        victim = pick_evictee(awake)
+        if victim is not None:
+            how = self.evict
+            logger.info("router: %s %r to make room for %r (--models-max %d)", how, victim.name, entry.name,
+                        self.max_loaded)  # fmt: skip
+            victim.task = self._spawn(self._evict(victim, how), f"{how}-{victim.name}")
+        return False
+
+    def _start_bring_up(self, entry: ModelEntry) -> None:
+        # Loading from now on (not from the task's first step): the next room check counts it awake.
+        waking = entry.state is ModelState.SLEEPING
+        entry.state = ModelState.LOADING
+        entry.task = self._spawn(self._bring_up(entry, waking), f"{'wake' if waking else 'load'}-{entry.name}")
+        self._notify()
+
+    async def _bring_up(self, entry: ModelEntry, waking: bool) -> None:
+        """Wake the sleeping model, or start its engine; failed when its engine cannot start."""
+        started = time.monotonic()
+        try:
+            if waking:
+                await entry.engine.wake_up()
+            else:
+                entry.stack = await asyncio.to_thread(self._build, entry.spec)
+                entry.loads += 1
+                entry.max_model_len = int(entry.engine.model_config.max_model_len)
+        except Exception as e:
+            await self._drop_stack(entry)
+            entry.error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+            # A model that cannot wake starts afresh on its next request; one that cannot start has failed.
+            entry.state = ModelState.UNLOADED if waking else ModelState.FAILED
+            logger.error("router: model %r %s: %s", entry.name, "did not wake" if waking else "failed to load",
+                         entry.error)  # fmt: skip
+        else:
+            entry.state, entry.error = ModelState.LOADED, None
+            entry.last_used = time.monotonic()
+            logger.info("router: model %r %s in %.2f s", entry.name, "woke" if waking else "loaded",
+                        time.monotonic() - started)  # fmt: skip
+        finally:
+            entry.task = None
+            self._notify()
+
+    def _build(self, spec: ModelSpec) -> Any:
+        """In a worker thread: the model's stack; stopped again if the router closed meanwhile."""
+        with self._build_lock:
+            stack = self.build(spec)
+        if self._closed:
+            stack.engine.shutdown()
+            raise ModelUnavailable("the server is shutting down")
+        return stack
+
+    async def _evict(self, entry: ModelEntry, how: str) -> None:
+        """Put the model to sleep ("sleep") or stop its engine ("unload") once no request is in flight for it."""
+        try:
+            while entry.in_flight:
+                await self._changed.wait()
+            sleep = getattr(entry.engine, "sleep", None)  # an engine without sleep mode is unloaded instead
+            if how == "sleep" and sleep is not None and not engine_dead(entry.engine):
+                await sleep(1)
+                entry.state = ModelState.SLEEPING
+            else:
+                await self._drop_stack(entry)
+                entry.state = ModelState.UNLOADED
+            logger.info("router: model %r is %s", entry.name, entry.state.value)
+        except Exception as e:
+            logger.error("router: model %r: %s failed (%s); its engine is stopped", entry.name, how, e)
+            await self._drop_stack(entry)
+            entry.state, entry.error = ModelState.UNLOADED, f"{how} failed: {e}"
+        finally:
+            entry.task = None
+            self._notify()
+
+    async def _drop_stack(self, entry: ModelEntry) -> None:
+        engine, entry.stack = entry.engine, None
+        if engine is not None:
+            try:
+                await stop_engine(engine)
+            except Exception:
+                logger.exception("router: stopping the engine of %r failed", entry.name)
+
+    def _reap_if_dead(self, entry: ModelEntry) -> None:
+        """A dead engine (killed process): its stack dropped, the model unloaded (the next request restarts it)."""
+        if entry.task is not None or entry.stack is None or not engine_dead(entry.engine):
+            return
+        pids = engine_pids(entry.engine)
+        logger.error("router: the engine of model %r died (pid %s): it restarts on its next request", entry.name,
+                     ", ".join(map(str, pids)) or "?")  # fmt: skip
+        entry.error = "its engine core process died; it restarts on the next request"
+        entry.task = self._spawn(self._reap(entry), f"reap-{entry.name}")
+
+    async def _reap(self, entry: ModelEntry) -> None:
+        try:
+            await self._drop_stack(entry)
+            entry.state = ModelState.UNLOADED
+        finally:
+            entry.task = None
+            self._notify()
+
+    # ---- waiting ------------------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(coro, name=f"router-{name}")
+
+    def _notify(self) -> None:
+        """Wake everyone waiting for a change (a state, a request's end); later waiters wait for the next one."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, deadline: float, entry: ModelEntry) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+                return
+        if entry.state is ModelState.LOADING:
+            why = f"it is still loading after {self.wait_timeout:g} s"
+        elif entry.task is not None:
+            why = f"it is still being put to sleep or unloaded after {self.wait_timeout:g} s"
+        else:
+            why = (
+                f"no room to load it within {self.wait_timeout:g} s: --models-max {self.max_loaded} models are "
+                "loaded and busy"
+            )
+        raise ModelUnavailable(f"The model `{entry.name}` is not available: {why} (--models-wait-timeout).")
+
+    # ---- the life cycle --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start watching the engines (deaths, idle time); on the event loop."""
+        self._monitor = self._spawn(self._watch(), "monitor")
+
+    async def _watch(self) -> None:
+        interval = MONITOR_INTERVAL_S if self.sleep_idle_s is None else min(MONITOR_INTERVAL_S, self.sleep_idle_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._check_engines()
+            except Exception:  # the monitor must outlive a bug in one check
+                logger.exception("router: the engine monitor failed")
+
+    def _check_engines(self) -> None:
+        now = time.monotonic()
+        for entry in self.entries.values():
+            self._reap_if_dead(entry)
+            idle = self.sleep_idle_s is not None and now - entry.last_used >= self.sleep_idle_s
+            if idle and entry.evictable:
+                logger.info("router: model %r idle for %g s (--sleep-idle-seconds)", entry.name, self.sleep_idle_s)
+                entry.task = self._spawn(self._evict(entry, "sleep"), f"sleep-{entry.name}")
+
+    async def shutdown(self) -> None:
+        """Stop every engine (after the loads under way, which cannot be interrupted, have ended)."""
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        pending = [e.task for e in self.entries.values() if e.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=SHUTDOWN_WAIT_S)
+        running = [e for e in self.entries.values() if e.stack is not None]
+        await asyncio.gather(*(self._drop_stack(e) for e in running))
+        for entry in running:
+            entry.state = ModelState.UNLOADED
+        if running:
+            logger.info("router: stopped the engines of %s", ", ".join(repr(e.name) for e in running))
+
+    def close(self) -> None:
+        """After the event loop ended (a backstop of `shutdown`): stop what still runs."""
+        self._closed = True
+        for entry in self.entries.values():
+            if entry.stack is not None:
+                entry.stack.engine.shutdown()
+                entry.stack = None
+
+    # ---- what the server shows -----------------------------------------------------------------------------
+
+    def stacks(self) -> list[Any]:
+        """The stacks of the models that have one (loaded or sleeping)."""
+        return [e.stack for e in self.entries.values() if e.stack is not None]
+
+    def describe(self, entry: ModelEntry) -> dict[str, Any]:
+        """A model's state for /v1/models and /health."""
+        info: dict[str, Any] = {"state": entry.state.value, "in_flight": entry.in_flight, "loads": entry.loads}
+        if entry.stack is not None:
+            info["pids"] = engine_pids(entry.engine)
+        if entry.error is not None:
+            info["error"] = entry.error
+        return info
