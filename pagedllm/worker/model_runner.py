@@ -196,9 +196,11 @@ class ModelRunner:
         """Free the weights' and the KV cache's memory (the weights wait in a temporary file); nothing may run
         until `wake_up`."""
         if self._sleeper is None:
-            kv = [t for attn in self.model.attention_layers() for t in (attn.kv_cache or ())]
-            self._sleeper = MemorySleeper(self.model, kv)
+            self._sleeper = MemorySleeper(self.model, self._kv_tensors)
         self._sleeper.sleep()
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        return [t for attn in self.model.attention_layers() for t in (attn.kv_cache or ())]
 
     def wake_up(self) -> None:
         """The weights back where they were; the KV cache empty (zeros)."""

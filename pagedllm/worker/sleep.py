@@ -1,11 +1,12 @@
 """Sleep mode of one worker: its weights and KV cache leave memory while the process and every object stay.
 
-Contract. `MemorySleeper(model, kv_tensors)` finds the memory the model's weights live in (every tensor reachable
-from the model's modules: parameters, buffers, packed panels, quantized matrices, oneDNN's packed copies, LoRA
-slots) and, apart from it, the KV cache tensors. `sleep()` writes the weights' bytes to an unlinked temporary file
-(page cache: memory the kernel may reclaim, not this process's), then gives every whole page of the weights and
-of the KV cache back to the system (`madvise(MADV_DONTNEED)`) and trims the heap. `wake_up()` reads the weights back
-into the same addresses; the KV cache reads as zeros (its contents are gone: the caller resets the prefix cache).
+Contract. `MemorySleeper(model, kv_tensors)` (`kv_tensors()`: the KV cache's tensors) finds, at each `sleep()`,
+the memory the model's weights live in (every tensor reachable from the model's modules: parameters, buffers, packed
+panels, quantized matrices, oneDNN's packed copies, LoRA slots) and, apart from it, the KV cache tensors. `sleep()`
+writes the weights' bytes to an unlinked temporary file (page cache: memory the kernel may reclaim, not this
+process's), then gives every whole page of the weights and of the KV cache back to the system
+(`madvise(MADV_DONTNEED)`) and trims the heap. `wake_up()` reads the weights back into the same addresses; the KV
+cache reads as zeros (its contents are gone: the caller resets the prefix cache).
 Nothing is reallocated, so every pointer to the weights stays valid: the native quantized matrices and the fused
 decoder hold raw addresses of them. Between `sleep()` and `wake_up()` nothing may run the model. `close()` drops
 the file.
@@ -26,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -118,20 +119,27 @@ def _view(address: int, size: int) -> memoryview:
 
 
 class MemorySleeper:
-    def __init__(self, model: nn.Module, kv_tensors: Iterable[torch.Tensor] = ()) -> None:
-        kv = merge_spans(s for s in (tensor_span(t) for t in kv_tensors) if s is not None)
+    def __init__(self, model: nn.Module, kv_tensors: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
+        self.model = model
+        self.kv_tensors = kv_tensors
+        self.weights: list[tuple[int, int]] = []
+        self.kv: list[tuple[int, int]] = []
+        self._file: Any = None
+        self.asleep = False
+
+    def _find(self) -> None:
+        """The page-aligned interiors of the weights' and the KV cache's memory, found again at every sleep (an
+        adapter loaded since, or a buffer replaced, lives elsewhere now)."""
+        kv = merge_spans(s for s in (tensor_span(t) for t in self.kv_tensors()) if s is not None)
         writable = _writable_mappings()
         weights = []
-        for span in {s for s in (tensor_span(t) for t in model_tensors(model)) if s is not None}:
+        for span in {s for s in (tensor_span(t) for t in model_tensors(self.model)) if s is not None}:
             # Not the KV cache (dropped, never saved), nor memory this process cannot write back (a read-only file
             # mapping: its pages return from the file by themselves).
             if not _inside(span, kv) and (writable is None or _inside(span, writable)):
                 weights.append(span)
-        # Page-aligned interiors: what is written out, dropped and read back.
         self.weights = whole_pages(merge_spans(weights))
         self.kv = whole_pages(kv)
-        self._file: Any = None
-        self.asleep = False
 
     @property
     def weight_bytes(self) -> int:
@@ -146,7 +154,8 @@ class MemorySleeper:
         if self.asleep:
             return
         start = time.perf_counter()
-        if self._file is None:
+        self._find()
+        if self._file is None:  # kept from one sleep to the next: rewriting cached pages is cheaper than new ones
             self._file = _open_file()
         offset = 0
         for address, size in self.weights:

@@ -73,9 +73,9 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     model.kv_cache = (kv,)
     before = [model.weight.detach().clone(), model.bias.detach().clone(), arena_view.clone()]
     addresses = [model.weight.data_ptr(), arena_view.data_ptr(), kv.data_ptr()]
-    sleeper = MemorySleeper(model, [kv])
-    assert sleeper.weight_bytes >= arena_view.numel() - 2 * PAGE and sleeper.kv_bytes >= kv.numel() - 2 * PAGE
+    sleeper = MemorySleeper(model, lambda: [kv])
     sleeper.sleep()
+    assert sleeper.weight_bytes >= arena_view.numel() - 2 * PAGE and sleeper.kv_bytes >= kv.numel() - 2 * PAGE
     # the pages went back to the system: they read as zeros now (the KV cache is never written aside)
     assert arena_view[PAGE : 2 * PAGE].count_nonzero() == 0
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0
@@ -84,9 +84,11 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     assert torch.equal(model.weight, before[0]) and torch.equal(model.bias, before[1])
     assert torch.equal(arena_view, before[2])
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0  # the KV cache comes back empty
-    sleeper.sleep()  # a second round reads the weights as they are now
+    model.bias.data = torch.randn(900)  # a tensor replaced since: the next sleep finds it where it lives now
+    new_bias = model.bias.detach().clone()
+    sleeper.sleep()
     sleeper.wake_up()
-    assert torch.equal(arena_view, before[2])
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.bias, new_bias)
     sleeper.close()
 
 

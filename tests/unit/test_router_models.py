@@ -315,7 +315,7 @@ def test_a_dead_engine_is_reaped_and_its_model_restarts_on_the_next_request():
 
 def test_an_idle_model_goes_to_sleep_after_sleep_idle_seconds():
     async def run() -> None:
-        manager = _manager(Builder(), "AB", sleep_idle_s=0.05)
+        manager = _manager(Builder(), "AB", sleep_idle_s=0.05, max_running=None)
         manager.start()
         await manager.acquire("A")
         await _use(manager, "B")
@@ -430,3 +430,79 @@ def test_serve_refuses_one_models_flags_with_the_router(models_dir, capsys):
     assert "--served-model-name applies to one model" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--models", str(models_dir / "notes.txt")]) == 2
     assert "neither a .gguf file nor a folder" in capsys.readouterr().err
+
+
+def test_one_model_computes_at_a_time_and_turns_pass_in_order():
+    """--models-max-running 1 (the default): a request for another model waits until the running model's requests
+    have finished; once one waits, the running model takes no new request (no starving the waiter)."""
+
+    async def run() -> None:
+        manager = _manager(Builder(), "ABC")
+        for name in "ABC":  # all loaded (no room limit), none running
+            await _use(manager, name)
+        await manager.acquire("A")
+        await manager.acquire("A")  # A's turn: more A requests start at once
+        b = asyncio.ensure_future(manager.acquire("B"))
+        await asyncio.sleep(0.05)
+        assert not b.done()
+        late_a = asyncio.ensure_future(manager.acquire("A"))  # B waits: A's turn takes no new request
+        c = asyncio.ensure_future(manager.acquire("C"))
+        await asyncio.sleep(0.05)
+        assert not late_a.done() and not c.done()
+        manager.release("A")
+        await asyncio.sleep(0.05)
+        assert not b.done()  # one A request still in flight
+        manager.release("A")
+        await b  # B's turn
+        await asyncio.sleep(0.05)
+        assert not late_a.done() and not c.done()
+        manager.release("B")
+        await late_a  # A asked before C
+        assert not c.done()
+        manager.release("A")
+        await c
+        manager.release("C")
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
+def test_models_max_running_lets_that_many_models_compute_together():
+    async def run() -> None:
+        manager = _manager(Builder(), "ABC", max_running=2)
+        for name in "ABC":
+            await _use(manager, name)
+        await manager.acquire("A")
+        await manager.acquire("B")  # a second turn
+        c = asyncio.ensure_future(manager.acquire("C"))
+        await asyncio.sleep(0.05)
+        assert not c.done()
+        manager.release("B")
+        await c  # B's turn ended first (A's was closed for C too, but still runs its request)
+        manager.release("A")
+        manager.release("C")
+        unlimited = _manager(Builder(), "AB", max_running=None)
+        await unlimited.acquire("A")
+        await asyncio.wait_for(unlimited.acquire("B"), 5)
+        for manager_, names in ((manager, ""), (unlimited, "AB")):
+            for name in names:
+                manager_.release(name)
+            await manager_.shutdown()
+
+    asyncio.run(run())
+
+
+def test_waiting_for_a_turn_past_the_timeout_is_unavailable():
+    async def run() -> None:
+        manager = _manager(Builder(), "AB", wait_timeout=0.2)
+        await _use(manager, "B")
+        await manager.acquire("A")
+        with pytest.raises(ModelUnavailable, match="other models computed.*--models-max-running 1"):
+            await manager.acquire("B")
+        manager.release("A")
+        await asyncio.wait_for(_use(manager, "B"), 5)  # the queue forgot the one that gave up
+        await manager.shutdown()
+        with pytest.raises(ValueError, match="--models-max-running must be at least 1"):
+            _manager(Builder(), max_running=0)
+
+    asyncio.run(run())

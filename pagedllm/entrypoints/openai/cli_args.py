@@ -151,6 +151,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="put a model that served no request for S seconds to sleep (default: never)",
     )
     g.add_argument(
+        "--models-max-running",
+        type=int,
+        default=1,
+        metavar="N",
+        help="at most N models compute at once (default 1: on a few cores, two models side by side are much slower "
+        "than one after the other); the others' requests wait for a turn",
+    )
+    g.add_argument(
         "--models-wait-timeout",
         type=float,
         default=600.0,

@@ -316,6 +316,7 @@ def build_router_app(args: argparse.Namespace, base: EngineArgs, stats_interval:
         evict=args.models_evict,
         sleep_idle_s=args.sleep_idle_seconds,
         wait_timeout=args.models_wait_timeout,
+        max_running=getattr(args, "models_max_running", 1),
     )
     routers = [router, routed_router]
     if getattr(args, "enable_debug_routes", False):
