@@ -197,7 +197,9 @@ class ModelRunner:
         until `wake_up`."""
         if self._sleeper is None:
             self._sleeper = MemorySleeper(self.model, self._kv_tensors)
-        self._sleeper.sleep()
+        # The weights do not change once loaded, but for LoRA adapters' slots: the file from the last sleep still
+        # holds them unless adapters may have been loaded since.
+        self._sleeper.sleep(rewrite=self.lora_manager is not None)
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         return [t for attn in self.model.attention_layers() for t in (attn.kv_cache or ())]

@@ -149,16 +149,19 @@ class MemorySleeper:
     def kv_bytes(self) -> int:
         return sum(size for _, size in self.kv)
 
-    def sleep(self) -> None:
-        """Weights to the file, then weights' and KV cache's pages back to the system."""
+    def sleep(self, rewrite: bool = True) -> None:
+        """Weights to the file, then weights' and KV cache's pages back to the system. With `rewrite` False the file
+        is not written again when it holds these very spans already (the caller knows no weight changed since)."""
         if self.asleep:
             return
         start = time.perf_counter()
+        previous = self.weights
         self._find()
+        kept = not rewrite and self._file is not None and self.weights == previous
         if self._file is None:  # kept from one sleep to the next: rewriting cached pages is cheaper than new ones
             self._file = _open_file()
         offset = 0
-        for address, size in self.weights:
+        for address, size in [] if kept else self.weights:
             _write_all(self._file.fileno(), _view(address, size), offset)
             offset += size
         for address, size in self.weights + self.kv:
@@ -166,8 +169,9 @@ class MemorySleeper:
         trim_heap()
         self.asleep = True
         logger.info(
-            "asleep: %.0f MiB of weights written aside, %.0f MiB of weights and KV cache freed in %.2f s",
-            self.weight_bytes / 2**20, (self.weight_bytes + self.kv_bytes) / 2**20, time.perf_counter() - start,
+            "asleep: %.0f MiB of weights %s aside, %.0f MiB of weights and KV cache freed in %.2f s",
+            self.weight_bytes / 2**20, "kept" if kept else "written", (self.weight_bytes + self.kv_bytes) / 2**20,
+            time.perf_counter() - start,
         )  # fmt: skip
 
     def wake_up(self) -> None:

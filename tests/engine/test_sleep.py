@@ -86,7 +86,10 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0  # the KV cache comes back empty
     model.bias.data = torch.randn(900)  # a tensor replaced since: the next sleep finds it where it lives now
     new_bias = model.bias.detach().clone()
-    sleeper.sleep()
+    sleeper.sleep(rewrite=False)  # new spans: written all the same
+    sleeper.wake_up()
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.bias, new_bias)
+    sleeper.sleep(rewrite=False)  # the same spans: the file holds them already
     sleeper.wake_up()
     assert torch.equal(arena_view, before[2]) and torch.equal(model.bias, new_bias)
     sleeper.close()
@@ -115,6 +118,9 @@ def test_default_gguf_sleeps_and_wakes_with_identical_outputs() -> None:
         assert first.num_cached_tokens == 0  # cold after waking
         assert _texts(llm, prompts) == before
         assert first.outputs[0].token_ids == before[0]
+        llm.sleep(1)  # again: the weights unchanged, their file from the first sleep is kept
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
         llm.sleep(2)
         llm.wake_up()
         assert _texts(llm, prompts) == before
@@ -191,3 +197,29 @@ def test_tensor_parallel_ranks_sleep(tiny_model_dir: Path) -> None:
         llm.sleep(2)
         llm.wake_up()
         assert _texts(llm, prompts) == before
+
+
+def test_adapters_loaded_between_sleeps_are_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """LoRA slots change after load: every sleep writes them again (an adapter loaded after a sleep survives the
+    next one), and level 2 loads the adapters the engine held again."""
+    from pagedllm.lora.request import LoRARequest
+    from tests.lora_utils import make_peft_adapter
+
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=5)
+    adapters = [make_peft_adapter(folder, tmp_path / f"a{i}", seed=i + 1) for i in range(2)]
+    loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts([7, 40], seed=3)]
+
+    def run(lora: LoRARequest | None) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)]
+
+    with LLM(folder, engine_client="inproc", enable_lora=True, max_loras=2, max_lora_rank=8, **TINY) as llm:
+        base, first = run(None), run(loras[0])
+        llm.sleep(1)
+        llm.wake_up()
+        second = run(loras[1])  # loaded after the first sleep
+        assert len({str(base), str(first), str(second)}) == 3, "adapters that change nothing test nothing"
+        for level in (1, 2, 1):
+            llm.sleep(level)
+            llm.wake_up()
+            assert (run(None), run(loras[0]), run(loras[1])) == (base, first, second), f"after level {level}"
