@@ -234,6 +234,27 @@ def run_engine_core(
         os._exit(status)
 
 
+def run_spare() -> None:
+    """A spare engine core (core_process.py `SpareCore`): the imports first, then the engine it is told to be on
+    stdin (a JSON line with its sockets, then the engine arguments); nothing on stdin: exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is its owner's to act on
+    import torch  # noqa: F401
+
+    import pagedllm.engine.arg_utils  # noqa: F401
+    import pagedllm.engine.core  # noqa: F401
+    import pagedllm.executor.uniproc  # noqa: F401  (the worker, the model runner, the models' layers)
+
+    header = sys.stdin.buffer.readline()
+    if not header.strip():
+        os._exit(0)
+    where = msgspec.json.decode(header)
+    run_engine_core(
+        sys.stdin.buffer.read(), where["input"], where["output"], where["identity"].encode(), int(where["index"])
+    )
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--spare"]:
+        run_spare()
     _in, _out, _identity, _index = sys.argv[1:5]
     run_engine_core(sys.stdin.buffer.read(), _in, _out, _identity.encode(), int(_index))

@@ -16,6 +16,7 @@ speak to the children are in core_client.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import shutil
@@ -44,7 +45,7 @@ STARTUP_TIMEOUT_S = 900.0
 class CoreProcess:
     """The child processes and their sockets; shared by the sync and async clients (see the module docstring)."""
 
-    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
+    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context, spare: SpareCore | None = None) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
         self.input_addr = f"ipc://{self.tmpdir}/input"
         self.output_addr = f"ipc://{self.tmpdir}/output"
@@ -64,14 +65,17 @@ class CoreProcess:
         self.procs: list[subprocess.Popen] = []
         self.shutting_down = False
         try:
-            self._start(engine_args)
+            self._start(engine_args, spare)
         except BaseException:
             self.close()  # the engines started so far, the sockets and the folder
             raise
 
-    def _start(self, engine_args: EngineArgs) -> None:
+    def _start(self, engine_args: EngineArgs, spare: SpareCore | None) -> None:
         args_json = msgspec.json.encode(dataclasses.asdict(engine_args))
         for index, identity in enumerate(self.identities):
+            if index == 0 and self.num_engines == 1 and spare is not None and spare.alive():
+                self.procs.append(spare.hand_over(self.input_addr, self.output_addr, identity, args_json))
+                continue
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -172,3 +176,40 @@ class CoreProcess:
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.ctx.term()
+
+
+class SpareCore:
+    """An engine-core process started ahead of need (`python -m pagedllm.engine.core_proc --spare`): it makes the
+    engine's imports (torch and the model code, ~1.4 s), then waits on stdin for the sockets and engine arguments of
+    the model it is to load (`hand_over`, through `CoreProcess(..., spare=)`). The router keeps one, so that a
+    model's cold load skips the imports. Closing an unused one closes its stdin: it exits at once."""
+
+    def __init__(self) -> None:
+        cmd = [sys.executable, "-m", "pagedllm.engine.core_proc", "--spare"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        self.used = False
+
+    def alive(self) -> bool:
+        return not self.used and self.proc.poll() is None
+
+    def hand_over(self, input_addr: str, output_addr: str, identity: bytes, args_json: bytes) -> subprocess.Popen:
+        """Tell the process which engine to be (one line of JSON, then the engine arguments); returns it."""
+        assert self.proc.stdin is not None and not self.used
+        header = {"input": input_addr, "output": output_addr, "identity": identity.decode(), "index": 0}
+        self.proc.stdin.write(msgspec.json.encode(header) + b"\n" + args_json)
+        self.proc.stdin.close()
+        self.used = True
+        return self.proc
+
+    def close(self) -> None:
+        """Stop an unused spare (a used one belongs to its CoreProcess)."""
+        if self.used:
+            return
+        self.used = True
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -373,14 +373,21 @@ class ModelManager:
             await asyncio.wait(pending, timeout=SHUTDOWN_WAIT_S)
         running = [e for e in self.entries.values() if e.stack is not None]
         await asyncio.gather(*(self._drop_stack(e) for e in running))
+        await asyncio.to_thread(self._close_builder)
         for entry in running:
             entry.state = ModelState.UNLOADED
         if running:
             logger.info("router: stopped the engines of %s", ", ".join(repr(e.name) for e in running))
 
+    def _close_builder(self) -> None:
+        close = getattr(self.build, "close", None)  # the builder's spare engine process (server.py)
+        if close is not None:
+            close()
+
     def close(self) -> None:
         """After the event loop ended (a backstop of `shutdown`): stop what still runs."""
         self._closed = True
+        self._close_builder()
         for entry in self.entries.values():
             if entry.stack is not None:
                 entry.stack.engine.shutdown()
