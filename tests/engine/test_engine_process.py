@@ -154,3 +154,34 @@ def test_async_llm_dead_engine_fails_waiters(model_dir):
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_spare_core_becomes_the_engine_it_is_handed(model_dir):
+    """SpareCore (the router's): a process that made its imports becomes the engine it is told to be, answers like
+    one started for it, and stops with its client; an unused spare exits when closed; a dead one is replaced by a
+    fresh process."""
+    import zmq
+
+    from pagedllm.engine.core_client import SyncMPClient
+    from pagedllm.engine.core_process import CoreProcess, SpareCore
+
+    engine_args = EngineArgs(model=model_dir, **ENGINE_KW).for_engine_core()
+    spare = SpareCore()
+    client = SyncMPClient(None, engine_args, core=CoreProcess(engine_args, zmq.Context(), spare=spare))
+    try:
+        assert client.core.proc is spare.proc and not spare.alive()
+        assert client.call_utility("check_invariants")["in_use"] == 0
+    finally:
+        client.shutdown()
+    assert spare.proc.wait(30) == 0
+    unused = SpareCore()
+    unused.close()
+    assert unused.proc.returncode == 0
+    dead = SpareCore()
+    dead.proc.kill()
+    dead.proc.wait()
+    core = CoreProcess(engine_args, zmq.Context(), spare=dead)
+    try:
+        assert core.proc is not dead.proc and core.proc.poll() is None
+    finally:
+        core.terminate()
