@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--evict", default="sleep", choices=("sleep", "unload"))
+    ap.add_argument("--max-running", type=int, default=1, help="the router's --models-max-running")
     args = ap.parse_args()
     paths = model_paths()
     names = [Path(p).name.removesuffix(".gguf") for p in paths]
@@ -130,7 +131,8 @@ def main() -> None:
             stop(proc)
         print(f"single {name}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)", flush=True)
         single_tokens, single_time = single_tokens + tokens, single_time + seconds
-    proc, port = start(["--models", *paths, "--models-max", "2", "--models-evict", args.evict])
+    router = ["--models", *paths, "--models-max", "2", "--models-evict", args.evict]
+    proc, port = start(router + ["--models-max-running", str(args.max_running)])
     try:
         for name in names:  # cold loads, each to its first token
             _, first = complete(port, name, PROMPTS[0], 4, stream=True)
@@ -141,7 +143,8 @@ def main() -> None:
     single = single_tokens / single_time
     routed = tokens / seconds
     print(f"single-model servers: {single_tokens} tokens in {single_time:.2f} s, {single:.1f} tok/s")
-    print(f"router (--models-max 2, evict {args.evict}): {tokens} tokens in {seconds:.2f} s, {routed:.1f} tok/s")
+    how = f"--models-max 2, evict {args.evict}, --models-max-running {args.max_running}"
+    print(f"router ({how}): {tokens} tokens in {seconds:.2f} s, {routed:.1f} tok/s")
     print(f"router / single: {routed / single:.3f}")
 
 

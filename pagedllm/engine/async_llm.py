@@ -414,6 +414,10 @@ class AsyncLLM:
                 await self.engine_core.call_utility_all_async("wake_up")
                 self.sleep_level = 0
 
+    async def set_num_threads(self, total: int) -> None:
+        """The engines' workers on a share of `total` threads (engine/core.py `set_num_threads`)."""
+        await self.engine_core.call_utility_all_async("set_num_threads", total)
+
     async def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 

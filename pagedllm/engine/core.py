@@ -209,6 +209,10 @@ class EngineCore:
         logger.info("engine awake (from level %d) in %.2f s", self.sleep_level, time.perf_counter() - start)
         self.sleep_level = 0
 
+    def set_num_threads(self, total: int) -> list[int]:
+        """Every rank on its share of `total` threads (Worker.set_num_threads); their counts."""
+        return self.executor.collective_rpc("set_num_threads", (int(total),))
+
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 

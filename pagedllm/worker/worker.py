@@ -38,6 +38,7 @@ class Worker:
             # The machine's threads are shared by every rank of every data-parallel engine.
             ranks = config.parallel_config.world_size_across_dp
             torch.set_num_threads(max(1, config.device_config.num_threads // ranks))
+        self.max_threads = torch.get_num_threads()  # what set_num_threads may go back up to
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
         self.model_runner = ModelRunner(config, self.device, self.tp)
@@ -126,6 +127,14 @@ class Worker:
 
     def list_loras(self) -> list[int]:
         return self.model_runner.lora_manager_or_raise().list()
+
+    def set_num_threads(self, total: int) -> int:
+        """Run on a share of `total` threads (the ranks of every engine on this machine split it as at start-up),
+        never more than at start-up (the fused decoder's scratch is sized for those); returns this rank's count.
+        The router lowers it while two models compute at once, so that their thread teams do not fight over cores."""
+        ranks = self.config.parallel_config.world_size_across_dp
+        torch.set_num_threads(max(1, min(total // ranks, self.max_threads)))
+        return torch.get_num_threads()
 
     def sleep(self) -> None:
         """Level-1 sleep: the weights' and KV cache's memory back to the system (worker/sleep.py)."""

@@ -185,3 +185,14 @@ def test_a_spare_core_becomes_the_engine_it_is_handed(model_dir):
         assert core.proc is not dead.proc and core.proc.poll() is None
     finally:
         core.terminate()
+
+
+def test_set_num_threads_shares_the_threads_never_above_start_up(model_dir):
+    kw = {**ENGINE_KW, "num_threads": 2}
+    with LLM(model_dir, engine_client="mp", **kw) as llm:
+        prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 30], seed=4)]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert llm.engine_core.call_utility("set_num_threads", 1) == [1]
+        # (the tokens may differ in rounding from two threads': only that it runs is checked)
+        assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [8, 8]
+        assert llm.engine_core.call_utility("set_num_threads", 8) == [2]  # capped at the start-up count

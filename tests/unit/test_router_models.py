@@ -149,6 +149,9 @@ class FakeEngine:
     async def wake_up(self) -> None:
         self.calls.append("wake_up")
 
+    async def set_num_threads(self, total: int) -> None:
+        self.calls.append(f"threads{total}")
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
@@ -504,5 +507,24 @@ def test_waiting_for_a_turn_past_the_timeout_is_unavailable():
         await manager.shutdown()
         with pytest.raises(ValueError, match="--models-max-running must be at least 1"):
             _manager(Builder(), max_running=0)
+
+    asyncio.run(run())
+
+
+def test_models_computing_together_share_the_threads():
+    """With --models-max-running 2, two models computing at once get half the threads each; alone, all of them."""
+
+    async def run() -> None:
+        builder = Builder()
+        manager = _manager(builder, "AB", max_running=2, total_threads=2)
+        for name in "AB":
+            await _use(manager, name)
+        await manager.acquire("A")
+        await manager.acquire("B")
+        await _until(lambda: builder.of("A")[0].calls[-1:] == ["threads1"] == builder.of("B")[0].calls[-1:])
+        manager.release("B")
+        await _until(lambda: builder.of("A")[0].calls[-1] == "threads2")
+        manager.release("A")
+        await manager.shutdown()
 
     asyncio.run(run())

@@ -67,6 +67,7 @@ class ModelManager:
         sleep_idle_s: float | None = None,
         wait_timeout: float = 600.0,
         max_running: int | None = 1,
+        total_threads: int | None = None,
     ) -> None:
         """`build(spec)` returns the ModelStack of a started engine (blocking: it runs in a worker thread)."""
         if max_loaded is not None and max_loaded < 1:
@@ -89,6 +90,8 @@ class ModelManager:
         self._turns: dict[str, float] = {}  # the models computing now (holding a turn), by the start of their turn
         self._closing: set[str] = set()  # turns that take no new request (another model waits)
         self._queue: list[str] = []  # ready models waiting for a turn, in order
+        self.total_threads = total_threads  # shared by the models computing at once (None: left alone)
+        self._threads_of: dict[str, int] = {}  # the thread count each model's engine was last given
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task | None = None
         self._closed = False
@@ -143,6 +146,7 @@ class ModelManager:
         if entry.in_flight == 0:
             self._turns.pop(name, None)  # its turn ends with its last request
             self._closing.discard(name)
+            self._share_threads()
             self._notify()
 
     @contextlib.asynccontextmanager
@@ -167,6 +171,7 @@ class ModelManager:
             if self._queue:
                 self._queue.pop(0)
             self._turns[name] = time.monotonic()
+            self._share_threads()
             return True
         if name not in self._queue:  # also a model whose turn closed: its next turn comes in arrival order
             self._queue.append(name)
@@ -177,6 +182,25 @@ class ModelManager:
         if name in self._turns and any(q != name for q in self._queue):
             self._closing.add(name)
         return False
+
+    def _share_threads(self) -> None:
+        """The models holding a turn split `total_threads` between them (one alone gets them all back): two thread
+        teams of two on two cores each wait at every barrier for a thread the other holds."""
+        if self.total_threads is None or not self._turns:
+            return
+        share = max(1, self.total_threads // len(self._turns))
+        for name in self._turns:
+            engine = self.entries[name].engine
+            if self._threads_of.get(name, self.total_threads) != share and hasattr(engine, "set_num_threads"):
+                self._threads_of[name] = share
+                self._spawn(self._set_threads(engine, name, share), f"threads-{name}")
+
+    async def _set_threads(self, engine: Any, name: str, share: int) -> None:
+        try:
+            await engine.set_num_threads(share)
+        except Exception as e:  # a dead engine is reaped elsewhere; this is only a tuning
+            logger.warning("router: could not give model %r %d threads: %s", name, share, e)
+            self._threads_of.pop(name, None)
 
     # ---- operations (POST /models/load, /models/unload) --------------------------------------------------
 
@@ -284,6 +308,7 @@ class ModelManager:
 
     async def _drop_stack(self, entry: ModelEntry) -> None:
         engine, entry.stack = entry.engine, None
+        self._threads_of.pop(entry.name, None)  # a new engine starts on every thread
         if engine is not None:
             try:
                 await stop_engine(engine)

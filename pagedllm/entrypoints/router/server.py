@@ -29,6 +29,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.config import num_threads_default
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess, SpareCore
@@ -339,6 +340,7 @@ def build_router_app(args: argparse.Namespace, base: EngineArgs, stats_interval:
         sleep_idle_s=args.sleep_idle_seconds,
         wait_timeout=args.models_wait_timeout,
         max_running=getattr(args, "models_max_running", 1),
+        total_threads=base.num_threads or num_threads_default(),
     )
     routers = [router, routed_router]
     if getattr(args, "enable_debug_routes", False):
