@@ -108,6 +108,9 @@ class EngineArgs:
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm runs no code from a model folder, whatever this says"
     )
+    disable_log_stats: bool = _arg(
+        False, "no periodic stats log line (the server's throughput and cache line); Prometheus metrics stay"
+    )
     enable_sleep_mode: bool = _arg(
         False,
         "accepted for vLLM compatibility: sleep mode (POST /sleep, LLM.sleep) needs no preparation here and is always "

@@ -1,10 +1,11 @@
 """vLLM's launch flags on real servers of the default model. One started with a vLLM-style line,
 `--chat-template FILE --trust-remote-code --disable-log-requests --max-logprobs 5 --generation-config auto
---response-role bot`: the template (a recognisable one, which also renders tools) is what chat requests and /tokenize
-run on, with or without tools; top_logprobs 6 is a 400 naming 5; the reply's role is "bot" (the last message's without
-a generation prompt); the remote-code note is logged once, and no request. One started with `--enable-log-requests
---max-log-len 12 --generation-config FOLDER`: each request is logged with its prompt cut to 12 characters and its
-sampling params, which take the folder's generation config where the request leaves them unset."""
+--response-role bot --disable-log-stats`: the template (a recognisable one, which also renders tools) is what chat
+requests and /tokenize run on, with or without tools; top_logprobs 6 is a 400 naming 5; the reply's role is "bot"
+(the last message's without a generation prompt); the remote-code note is logged once, and no request nor stats line.
+One started with `--enable-log-requests --max-log-len 12 --generation-config FOLDER`: each request is logged with its
+prompt cut to 12 characters and its sampling params, which take the folder's generation config where the request
+leaves them unset."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ast
 import json
 import re
 import signal
+import time
 
 import pytest
 
@@ -28,6 +30,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}},
     {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone"}},
 ]
+STATS_EVERY = {"PAGEDLLM_STATS_LOG_INTERVAL": "0.2"}  # seconds between stats lines while busy
+STATS_LINE = "Avg prompt throughput"
 GENERATION_CONFIG = {"temperature": 0.25, "top_k": 7, "max_new_tokens": 6, "top_p": 1.0}
 
 
@@ -40,10 +44,13 @@ def servers(tmp_path_factory):
     (gen / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     vllm_line = RemoteServer(
         *("--chat-template", str(folder / "template.jinja"), "--trust-remote-code", "--disable-log-requests"),
-        *("--max-logprobs", "5", "--generation-config", "auto", "--response-role", "bot"),
+        *("--max-logprobs", "5", "--generation-config", "auto", "--response-role", "bot", "--disable-log-stats"),
+        env=STATS_EVERY,
         start=False,
     )
-    logging = RemoteServer("--enable-log-requests", "--max-log-len", "12", "--generation-config", str(gen), start=False)
+    logging = RemoteServer(
+        "--enable-log-requests", "--max-log-len", "12", "--generation-config", str(gen), env=STATS_EVERY, start=False
+    )
     try:
         vllm_line.wait_ready()
         logging.wait_ready()
@@ -152,3 +159,16 @@ def test_requests_logged_with_the_generation_configs_defaults(servers):
     assert len(ast.literal_eval(prompt)) == 12
     ids = re.search(r"prompt_token_ids: \[([\d, ]*)\]", unset).group(1)
     assert len(ids.split(",")) == 12
+
+
+@pytest.mark.timeout(600)
+def test_disable_log_stats_leaves_out_the_stats_line(servers):
+    """--disable-log-stats (vLLM's): no periodic stats line; the other server, busy as long, logs some."""
+    for srv in servers.values():
+        status, body = _chat(srv, max_tokens=64, ignore_eos=True, temperature=0)
+        assert status == 200 and body["usage"]["completion_tokens"] == 64, body
+    deadline = time.monotonic() + 10  # the line is written as the steps are recorded; allow for a slow pipe
+    while STATS_LINE not in servers["logging"].log_text():
+        assert time.monotonic() < deadline, "the server without the flag logged no stats line"
+        time.sleep(0.1)
+    assert STATS_LINE not in servers["vllm_line"].log_text()

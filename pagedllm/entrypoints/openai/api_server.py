@@ -886,8 +886,9 @@ def _start_engine(
             num_engines=engine.num_engines,
             max_lora=engine_args.max_loras if engine_args.enable_lora else 0,
         ),
-        LoggingStatLogger(stats_interval, num_engines=engine.num_engines),
     ]
+    if not engine_args.disable_log_stats:
+        engine.stat_loggers.append(LoggingStatLogger(stats_interval, num_engines=engine.num_engines))
     return engine
 
 

@@ -312,11 +312,13 @@ class StackBuilder:
         try:
             mc = engine.model_config
             max_lora = base.max_loras if base.enable_lora else 0
-            engine.stat_loggers += [
+            engine.stat_loggers.append(
                 PrometheusStatLogger(spec.name, mc.max_model_len, num_engines=engine.num_engines, max_lora=max_lora,
-                                     metrics=self.metrics),
-                LoggingStatLogger(self.stats_interval, num_engines=engine.num_engines, model_name=spec.name),
-            ]  # fmt: skip
+                                     metrics=self.metrics)
+            )  # fmt: skip
+            if not base.disable_log_stats:
+                stats = LoggingStatLogger(self.stats_interval, num_engines=engine.num_engines, model_name=spec.name)
+                engine.stat_loggers.append(stats)
             return build_stack(engine, args)
         except BaseException:
             engine.shutdown()
