@@ -124,9 +124,17 @@ class EngineCore:
         """Raise if the executor lost a worker."""
         self.executor.check_health()
 
+    def _workers(self) -> Executor:
+        """The executor, its workers started again first if they were stopped by a level-2 sleep (a call that needs
+        them wakes the engine, as a request does)."""
+        if self.sleep_level == 2:
+            logger.warning("a call to the workers arrived while the engine slept at level 2: waking it up")
+            self.wake_up()
+        return self.executor
+
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """A Worker method run on every rank (through the executor); the results in rank order."""
-        return self.executor.collective_rpc(method, tuple(args or ()))
+        return self._workers().collective_rpc(method, tuple(args or ()))
 
     def add_lora(self, lora_request: Any) -> bool:
         """Load a LoRA adapter on every rank (a LoRARequest, or its fields as a list); ValueError naming what is
@@ -143,9 +151,9 @@ class EngineCore:
                     f"lora_int_id {lid} is adapter {known.lora_name!r}, being unloaded while requests still use it; "
                     f"give {lora_request.lora_name!r} another id"
                 )
-            self.executor.collective_rpc("remove_lora", (lid,))  # replaced by another adapter of that id
+            self._workers().collective_rpc("remove_lora", (lid,))  # replaced by another adapter of that id
         self._loras_to_remove.discard(lid)
-        added = any(self.executor.collective_rpc("add_lora", (lora_request,)))
+        added = any(self._workers().collective_rpc("add_lora", (lora_request,)))
         self._loras[lid] = lora_request
         return added
 
@@ -155,11 +163,11 @@ class EngineCore:
             self._loras_to_remove.add(lora_id)
             return True
         self._loras.pop(lora_id, None)
-        return any(self.executor.collective_rpc("remove_lora", (lora_id,)))
+        return any(self._workers().collective_rpc("remove_lora", (lora_id,)))
 
     def list_loras(self) -> list[int]:
         """The ids of the adapters the workers hold in memory."""
-        return sorted(self.executor.collective_rpc("list_loras")[0])
+        return sorted(self._workers().collective_rpc("list_loras")[0])
 
     def _remove_unused_loras(self) -> None:
         in_use = {r.lora_id for r in self.scheduler.requests.values()}
@@ -182,7 +190,8 @@ class EngineCore:
         if level <= self.sleep_level:
             return
         start = time.perf_counter()
-        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if not self.scheduler.kv_cache_manager.reset_prefix_cache():  # its pages are about to read as zeros
+            raise RuntimeError("the prefix cache could not be emptied: the engine does not sleep")
         if level == 1:
             self.executor.collective_rpc("sleep")
         else:
@@ -211,7 +220,7 @@ class EngineCore:
 
     def set_num_threads(self, total: int) -> list[int]:
         """Every rank on its share of `total` threads (Worker.set_num_threads); their counts."""
-        return self.executor.collective_rpc("set_num_threads", (int(total),))
+        return self._workers().collective_rpc("set_num_threads", (int(total),))
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0

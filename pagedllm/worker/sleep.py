@@ -125,6 +125,7 @@ class MemorySleeper:
         self.weights: list[tuple[int, int]] = []
         self.kv: list[tuple[int, int]] = []
         self._file: Any = None
+        self._saved: list[tuple[int, int]] | None = None  # the spans the file holds, once wholly written
         self.asleep = False
 
     def _find(self) -> None:
@@ -155,15 +156,17 @@ class MemorySleeper:
         if self.asleep:
             return
         start = time.perf_counter()
-        previous = self.weights
         self._find()
-        kept = not rewrite and self._file is not None and self.weights == previous
+        kept = not rewrite and self._file is not None and self.weights == self._saved
         if self._file is None:  # kept from one sleep to the next: rewriting cached pages is cheaper than new ones
             self._file = _open_file()
         offset = 0
-        for address, size in [] if kept else self.weights:
-            _write_all(self._file.fileno(), _view(address, size), offset)
-            offset += size
+        if not kept:
+            self._saved = None  # a write that fails half-way leaves no file to trust
+            for address, size in self.weights:
+                _write_all(self._file.fileno(), _view(address, size), offset)
+                offset += size
+            self._saved = list(self.weights)
         for address, size in self.weights + self.kv:
             _dontneed(address, size)
         trim_heap()

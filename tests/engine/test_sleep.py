@@ -84,14 +84,15 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     assert torch.equal(model.weight, before[0]) and torch.equal(model.bias, before[1])
     assert torch.equal(arena_view, before[2])
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0  # the KV cache comes back empty
-    model.bias.data = torch.randn(900)  # a tensor replaced since: the next sleep finds it where it lives now
-    new_bias = model.bias.detach().clone()
+    model.weight.data = torch.randn(900, 700)  # replaced since (2.5 MB): the next sleep finds it where it lives now
+    new_weight = model.weight.detach().clone()
     sleeper.sleep(rewrite=False)  # new spans: written all the same
+    assert model.weight[400:500].count_nonzero() == 0  # its pages were given back too
     sleeper.wake_up()
-    assert torch.equal(arena_view, before[2]) and torch.equal(model.bias, new_bias)
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
     sleeper.sleep(rewrite=False)  # the same spans: the file holds them already
     sleeper.wake_up()
-    assert torch.equal(arena_view, before[2]) and torch.equal(model.bias, new_bias)
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
     sleeper.close()
 
 

@@ -528,3 +528,65 @@ def test_models_computing_together_share_the_threads():
         await manager.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_turn_takes_every_request_waiting_when_it_began():
+    async def run() -> None:
+        manager = _manager(Builder(), "AB")
+        for name in "AB":
+            await _use(manager, name)
+        await manager.acquire("A")
+        bs = [asyncio.ensure_future(manager.acquire("B")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        late_a = asyncio.ensure_future(manager.acquire("A"))  # queued behind B
+        await asyncio.sleep(0.05)
+        manager.release("A")
+        await asyncio.wait_for(asyncio.gather(*bs), 5)  # all three B requests, not one
+        assert manager.entries["B"].in_flight == 3 and not late_a.done()
+        for _ in bs:
+            manager.release("B")
+        await asyncio.wait_for(late_a, 5)
+        manager.release("A")
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_waiter_that_gives_up_reopens_the_turn_and_unready_models_hold_no_one_back():
+    async def run() -> None:
+        manager = _manager(Builder(), "ABC", wait_timeout=0.3)
+        for name in "ABC":
+            await _use(manager, name)
+        await manager.acquire("A")
+        with pytest.raises(ModelUnavailable):
+            await manager.acquire("B")  # B gave up: A's turn, closed for it, takes new requests again
+        await asyncio.wait_for(manager.acquire("A"), 5)
+        manager.release("A")
+        manager.release("A")
+        # C queued, then its engine died (not ready): B takes the free turn all the same
+        await manager.acquire("A")
+        c = asyncio.ensure_future(manager.acquire("C"))
+        await asyncio.sleep(0.05)
+        manager.entries["C"].engine.dead = True
+        manager.release("A")
+        await asyncio.wait_for(manager.acquire("B"), 5)
+        manager.release("B")
+        await asyncio.wait_for(c, 5)  # restarted, then its turn
+        manager.release("C")
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
+def test_front_end_requests_take_no_turn():
+    async def run() -> None:
+        manager = _manager(Builder(), "AB")
+        for name in "AB":
+            await _use(manager, name)
+        await manager.acquire("A")
+        await asyncio.wait_for(manager.acquire("B", compute=False), 5)  # /tokenize of B while A computes
+        manager.release("B")
+        manager.release("A")
+        await manager.shutdown()
+
+    asyncio.run(run())

@@ -105,24 +105,27 @@ class ModelManager:
             raise UnknownModel(f"The model `{name}` does not exist. Available models: {', '.join(self.entries)}.")
         return entry
 
-    def try_acquire(self, name: str) -> Any:
-        """The model's stack, counted in flight, if it is ready now; else None (then `acquire`)."""
+    def try_acquire(self, name: str, compute: bool = True) -> Any:
+        """The model's stack, counted in flight, if it is ready now; else None (then `acquire`). `compute` False:
+        a request that only uses the front end (tokenizing): it takes no turn."""
         entry = self.entry(name)
-        if not entry.ready or not self._take_turn(entry):
+        if not entry.ready or (compute and not self._take_turn(entry, time.monotonic())):
             return None
         entry.in_flight += 1
         entry.last_used = time.monotonic()
         return entry.stack
 
-    async def acquire(self, name: str) -> Any:
-        """The model's stack once it is loaded, counted in flight (see the module docstring)."""
+    async def acquire(self, name: str, compute: bool = True) -> Any:
+        """The model's stack once it is loaded, counted in flight (see the module docstring; `compute` as in
+        `try_acquire`)."""
         entry = self.entry(name)
-        deadline = time.monotonic() + self.wait_timeout
+        arrived = time.monotonic()
+        deadline = arrived + self.wait_timeout
         entry.waiting += 1
         try:
             while True:
                 self._reap_if_dead(entry)
-                if entry.ready and self._take_turn(entry):
+                if entry.ready and (not compute or self._take_turn(entry, arrived)):
                     entry.in_flight += 1
                     entry.last_used = time.monotonic()
                     return entry.stack
@@ -134,9 +137,12 @@ class ModelManager:
                 await self._wait_change(deadline, entry)
         finally:
             entry.waiting -= 1
-            if entry.waiting == 0 and name in self._queue:
+            if entry.waiting == 0 and name in self._queue:  # its last waiter gave up (or is served)
                 self._queue.remove(name)
-            if entry.evictable:  # its last waiter gave up: it may make room for another model's now
+                # Turns closed for it alone open again; the models behind it in the queue may go now.
+                self._closing = {t for t in self._closing if any(q != t for q in self._queue)}
+                self._notify()
+            elif entry.evictable:  # it may make room for another model's now
                 self._notify()
 
     def release(self, name: str) -> None:
@@ -150,37 +156,43 @@ class ModelManager:
             self._notify()
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[Any]:
-        """The model's stack for the duration of one request."""
-        stack = self.try_acquire(name) or await self.acquire(name)
+    async def use(self, name: str, compute: bool = True) -> AsyncIterator[Any]:
+        """The model's stack for the duration of one request (`compute` as in `try_acquire`)."""
+        stack = self.try_acquire(name, compute) or await self.acquire(name, compute)
         try:
             yield stack
         finally:
             self.release(name)
 
-    def _take_turn(self, entry: ModelEntry) -> bool:
-        """Whether a request for this (ready) model may start now (see `max_running` in the module docstring);
-        if not, the model waits in the queue for a turn, and the oldest turn is closed to make one."""
+    def _take_turn(self, entry: ModelEntry, arrived: float) -> bool:
+        """Whether a request for this (ready) model, arrived at `arrived`, may start now (`max_running` in the
+        module docstring). A model's turn takes every request that was waiting when it began, and new ones until
+        another model waits; a free turn goes to the first ready model in the queue. A request that may not start
+        queues its model (once) and closes the oldest open turn, so that one ends."""
         name = entry.name
         if self.max_running is None:
             return True
-        if name in self._turns:
-            if name not in self._closing and not any(q != name for q in self._queue):
+        began = self._turns.get(name)
+        if began is not None:
+            if arrived <= began or (name not in self._closing and not any(q != name for q in self._queue)):
                 return True
-        elif len(self._turns) < self.max_running and (not self._queue or self._queue[0] == name):
-            if self._queue:
-                self._queue.pop(0)
-            self._turns[name] = time.monotonic()
-            self._share_threads()
-            return True
+        elif len(self._turns) < self.max_running:
+            # Models in the queue that are not ready (reloading after a death, unloaded) hold no one back.
+            head = next((q for q in self._queue if self.entries[q].ready), None)
+            if head is None or head == name:
+                if name in self._queue:
+                    self._queue.remove(name)
+                self._turns[name] = time.monotonic()
+                self._share_threads()
+                return True
         if name not in self._queue:  # also a model whose turn closed: its next turn comes in arrival order
             self._queue.append(name)
-        if name not in self._turns and len(self._turns) >= self.max_running:
+        if began is not None:
+            self._closing.add(name)  # another model waits: this turn takes no new request
+        elif len(self._turns) >= self.max_running:
             open_turns = [t for t in self._turns if t not in self._closing]
             if open_turns:
                 self._closing.add(min(open_turns, key=self._turns.__getitem__))
-        if name in self._turns and any(q != name for q in self._queue):
-            self._closing.add(name)
         return False
 
     def _share_threads(self) -> None:
@@ -365,8 +377,12 @@ class ModelManager:
     # ---- the life cycle --------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start watching the engines (deaths, idle time); on the event loop."""
+        """Start watching the engines (deaths, idle time); on the event loop. The builder prepares what it can
+        ahead of the first load (server.py: a spare engine-core process)."""
         self._monitor = self._spawn(self._watch(), "monitor")
+        prepare = getattr(self.build, "prepare", None)
+        if prepare is not None:
+            prepare()
 
     async def _watch(self) -> None:
         interval = MONITOR_INTERVAL_S if self.sleep_idle_s is None else min(MONITOR_INTERVAL_S, self.sleep_idle_s / 4)

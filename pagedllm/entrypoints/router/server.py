@@ -72,6 +72,8 @@ ROUTED_PATHS = frozenset(
         "/detokenize",
     }
 )
+# Routes that use only the model's front end (its tokenizer): they load the model but take no compute turn.
+FRONT_END_PATHS = frozenset({"/tokenize", "/detokenize", "/v1/messages/count_tokens"})
 # The token-count histograms' buckets without --max-model-len (the models' own limits are known only once loaded).
 DEFAULT_BUCKET_LEN = 131072
 
@@ -140,8 +142,9 @@ class ModelRoutingMiddleware:
             names = ", ".join(self.manager.entries)
             await send_error(scope, send, 400, f"`model` is required: one of {names}.", param="model")
             return
+        compute = scope["path"] not in FRONT_END_PATHS
         try:
-            stack = self.manager.try_acquire(name) or await self._wait_for(name, receive)
+            stack = self.manager.try_acquire(name, compute) or await self._wait_for(name, receive, compute)
         except UnknownModel as e:
             await send_error(scope, send, 404, str(e), param="model")
             return
@@ -156,9 +159,9 @@ class ModelRoutingMiddleware:
         finally:
             self.manager.release(name)
 
-    async def _wait_for(self, name: str, receive: Receive) -> ModelStack | None:
+    async def _wait_for(self, name: str, receive: Receive, compute: bool) -> ModelStack | None:
         """The model's stack once loaded (counted in flight), or None if the client leaves first."""
-        acquire = asyncio.ensure_future(self.manager.acquire(name))
+        acquire = asyncio.ensure_future(self.manager.acquire(name, compute))
         left = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({acquire, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -294,7 +297,13 @@ class StackBuilder:
         self, args: argparse.Namespace, base: EngineArgs, stats_interval: float, metrics: PrometheusMetrics
     ) -> None:
         self.args, self.base, self.stats_interval, self.metrics = args, base, stats_interval, metrics
-        self.spare: SpareCore | None = SpareCore()
+        self.spare: SpareCore | None = None
+        self.closed = False
+
+    def prepare(self) -> None:
+        """Start the spare engine-core process (the server calls it once it runs)."""
+        if self.spare is None and not self.closed:
+            self.spare = SpareCore()
 
     def __call__(self, spec: ModelSpec) -> ModelStack:
         args, base = self.args, self.base
@@ -302,13 +311,11 @@ class StackBuilder:
         spare, self.spare = self.spare, None
         try:
             core = CoreProcess(engine_args, zmq.asyncio.Context(), spare=spare)
+            engine = AsyncLLM(engine_args, core=core, log_requests=log_requests(args), max_log_len=args.max_log_len)
         finally:
             if spare is not None:
                 spare.close()  # unused (it had died): nothing to stop; used: its CoreProcess owns it
-        try:
-            engine = AsyncLLM(engine_args, core=core, log_requests=log_requests(args), max_log_len=args.max_log_len)
-        finally:
-            self.spare = SpareCore()
+            self.prepare()  # the next load's spare
         try:
             mc = engine.model_config
             max_lora = base.max_loras if base.enable_lora else 0
@@ -325,6 +332,7 @@ class StackBuilder:
             raise
 
     def close(self) -> None:
+        self.closed = True
         spare, self.spare = self.spare, None
         if spare is not None:
             spare.close()
