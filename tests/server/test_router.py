@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,23 @@ def wait_for(predicate: Any, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.1)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def spare(pid: int) -> bool:
+    return b"--spare" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def alive(pid: int) -> bool:
@@ -293,8 +311,10 @@ def test_models_max_2_puts_the_least_recently_used_to_sleep_and_it_still_answers
         assert states(srv) == {tiny: "loaded", "model": "loaded", smollm: "sleeping"}
         pids = [pid for info in health(srv).values() for pid in info["pids"]]
         assert len(pids) == 3
+        spares = [pid for pid in children(srv.proc.pid) if pid not in pids and spare(pid)]
+        assert len(spares) == 1, spares  # the next cold load's engine process, its imports made (the engines were too)
         assert srv.stop() == 0
-        assert not [pid for pid in pids if alive(pid)]
+        assert not [pid for pid in pids + spares if alive(pid)]
         log = srv.log_text()
         assert "router: stopped the engines of" in log and "died" not in log
     finally:

@@ -6,6 +6,7 @@ same greedy output. With --sleep-auto-wake a request wakes the model instead. A 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -52,7 +53,8 @@ def test_sleep_wake_round_trip(servers: dict[str, RemoteServer]) -> None:
     runner = threading.Thread(target=run)
     runner.start()
     while server.kv()["unfinished"] == 0 and runner.is_alive():
-        pass
+        time.sleep(0.01)
+    assert runner.is_alive(), "the long request ended before /sleep was sent"
     awake = _anon_mib(pid)
     assert server.request("POST", "/sleep?level=1")[0] == 200
     runner.join(60)
