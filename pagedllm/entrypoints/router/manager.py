@@ -7,7 +7,7 @@ Contract:
   `/models/unload` clears it; the other models serve on).
 * `acquire(name)` returns the model's `ModelStack` (engine and serving objects) once it is loaded, counting one
   request in flight until `release(name)`; it loads or wakes the model first when needed. It waits (for the load,
-  or for room) at most `wait_timeout` seconds, then raises `ModelUnavailable`; an unknown name raises
+  or for room, or for its turn) at most `wait_timeout` seconds, then raises `ModelUnavailable`; an unknown name raises
   `UnknownModel`. A waiter that is cancelled (its client left) leaves a load it started running.
 * `max_loaded` (--models-max): at most that many models awake (loading or loaded) at once. Room is made by putting
   the least recently used idle model (no request in flight or waiting for it) to sleep, or by unloading it
@@ -15,10 +15,13 @@ Contract:
   awake model is busy, a request for another model waits until one is idle.
 * `sleep_idle_s` (--sleep-idle-seconds): a model awake and idle that long goes to sleep.
 * `max_running` (--models-max-running, default 1): at most that many models compute at once. The others' requests
-  wait for a turn, in the order their models asked for one: once a model waits, the longest-running turn takes no
-  new request, and passes to it when its requests in flight have finished. Two models computing side by side share
-  the cores, and each one's thread team then waits on threads the other holds: on two cores a stream that changed
-  model every 10 requests ran at 0.40 of the single-model throughput that way (bench/RESULTS.md).
+  wait for a turn, in the order their models asked for one. A turn takes every request of its model waiting when it
+  began; once another model waits, the oldest turn takes no new request, and a turn whose own model's later request
+  finds another model waiting closes too; a closed turn passes when its requests in flight have finished (a waiter
+  that gives up reopens what was closed for it). Requests that only tokenize (`compute=False`) take no turn. Two
+  models computing side by side share the cores, and each one's thread team then waits on threads the other holds:
+  on two cores a stream that changed model every 10 requests ran at 0.40 of the single-model throughput that way
+  (bench/RESULTS.md); those that do (max_running > 1) split `total_threads` between them.
 * A dead engine (its process killed) is noticed within MONITOR_INTERVAL_S (or by the next request for it): its
   requests in flight have their error (503), its process is reaped, its state becomes unloaded, and the next request
   starts it again. A restart that fails makes the model failed.
