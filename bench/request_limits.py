@@ -16,16 +16,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
+from serve_proc import start_server, stop_server
 
 
 def rss_mb(pid: int) -> float:
@@ -53,20 +49,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", "--disable-uvicorn-access-log"]
-    if args.model:
-        cmd.insert(4, args.model)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = start_server([args.model] if args.model else [])
     try:
-        port = None
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = READY.search(line)
-            if m:
-                port = int(m.group(2))
-                break
-        assert port is not None, "the server did not start"
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
         models = http.client.HTTPConnection("127.0.0.1", port)
         models.request("GET", "/v1/models")
         model = json.loads(models.getresponse().read())["data"][0]["id"]
@@ -104,8 +88,7 @@ def main() -> None:
         print(f"1-token completion alone (before): median {statistics.median(alone) * 1e3:.1f} ms")
         print(f"server RSS: {before:.0f} MB before, {after:.0f} MB after ({after - before:+.0f} MB)")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
 
 
 if __name__ == "__main__":

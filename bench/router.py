@@ -23,14 +23,12 @@ import http.client
 import importlib.util
 import json
 import os
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
+from serve_proc import start_server, stop_server
+
+COMMON = ["--uvicorn-log-level", "warning", "--max-model-len", "1024"]
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -52,17 +50,6 @@ def model_paths() -> list[str]:
     assert spec is not None and spec.submodule_search_locations
     smollm2 = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     return [smollm2, packaged_model("gemma-3-270m-q4_k_m"), packaged_model("qwen2.5-coder-0.5b-q4_k_m")]
-
-
-def start(args: list[str]) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", "--disable-uvicorn-access-log"]
-    cmd += ["--uvicorn-log-level", "warning", "--max-model-len", "1024", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        m = READY.search(line)
-        if m:
-            return proc, int(m.group(2))
-    raise RuntimeError(f"server did not start: {cmd}")
 
 
 def complete(port: int, model: str, prompt: str, max_tokens: int, stream: bool = False) -> tuple[int, float]:
@@ -97,14 +84,6 @@ def run_stream(port: int, stream: list[tuple[str, str]], concurrency: int, max_t
     return tokens, time.perf_counter() - start
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -123,23 +102,23 @@ def main() -> None:
     ]
     single_tokens, single_time = 0, 0.0
     for path, name in zip(paths, names):
-        proc, port = start([path])
+        proc, port = start_server([*COMMON, path])
         try:
             complete(port, name, PROMPTS[0], 4)
             tokens, seconds = run_stream(port, [s for s in stream if s[0] == name], args.concurrency, args.max_tokens)
         finally:
-            stop(proc)
+            stop_server(proc)
         print(f"single {name}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)", flush=True)
         single_tokens, single_time = single_tokens + tokens, single_time + seconds
     router = ["--models", *paths, "--models-max", "2", "--models-evict", args.evict]
-    proc, port = start(router + ["--models-max-running", str(args.max_running)])
+    proc, port = start_server([*COMMON, *router, "--models-max-running", str(args.max_running)])
     try:
         for name in names:  # cold loads, each to its first token
             _, first = complete(port, name, PROMPTS[0], 4, stream=True)
             print(f"router cold load of {name}: first token after {first:.2f} s", flush=True)
         tokens, seconds = run_stream(port, stream, args.concurrency, args.max_tokens)
     finally:
-        stop(proc)
+        stop_server(proc)
     single = single_tokens / single_time
     routed = tokens / seconds
     print(f"single-model servers: {single_tokens} tokens in {single_time:.2f} s, {single:.1f} tok/s")

@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
+from serve_proc import ROOT, start_server, stop_server
+
 FLOOR = "import torch, pagedllm.engine.core, pagedllm.worker.model_runner, time; time.sleep(30)"
 
 
@@ -86,17 +85,9 @@ def main() -> None:
     ap.add_argument("--prompt", default="The capital of France is")
     args = ap.parse_args()
     floor = floor_memory()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", "--disable-uvicorn-access-log"]
-    cmd += ["--enable-debug-routes", "--uvicorn-log-level", "warning"] + ([args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flags = ["--enable-debug-routes", "--uvicorn-log-level", "warning"] + ([args.model] if args.model else [])
+    proc, port = start_server(flags)
     try:
-        port = None
-        for line in proc.stdout:
-            m = READY.search(line)
-            if m:
-                port = int(m.group(2))
-                break
-        assert port is not None, "the server did not start"
         pid = json.loads(call(port, "GET", "/debug/kv_cache")[1])["core_pid"]
         for _ in range(args.warm):
             first_token(port, args.prompt)
@@ -129,8 +120,7 @@ def main() -> None:
                 f"awake first token {statistics.median(r[4] for r in mine):.3f} s"
             )
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -404,7 +404,8 @@ class AsyncLLM:
                     await asyncio.sleep(SLEEP_DRAIN_POLL_S)
                 await self.engine_core.call_utility_all_async("sleep", level)
             except BaseException:
-                self.sleep_level = 0 if not await self._core_sleeping() else level
+                # Requests are accepted again; a core that went to sleep after all wakes at its next request.
+                self.sleep_level = 0
                 raise
 
     async def wake_up(self) -> None:
@@ -420,12 +421,6 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return self.sleep_level > 0
-
-    async def _core_sleeping(self) -> bool:
-        try:
-            return any(await self.engine_core.call_utility_all_async("is_sleeping"))
-        except Exception:
-            return False
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self.engine_core.call_utility_all_async("reset_prefix_cache"))
