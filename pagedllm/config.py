@@ -327,6 +327,17 @@ def grammar_compile_timeout() -> float:
     return _positive_seconds_from_env("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", 30.0)
 
 
+def grammar_forced_drafts() -> int:
+    """$PAGEDLLM_GRAMMAR_FORCED_DRAFTS: the most tokens a grammar forces that go as drafts at once (default 8; 0 off,
+    every token then takes its own step)."""
+    raw = os.environ.get("PAGEDLLM_GRAMMAR_FORCED_DRAFTS", "").strip()
+    if not raw:
+        return 8
+    if not raw.isdigit():
+        raise ValueError(f"PAGEDLLM_GRAMMAR_FORCED_DRAFTS must be a whole number of tokens (0: off), got {raw!r}")
+    return int(raw)
+
+
 def ray_address_from_env() -> str | None:
     """$RAY_ADDRESS: a Ray cluster to join (it makes "ray" the default executor backend for more than one rank)."""
     return os.environ.get("RAY_ADDRESS") or None

@@ -97,6 +97,8 @@ class Request:
         self.structured_output: StructuredOutputRequest | None = None
         # Draft tokens the worker proposed after its last sample (speculative decoding), verified next step.
         self.spec_token_ids: list[int] = []
+        # Whether those are tokens its grammar forces (the scheduler's, not the proposer's: kept out of its stats).
+        self.drafts_forced = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:

@@ -33,6 +33,13 @@ of known tokens are ever hashed, so the prefix cache never holds a draft) and ch
 token, dropping tokens after one that finishes the request. Under a grammar, only the drafts it accepts are
 scheduled, the bitmask has a row for each verified position, and the grammar advances by the tokens output.
 
+Forced tokens (jump-forward), with or without speculative decoding: where a constrained request's grammar forces its
+next tokens (a JSON key, the punctuation after it), up to `$PAGEDLLM_GRAMMAR_FORCED_DRAFTS` (8; 0: off) of them are
+its drafts for the next step instead of the proposer's, verified as any drafts are: the model computes them in the
+step that samples the token before them, so they cost no step of their own, and the output is what plain decoding
+would sample (under the grammar's mask a forced token has all the probability; where the tokenizer could split the
+forced text another way, the verification decides). They stay out of the speculative-decoding stats and policy.
+
 Pooling requests (a PoolingParams instead of sampling): scheduled as prompts are, they finish in the step that
 computes their last prompt token, with the worker's pooled result (`ModelRunnerOutput.pooler_output`) in their
 output. An encoder model's attention sees the whole prompt at once, so with `chunked_prefill` off a prompt is
@@ -49,7 +56,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig, grammar_forced_drafts
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import RequestQueue, create_request_queue
@@ -88,6 +95,9 @@ class Scheduler:
         self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
         self.total_spec_stats = SpecDecodingStats()  # since the start (the reported ones reset at each report)
         self.structured_output_manager = structured_output_manager
+        # A constrained request's next tokens, where its grammar forces them, go as drafts (at most this many).
+        self.forced_drafts = grammar_forced_drafts() if structured_output_manager is not None else 0
+        self.forced_draft_counts = [0, 0]  # forced drafts verified, and accepted, since the start
         # Constrained requests whose grammar is compiling, in arrival order.
         self.waiting_for_fsm: list[Request] = []
         # Outputs of requests finished outside a step's model run (a grammar that failed), sent with the next one.
@@ -424,6 +434,12 @@ class Scheduler:
                 logprobs = LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
             if not finished:
                 req.spec_token_ids = result.spec_token_ids.get(req_id, [])
+                req.drafts_forced = False
+                if req.structured_output is not None and self.forced_drafts:
+                    assert self.structured_output_manager is not None
+                    forced = self.structured_output_manager.forced_drafts(req, self.forced_drafts)
+                    if forced:  # what the grammar forces beats any proposer's guess
+                        req.spec_token_ids, req.drafts_forced = forced, True
             prompt_lp = result.prompt_logprobs.get(req_id)
             if new_ids or prompt_lp is not None:
                 outputs.append(
@@ -444,9 +460,14 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
 
     def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """After a verification: the rejected drafts' slots are no longer computed tokens; stats and policy."""
+        """After a verification: the rejected drafts' slots are no longer computed tokens; stats and policy (those
+        of the proposer's drafts: a grammar's forced ones are counted apart)."""
         num_accepted = max(num_accepted, 0)
         req.num_computed_tokens -= num_drafts - num_accepted
+        if req.drafts_forced:
+            self.forced_draft_counts[0] += num_drafts
+            self.forced_draft_counts[1] += num_accepted
+            return
         assert self.draft_policy is not None and self._spec_stats is not None
         self.draft_policy.record(req.request_id, num_drafts, num_accepted)
         for stats in (self._spec_stats, self.total_spec_stats):

@@ -117,8 +117,10 @@ class EngineCore:
         return stats
 
     def get_structured_output_stats(self) -> dict[str, float]:
-        """Time the structured-output manager spent on bitmasks (seconds, steps, rows) since start-up."""
-        return self.structured_output_manager.stats()
+        """Time the structured-output manager spent on bitmasks (seconds, steps, rows) since start-up, and the
+        forced tokens verified as drafts (and accepted)."""
+        drafts, accepted = self.scheduler.forced_draft_counts
+        return {**self.structured_output_manager.stats(), "forced_drafts": drafts, "forced_accepted": accepted}
 
     def check_health(self) -> None:
         """Raise if the executor lost a worker."""

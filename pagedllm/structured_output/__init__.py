@@ -217,6 +217,14 @@ class StructuredOutputManager:
         grammar.rollback(used)
         return used
 
+    def forced_drafts(self, request: Request, limit: int) -> list[int]:
+        """Up to `limit` tokens the request's grammar forces next (drafts that the step after verifies: under the
+        grammar's mask they are all but certain to be accepted), [] when its next token is a choice."""
+        so = request.structured_output
+        if limit <= 0 or so is None or so.grammar is None or not so.reasoning_ended or so.grammar.is_terminated():
+            return []
+        return so.grammar.forced_tokens()[:limit]
+
     def stats(self) -> dict[str, float]:
         """Bitmask time so far: total seconds, steps and rows (for `pagedllm bench structured`)."""
         return {"mask_seconds": self.mask_seconds, "mask_steps": self.mask_steps, "mask_rows": self.mask_rows}

@@ -79,6 +79,11 @@ class StructuredOutputGrammar:
         """How many of `tokens`, in order, the grammar would accept from its state (which stays as it is)."""
         raise NotImplementedError
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from its state (the only way on: a key, a closing bracket), as the tokenizer
+        would write them; [] when the next token is a choice. A backend that cannot tell returns []."""
+        return []
+
 
 class StructuredOutputBackend:
     """Compiles constraints into grammars for one tokenizer and vocabulary size."""

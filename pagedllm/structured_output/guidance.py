@@ -87,6 +87,9 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def validate_tokens(self, tokens: list[int]) -> int:
         return self.matcher.validate_tokens(tokens)
 
+    def forced_tokens(self) -> list[int]:
+        return self.matcher.compute_ff_tokens()
+
 
 class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:

@@ -37,6 +37,7 @@ from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_
 from pagedllm.model.layers.linear import PROMPT_ROWS, RowKinds
 from pagedllm.model.loader import load_model
 from pagedllm.model.step_plan import StepPlan
+from pagedllm.sample.grammar_mask import apply_token_bitmask
 from pagedllm.sample.sampler import Sampler, compute_token_logprobs
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import RejectionSampler
@@ -488,8 +489,7 @@ class ModelRunner:
     def _apply_grammar(self, logits: torch.Tensor, pending: _PendingSample, grammar: GrammarOutput) -> None:
         """-inf where a constrained request's bitmask rows have a 0 bit. Request r's logits rows follow those of the
         step's sampling requests before it (one each, and one per draft); its bitmask rows come in the same order
-        under its repeated id (its first logits row, then one per draft). The bits are unpacked on the host (numpy)
-        and the mask moved to the logits' device."""
+        under its repeated id (its first logits row, then one per draft); sample/grammar_mask.py applies them."""
         position, row = {}, 0
         for j, i in enumerate(pending.sample_rows):
             position[pending.order[i]] = row
@@ -502,19 +502,11 @@ class ModelRunner:
                 seen[r] = seen.get(r, 0) + 1
         if not targets:
             return
-        vocab = logits.shape[1]
-        words = grammar.as_array()[[k for _, k in targets]]
-        bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")
-        disallowed = np.ones((len(targets), vocab), dtype=np.bool_)  # tokens past the grammar's vocabulary too
-        width = min(vocab, bits.shape[1])
-        np.logical_not(bits[:, :width], out=disallowed[:, :width])
-        mask = torch.from_numpy(disallowed).to(logits.device, non_blocking=True)
-        rows = [j for j, _ in targets]
-        if rows == list(range(logits.shape[0])):
-            logits.masked_fill_(mask, float("-inf"))  # every sampling row is constrained, in order
-        else:
-            index = torch.as_tensor(rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(mask, float("-inf"))
+        words = grammar.as_array()
+        picked = [k for _, k in targets]
+        if picked != list(range(words.shape[0])):
+            words = words[picked]
+        apply_token_bitmask(logits, words, [j for j, _ in targets])
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], LogprobsLists | None]:
         """The sampled token of each row of `logits` (and the batch's logprobs lists, or None). With tensor

@@ -155,6 +155,39 @@ def test_constrained_and_free_requests_in_one_batch(llm: LLM) -> None:
     jsonschema.validate(json.loads(outs[1].outputs[0].text), SCHEMAS["pattern"])
 
 
+def test_forced_tokens_ride_as_drafts_and_change_no_token(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokens a grammar forces (keys, the punctuation around them) are verified as drafts: fewer steps, the same
+    tokens as an engine that decodes them one by one ($PAGEDLLM_GRAMMAR_FORCED_DRAFTS=0), greedy and seeded, compact
+    JSON and JSON with free whitespace; the verified ones count as forced drafts, not as speculative ones."""
+    schema = SCHEMAS["nested"]
+    prompt = _chat(llm, f"Reply with a JSON object for this schema: {json.dumps(schema)}")
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema}),
+        SamplingParams(
+            temperature=0, max_tokens=120, structured_outputs={"json": schema, "disable_any_whitespace": True}
+        ),
+        *[p.clone(max_tokens=120) for p in _sampled(json=schema)],
+    ]
+    before = llm.engine_core.call_utility("get_structured_output_stats")
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    after = llm.engine_core.call_utility("get_structured_output_stats")
+    drafts = after["forced_drafts"] - before["forced_drafts"]
+    assert drafts > 0 and after["forced_accepted"] - before["forced_accepted"] > 0, (before, after)
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    _check_clean(llm)
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FORCED_DRAFTS", "0")
+    plain = LLM(max_model_len=1024, kv_cache_memory_bytes="64MiB")
+    try:
+        expected = plain.generate([prompt] * len(params), params, use_tqdm=False)
+        assert plain.engine_core.call_utility("get_structured_output_stats")["forced_drafts"] == 0
+    finally:
+        plain.shutdown()
+    for out, ref in zip(outs, expected, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (out.outputs[0].text, ref.outputs[0].text)
+
+
 def test_n_samples_each_follow_the_grammar(llm: LLM) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, structured_outputs={"regex": r"[a-z]{3,6}!"})
     out = llm.generate(_chat(llm, "Say a word."), params, use_tqdm=False)[0]

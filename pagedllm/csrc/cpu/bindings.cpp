@@ -7,8 +7,10 @@
 // and torch's thread count. `DecodeModel` is the fused decoder (one token or a few of one request) over a model's weights and KV caches, checked
 // once when it is built. `ShmAllReduce` is the tensor-parallel sum between the processes of one machine through
 // shared memory (shm_allreduce.h): `all_reduce(t)` on tensors, `hook()` for the fused decoder. `ngram_propose` is the
-// speculative n-gram proposer's lookup (no ISA-specific code: it lives here, not in the kernel libraries).
+// speculative n-gram proposer's lookup and `apply_token_bitmask` structured output's mask (no ISA-specific code:
+// they live here, not in the kernel libraries).
 #include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
 #include <pybind11/numpy.h>
 #include <torch/extension.h>
 
@@ -942,12 +944,56 @@ std::vector<int64_t> ngram_propose(const py::array_t<int64_t, py::array::c_style
   return out;
 }
 
+// Structured output's mask, the contract of ModelRunner._apply_grammar: logits[rows[i], t] = -inf for every token t
+// whose bit in bitmask row i is 0 (bit t % 32 of word t / 32, least significant first), and for every token at or
+// past the bitmask's 32 * words. A word of all ones (the usual one inside a JSON string) is skipped, one of zeros
+// (most words of a key or a number) filled; the rows are split between torch's threads.
+void apply_token_bitmask(torch::Tensor& logits, const py::array_t<int32_t, py::array::c_style>& bitmask,
+                         const py::array_t<int64_t, py::array::c_style>& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                  logits.device().is_cpu(),
+              "apply_token_bitmask needs float32 CPU logits [rows, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.ndim() == 2, "apply_token_bitmask needs an int32 bitmask [n, words]");
+  TORCH_CHECK(rows.ndim() == 1 && rows.shape(0) == bitmask.shape(0),
+              "apply_token_bitmask needs int64 rows, one per bitmask row");
+  const int64_t n = bitmask.shape(0), words = bitmask.shape(1), vocab = logits.size(1), stride = logits.stride(0);
+  const int64_t* row_ids = rows.data();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0), "apply_token_bitmask: row ", row_ids[i],
+                " is outside the ", logits.size(0), " logits rows");
+  float* base = logits.data_ptr<float>();
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t covered = std::min(vocab, 32 * words), full = covered / 32;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = base + row_ids[i] * stride;
+      const uint32_t* m = mask + i * words;
+      for (int64_t w = 0; w < full; ++w) {
+        const uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        float* p = row + 32 * w;
+        if (bits == 0) {
+          for (int b = 0; b < 32; ++b) p[b] = kNegInf;  // a constant count: vector stores
+          continue;
+        }
+        for (uint32_t zeros = ~bits; zeros != 0; zeros &= zeros - 1) p[__builtin_ctz(zeros)] = kNegInf;
+      }
+      for (int64_t t = 32 * full; t < covered; ++t)
+        if (!((m[full] >> (t - 32 * full)) & 1u)) row[t] = kNegInf;
+      std::fill(row + covered, row + vocab, kNegInf);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedllm's native CPU kernels: the torch-facing bindings of one ISA build at a time";
   m.def("detect_isa", &detect_isa, "the best kernel build this CPU runs: avx512, avx2 or generic");
   m.attr("abi") = PAGEDLLM_CPU_ABI;
+  m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows"),
+        "-inf in logits row rows[i] for the tokens whose bit in bitmask row i is 0 (and past the bitmask)");
   m.def("ngram_propose", &ngram_propose, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("k"),
         "up to k draft tokens: what followed the latest longest earlier occurrence of the n-gram ending tokens");
   py::class_<CpuOps, std::shared_ptr<CpuOps>>(m, "CpuOps")
