@@ -24,3 +24,6 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.worker.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

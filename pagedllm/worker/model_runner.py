@@ -194,13 +194,11 @@ class ModelRunner:
     # ---- sleep mode (worker/sleep.py) ------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the weights' and the KV cache's memory (the weights wait in a temporary file); nothing may run
-        until `wake_up`."""
+        """Free the weights' and the KV cache's memory (the weights wait in the page cache, mapped from a
+        temporary file); nothing may run until `wake_up`."""
         if self._sleeper is None:
             self._sleeper = MemorySleeper(self.model, self._kv_tensors)
-        # The weights do not change once loaded, but for LoRA adapters' slots: the file from the last sleep still
-        # holds them unless adapters may have been loaded since.
-        self._sleeper.sleep(rewrite=self.lora_manager is not None)
+        self._sleeper.sleep()
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         return [t for attn in self.model.attention_layers() for t in (attn.kv_cache or ())]
@@ -209,6 +207,12 @@ class ModelRunner:
         """The weights back where they were; the KV cache empty (zeros)."""
         if self._sleeper is not None:
             self._sleeper.wake_up()
+
+    def shutdown(self) -> None:
+        """The model is about to be dropped: memory a sleep mapped from its file becomes anonymous again."""
+        if self._sleeper is not None:
+            self._sleeper.close()
+            self._sleeper = None
 
     # ---- one step ----------------------------------------------------------------------------------
 

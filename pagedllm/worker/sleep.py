@@ -2,19 +2,23 @@
 
 Contract. `MemorySleeper(model, kv_tensors)` (`kv_tensors()`: the KV cache's tensors) finds, at each `sleep()`,
 the memory the model's weights live in (every tensor reachable from the model's modules: parameters, buffers, packed
-panels, quantized matrices, oneDNN's packed copies, LoRA slots) and, apart from it, the KV cache tensors. `sleep()`
-writes the weights' bytes to an unlinked temporary file (page cache: memory the kernel may reclaim, not this
-process's), then gives every whole page of the weights and of the KV cache back to the system
-(`madvise(MADV_DONTNEED)`) and trims the heap. `wake_up()` reads the weights back into the same addresses; the KV
-cache reads as zeros (its contents are gone: the caller resets the prefix cache).
-Nothing is reallocated, so every pointer to the weights stays valid: the native quantized matrices and the fused
-decoder hold raw addresses of them. Between `sleep()` and `wake_up()` nothing may run the model. `close()` drops
-the file.
+panels, quantized matrices, oneDNN's packed copies, LoRA slots) and, apart from it, the KV cache tensors. The first
+`sleep()` writes the weights' whole pages to an unlinked temporary file and maps the file over them, at the same
+addresses (`mmap(MAP_SHARED | MAP_FIXED)`): from then on the weights live in the page cache (memory the kernel may
+reclaim, writing it back to the file first, not this process's), and a later write to them (a LoRA slot) lands in the
+file by itself. Each `sleep()` then drops this process's pages of the weights and of the KV cache
+(`madvise(MADV_DONTNEED)`) and trims the heap; only weights found in new places since (an adapter loaded, a buffer
+replaced) are written to the file first. `wake_up()` maps the weights' pages back from the page cache
+(`MADV_POPULATE_READ`; where the kernel lacks it they come back as the model reads them): nothing is copied. The KV
+cache reads as zeros (its contents are gone: the caller resets the prefix cache). Between `sleep()` and `wake_up()`
+nothing may run the model. `close()`, once the model is being dropped, turns the file's pages back into anonymous
+memory (their contents discarded) and drops the file.
 
 Why addresses and not tensors: the kernels' objects (QuantMatrix, the fused decoder) keep pointers into the weight
-arenas, so replacing tensors would leave them dangling; giving pages back and writing them again later keeps every
-address. Only whole pages inside an allocation are dropped: the partial pages at its ends may hold other heap
-blocks, and stay (a few KiB per tensor).
+arenas, so replacing tensors would leave them dangling; mapping the file where they are keeps every address. Only
+whole pages inside an allocation are mapped: the partial pages at its ends may hold other heap blocks, and stay (a
+few KiB per tensor). Each range sits in the file at an offset congruent to its address modulo 2 MiB, so that a
+kernel that keeps large folios in the page cache maps a huge-page arena with huge pages again.
 """
 
 from __future__ import annotations
@@ -39,8 +43,13 @@ from pagedllm.model.heap import trim_heap
 logger = logging.getLogger(__name__)
 
 _MADV_DONTNEED = 4  # linux/mman.h
-_CHUNK = 1 << 30  # bytes per read or write call (Linux moves at most ~2 GiB per call)
+_MADV_POPULATE_READ = 22  # Linux 5.14
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+_HUGE = 2 << 20  # file offsets keep each range's place within a 2 MiB page
+_CHUNK = 1 << 30  # bytes per write call (Linux moves at most ~2 GiB per call)
 PAGE = mmap.PAGESIZE
+_LINUX = sys.platform.startswith("linux")
 
 
 def _libc() -> Any:
@@ -125,18 +134,20 @@ class MemorySleeper:
         self.weights: list[tuple[int, int]] = []
         self.kv: list[tuple[int, int]] = []
         self._file: Any = None
-        self._saved: list[tuple[int, int]] | None = None  # the spans the file holds, once wholly written
+        self._inode: tuple[int, int] | None = None  # (device, inode) of the file
+        self._mapped: list[tuple[int, int]] = []  # the ranges the file is mapped over, merged
+        self._end = 0  # the file's length
         self.asleep = False
 
     def _find(self) -> None:
         """The page-aligned interiors of the weights' and the KV cache's memory, found again at every sleep (an
         adapter loaded since, or a buffer replaced, lives elsewhere now)."""
         kv = merge_spans(s for s in (tensor_span(t) for t in self.kv_tensors()) if s is not None)
-        writable = _writable_mappings()
+        writable = _writable_mappings(self._inode)
         weights = []
         for span in {s for s in (tensor_span(t) for t in model_tensors(self.model)) if s is not None}:
             # Not the KV cache (dropped, never saved), nor memory this process cannot write back (a read-only file
-            # mapping: its pages return from the file by themselves).
+            # mapping: its pages return from the file by themselves; another process's shared memory).
             if not _inside(span, kv) and (writable is None or _inside(span, writable)):
                 weights.append(span)
         self.weights = whole_pages(merge_spans(weights))
@@ -150,51 +161,81 @@ class MemorySleeper:
     def kv_bytes(self) -> int:
         return sum(size for _, size in self.kv)
 
-    def sleep(self, rewrite: bool = True) -> None:
-        """Weights to the file, then weights' and KV cache's pages back to the system. With `rewrite` False the file
-        is not written again when it holds these very spans already (the caller knows no weight changed since)."""
+    def sleep(self) -> None:
+        """Weights not yet in the file to it (mapped over them), then the weights' and the KV cache's pages back to
+        the system."""
         if self.asleep:
             return
         start = time.perf_counter()
         self._find()
-        kept = not rewrite and self._file is not None and self.weights == self._saved
-        if self._file is None:  # kept from one sleep to the next: rewriting cached pages is cheaper than new ones
+        if not _LINUX:  # the memory stays (nothing here knows another system's flags); the state still holds
+            self.asleep = True
+            return
+        if self._file is None:
             self._file = _open_file()
-        offset = 0
-        if not kept:
-            self._saved = None  # a write that fails half-way leaves no file to trust
-            for address, size in self.weights:
-                _write_all(self._file.fileno(), _view(address, size), offset)
-                offset += size
-            self._saved = list(self.weights)
+            info = os.fstat(self._file.fileno())
+            self._inode = (info.st_dev, info.st_ino)
+        new = subtract_spans(self.weights, self._mapped)
+        for address, size in new:
+            # Written at an offset congruent to the address modulo 2 MiB (huge pages map again), then mapped.
+            offset = -(-self._end // _HUGE) * _HUGE + address % _HUGE
+            _write_all(self._file.fileno(), _view(address, size), offset)
+            _map_file(address, size, self._file.fileno(), offset)
+            self._end = offset + size
+        self._mapped = merge_spans(self._mapped + new)
         for address, size in self.weights + self.kv:
-            _dontneed(address, size)
+            _madvise(address, size, _MADV_DONTNEED)
         trim_heap()
         self.asleep = True
         logger.info(
-            "asleep: %.0f MiB of weights %s aside, %.0f MiB of weights and KV cache freed in %.2f s",
-            self.weight_bytes / 2**20, "kept" if kept else "written", (self.weight_bytes + self.kv_bytes) / 2**20,
+            "asleep: %.0f MiB of weights in the page cache (%.0f MiB written now), %.0f MiB of KV cache freed in "
+            "%.2f s", self.weight_bytes / 2**20, sum(n for _, n in new) / 2**20, self.kv_bytes / 2**20,
             time.perf_counter() - start,
         )  # fmt: skip
 
     def wake_up(self) -> None:
-        """Read the weights back where they were; the KV cache pages come back (zeros) as they are written."""
+        """The weights' pages mapped back from the page cache; the KV cache's come back (zeros) as they are
+        written."""
         if not self.asleep:
             return
         start = time.perf_counter()
-        offset = 0
         for address, size in self.weights:
-            _read_all(self._file.fileno(), _view(address, size), offset)
-            offset += size
+            if not _madvise(address, size, _MADV_POPULATE_READ, check=False):
+                break  # an older kernel: the pages come back as the model reads them
         self.asleep = False
         logger.info(
-            "awake: %.0f MiB of weights read back in %.2f s", self.weight_bytes / 2**20, time.perf_counter() - start
+            "awake: %.0f MiB of weights mapped back in %.2f s", self.weight_bytes / 2**20, time.perf_counter() - start
         )
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """The model is being dropped: the ranges still mapped from the file become anonymous memory again (their
+        contents discarded: freed heap memory must not stay backed by the file), and the file goes."""
+        if self._file is None:
+            return
+        for address, size in _file_mappings(self._inode):
+            _map_anonymous(address, size)
+        self._mapped = []
+        self._file.close()
+        self._file = None
+
+
+def subtract_spans(spans: Iterable[tuple[int, int]], minus: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the (address, bytes) ranges `spans` outside the merged, sorted ranges `minus`."""
+    out = []
+    for start, size in spans:
+        pos, end = start, start + size
+        for m_start, m_size in minus:
+            m_end = m_start + m_size
+            if m_end <= pos or m_start >= end:
+                continue
+            if m_start > pos:
+                out.append((pos, m_start - pos))
+            pos = max(pos, m_end)
+            if pos >= end:
+                break
+        if pos < end:
+            out.append((pos, end - pos))
+    return out
 
 
 def _inside(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
@@ -202,20 +243,45 @@ def _inside(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     return any(s <= start and start + size <= s + n for s, n in spans)
 
 
-def _writable_mappings() -> list[tuple[int, int]] | None:
-    """(address, bytes) of this process's writable private mappings (/proc/self/maps), merged; None where unknown."""
+def _maps() -> list[list[str]] | None:
     try:
         with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
+            return [line.split() for line in f.read().splitlines()]
     except OSError:
         return None
+
+
+def _inode_of(fields: list[str]) -> tuple[int, int] | None:
+    """(device, inode) of a /proc/self/maps line's file."""
+    if len(fields) < 5:
+        return None
+    major, minor = (int(x, 16) for x in fields[3].split(":"))
+    return os.makedev(major, minor), int(fields[4])
+
+
+def _writable_mappings(own: tuple[int, int] | None = None) -> list[tuple[int, int]] | None:
+    """(address, bytes) of this process's writable private mappings and its shared mappings of the file `own`
+    (/proc/self/maps), merged; None where unknown."""
+    lines = _maps()
+    if lines is None:
+        return None
     spans = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 2 and fields[1].startswith("rw") and fields[1][3] == "p":
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            spans.append((start, end - start))
+    for fields in lines:
+        if len(fields) >= 2 and fields[1].startswith("rw"):
+            if fields[1][3] == "p" or (own is not None and _inode_of(fields) == own):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end - start))
     return merge_spans(spans)
+
+
+def _file_mappings(own: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """(address, bytes) of this process's mappings of the file `own`."""
+    out = []
+    for fields in _maps() or ():
+        if own is not None and _inode_of(fields) == own:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end - start))
+    return out
 
 
 def _open_file() -> Any:
@@ -234,19 +300,33 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done : done + _CHUNK], offset + done)
 
 
-def _read_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        n = os.preadv(fd, [data[done : done + _CHUNK]], offset + done)
-        if n <= 0:
-            raise OSError(f"sleep file ended at byte {offset + done} of the weights")
-        done += n
-
-
-def _dontneed(address: int, size: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
+def _madvise(address: int, size: int, advice: int, check: bool = True) -> bool:
+    """madvise(2) on Linux (elsewhere nothing happens); False where the kernel refused it (OSError if `check`)."""
+    if not _LINUX:
+        return False
     madvise = _libc().madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(address, size, _MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {size} bytes failed")
+    if madvise(address, size, advice) != 0:
+        if check:
+            raise OSError(ctypes.get_errno(), f"madvise({advice}) of {size} bytes failed")
+        return False
+    return True
+
+
+def _mmap_fixed(address: int, size: int, flags: int, fd: int, offset: int) -> None:
+    mmap_ = _libc().mmap
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    result = mmap_(address, size, _PROT_READ_WRITE, flags | _MAP_FIXED, fd, offset)
+    if result != address:
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes at {address:#x} failed")
+
+
+def _map_file(address: int, size: int, fd: int, offset: int) -> None:
+    """The file's bytes from `offset` mapped (shared) over [address, address + size), in place of what was there."""
+    _mmap_fixed(address, size, _MAP_SHARED, fd, offset)
+
+
+def _map_anonymous(address: int, size: int) -> None:
+    """Fresh anonymous memory (zeros) over [address, address + size)."""
+    _mmap_fixed(address, size, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)

@@ -143,6 +143,10 @@ class Worker:
     def wake_up(self) -> None:
         self.model_runner.wake_up()
 
+    def shutdown(self) -> None:
+        """Before the worker is dropped in this process (the in-process executor's shutdown)."""
+        self.model_runner.shutdown()
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)
 

@@ -18,7 +18,15 @@ from torch import nn
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.exceptions import EngineSleepingError
 from pagedllm.model import hugepages
-from pagedllm.worker.sleep import PAGE, MemorySleeper, merge_spans, whole_pages
+from pagedllm.worker.sleep import (
+    PAGE,
+    MemorySleeper,
+    _file_mappings,
+    merge_spans,
+    subtract_spans,
+    tensor_span,
+    whole_pages,
+)
 from tests.gguf_utils import write_gguf
 from tests.model_utils import make_tiny_model, random_prompts
 
@@ -32,12 +40,12 @@ def _smollm2() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _anon_mib(pid: int) -> float:
+def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
-    raise AssertionError("no RssAnon in /proc status")
+    raise AssertionError("no VmRSS in /proc status")
 
 
 def _texts(llm: LLM, prompts: list[Any]) -> list[list[int]]:
@@ -62,6 +70,21 @@ class _Holder:  # a pagedllm-like object holding tensors outside any parameter (
         self.packed = [t]
 
 
+def _resident(address: int, size: int) -> int:
+    """Bytes of this process's memory resident in the mappings inside [address, address + size) (/proc/self/smaps):
+    a tensor's own mapping (an arena), or the one a sleep split off the heap for its whole pages."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = address <= start and end <= address + size
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_sleeper_frees_and_restores_memory_in_place() -> None:
     torch.manual_seed(0)
     model = nn.Linear(700, 900)  # heap memory, not page aligned
@@ -73,27 +96,46 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     model.kv_cache = (kv,)
     before = [model.weight.detach().clone(), model.bias.detach().clone(), arena_view.clone()]
     addresses = [model.weight.data_ptr(), arena_view.data_ptr(), kv.data_ptr()]
+    arena = tensor_span(arena_view)
+    assert arena is not None and _resident(*arena) >= arena_view.numel()
     sleeper = MemorySleeper(model, lambda: [kv])
     sleeper.sleep()
     assert sleeper.weight_bytes >= arena_view.numel() - 2 * PAGE and sleeper.kv_bytes >= kv.numel() - 2 * PAGE
-    # the pages went back to the system: they read as zeros now (the KV cache is never written aside)
-    assert arena_view[PAGE : 2 * PAGE].count_nonzero() == 0
+    # the weights' pages left the process (they wait in the file's page cache); the KV cache's read as zeros
+    assert _resident(*arena) == 0
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0
     sleeper.wake_up()
+    assert _resident(*arena) >= arena_view.numel()  # mapped back at once, not copied
     assert [model.weight.data_ptr(), arena_view.data_ptr(), kv.data_ptr()] == addresses
     assert torch.equal(model.weight, before[0]) and torch.equal(model.bias, before[1])
     assert torch.equal(arena_view, before[2])
     assert kv[PAGE : 2 * PAGE].count_nonzero() == 0  # the KV cache comes back empty
+    arena_view[5 * PAGE : 6 * PAGE] = 3  # a write while awake (an adapter slot) lands in the file by itself
+    before[2][5 * PAGE : 6 * PAGE] = 3
     model.weight.data = torch.randn(900, 700)  # replaced since (2.5 MB): the next sleep finds it where it lives now
     new_weight = model.weight.detach().clone()
-    sleeper.sleep(rewrite=False)  # new spans: written all the same
-    assert model.weight[400:500].count_nonzero() == 0  # its pages were given back too
+    sleeper.sleep()
+    weight = whole_pages([tensor_span(model.weight)])[0]  # type: ignore[list-item]
+    assert _resident(*weight) == 0 and _resident(*arena) == 0
+    sleeper.wake_up()
+    assert _resident(*weight) == weight[1]
+    sleeper.sleep()
     sleeper.wake_up()
     assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
-    sleeper.sleep(rewrite=False)  # the same spans: the file holds them already
+    sleeper.sleep()  # the same spans: nothing to write
     sleeper.wake_up()
     assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
-    sleeper.close()
+    inode = sleeper._inode
+    sleeper.close()  # the model is being dropped: no memory stays backed by the file
+    assert inode is not None and _file_mappings(inode) == []
+    arena_view.fill_(1)  # anonymous memory again, writable
+    assert int(arena_view.sum()) == arena_view.numel()
+
+
+def test_spans_subtract() -> None:
+    assert subtract_spans([(0, 100)], [(10, 10), (50, 20)]) == [(0, 10), (20, 30), (70, 30)]
+    assert subtract_spans([(0, 100), (200, 10)], [(0, 100)]) == [(200, 10)]
+    assert subtract_spans([(10, 10)], [(0, 5), (30, 5)]) == [(10, 10)]
 
 
 # ---- engines ------------------------------------------------------------------------------------------------
@@ -107,9 +149,9 @@ def test_default_gguf_sleeps_and_wakes_with_identical_outputs() -> None:
         before = _texts(llm, prompts)
         again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
         assert again.num_cached_tokens > 0  # the prefix cache holds the prompt
-        awake = _anon_mib(pid)
+        awake = _rss_mib(pid)
         llm.sleep(1)
-        asleep = _anon_mib(pid)
+        asleep = _rss_mib(pid)
         assert llm.is_sleeping()
         with pytest.raises(EngineSleepingError, match="asleep"):
             llm.generate(prompts, GREEDY, use_tqdm=False)
