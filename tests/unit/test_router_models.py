@@ -256,6 +256,32 @@ def test_a_busy_model_is_never_evicted_the_other_model_waits_for_it():
     asyncio.run(run())
 
 
+def test_a_model_that_is_never_idle_drains_to_make_room():
+    """Two loaded models, each always with a request in flight: a third one's request is served all the same. The
+    least recently used model takes no new request (its next one waits, as for a load) until it has slept."""
+
+    async def run() -> None:
+        builder = Builder()
+        manager = _manager(builder, max_loaded=2, max_running=None, wait_timeout=10)
+        await manager.acquire("A")
+        await manager.acquire("B")
+        c = asyncio.ensure_future(_use(manager, "C"))
+        await _until(lambda: "A" in manager._draining)
+        a2 = asyncio.ensure_future(manager.acquire("A"))  # A is busy again at once: without draining, forever
+        await asyncio.sleep(0.05)
+        assert not a2.done() and not c.done()
+        manager.release("A")  # A's last request in flight: A sleeps, C loads and is served
+        assert (await c).name == "C"
+        assert builder.of("A")[0].calls == ["sleep1"]
+        await a2  # then A's waiting request: C (idle now) sleeps to make room, A wakes
+        assert _states(manager) == {"A": "loaded", "B": "loaded", "C": "sleeping"} and not manager._draining
+        manager.release("A")
+        manager.release("B")
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
 def test_no_room_within_the_wait_timeout_is_unavailable():
     async def run() -> None:
         manager = _manager(Builder(), "AB", max_loaded=1, wait_timeout=0.1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +80,10 @@ def engine_pids(engine: Any) -> list[int]:
     return [proc.pid for proc in getattr(core, "procs", [])]
 
 
-def pick_evictee(entries: Iterable[ModelEntry]) -> ModelEntry | None:
-    """The model to put to sleep (or unload) to make room: the least recently used of the idle loaded ones."""
-    idle = [e for e in entries if e.evictable]
+def pick_evictee(entries: Iterable[ModelEntry], draining: Container[str] = ()) -> ModelEntry | None:
+    """The model to put to sleep (or unload) to make room: the least recently used of the idle loaded ones (a model
+    named in `draining` is idle once its requests in flight are done, whoever waits for it)."""
+    idle = [e for e in entries if e.evictable or (e.name in draining and e.ready and e.in_flight == 0)]
     return min(idle, key=lambda e: e.last_used) if idle else None
 
 

@@ -12,7 +12,8 @@ Contract:
 * `max_loaded` (--models-max): at most that many models awake (loading or loaded) at once. Room is made by putting
   the least recently used idle model (no request in flight or waiting for it) to sleep, or by unloading it
   (`evict="unload"`, or an engine without sleep mode). A model with requests in flight is never evicted: when every
-  awake model is busy, a request for another model waits until one is idle.
+  awake model is busy, the least recently used one drains (takes no new request; its new requests wait as for a
+  load) and is evicted once its requests in flight are done, so a model that is never idle cannot keep another out.
 * `sleep_idle_s` (--sleep-idle-seconds): a model awake and idle that long goes to sleep.
 * `max_running` (--models-max-running, default 1): at most that many models compute at once. The others' requests
   wait for a turn, in the order their models asked for one. A turn takes every request of its model waiting when it
@@ -93,6 +94,8 @@ class ModelManager:
         self._turns: dict[str, float] = {}  # the models computing now (holding a turn), by the start of their turn
         self._closing: set[str] = set()  # turns that take no new request (another model waits)
         self._queue: list[str] = []  # ready models waiting for a turn, in order
+        # Loaded models that take no new request until they have made room: victim -> the model waiting for room.
+        self._draining: dict[str, str] = {}
         self.total_threads = total_threads  # shared by the models computing at once (None: left alone)
         self._threads_of: dict[str, int] = {}  # the thread count each model's engine was last given
         self._changed = asyncio.Event()
@@ -112,7 +115,7 @@ class ModelManager:
         """The model's stack, counted in flight, if it is ready now; else None (then `acquire`). `compute` False:
         a request that only uses the front end (tokenizing): it takes no turn."""
         entry = self.entry(name)
-        if not entry.ready or (compute and not self._take_turn(entry, time.monotonic())):
+        if not self._serving(entry) or (compute and not self._take_turn(entry, time.monotonic())):
             return None
         entry.in_flight += 1
         entry.last_used = time.monotonic()
@@ -128,7 +131,7 @@ class ModelManager:
         try:
             while True:
                 self._reap_if_dead(entry)
-                if entry.ready and (not compute or self._take_turn(entry, arrived)):
+                if self._serving(entry) and (not compute or self._take_turn(entry, arrived)):
                     entry.in_flight += 1
                     entry.last_used = time.monotonic()
                     return entry.stack
@@ -140,7 +143,12 @@ class ModelManager:
                 await self._wait_change(deadline, entry)
         finally:
             entry.waiting -= 1
-            if entry.waiting == 0 and name in self._queue:  # its last waiter gave up (or is served)
+            drained = [v for v, wanted_by in self._draining.items() if wanted_by == name] if not entry.waiting else []
+            for victim in drained:  # its last waiter gave up (or is served): those models take requests again
+                del self._draining[victim]
+            if drained:
+                self._notify()
+            if entry.waiting == 0 and name in self._queue:
                 self._queue.remove(name)
                 # Turns closed for it alone open again; the models behind it in the queue may go now.
                 self._closing = {t for t in self._closing if any(q != t for q in self._queue)}
@@ -181,7 +189,7 @@ class ModelManager:
                 return True
         elif len(self._turns) < self.max_running:
             # Models in the queue that are not ready (reloading after a death, unloaded) hold no one back.
-            head = next((q for q in self._queue if self.entries[q].ready), None)
+            head = next((q for q in self._queue if self._serving(self.entries[q])), None)
             if head is None or head == name:
                 if name in self._queue:
                     self._queue.remove(name)
@@ -197,6 +205,10 @@ class ModelManager:
             if open_turns:
                 self._closing.add(min(open_turns, key=self._turns.__getitem__))
         return False
+
+    def _serving(self, entry: ModelEntry) -> bool:
+        """Whether the model takes requests now: loaded, and not draining to make room for another."""
+        return entry.ready and entry.name not in self._draining
 
     def _share_threads(self) -> None:
         """The models holding a turn split `total_threads` between them (one alone gets them all back): two thread
@@ -250,7 +262,17 @@ class ModelManager:
         awake = [e for e in self.entries.values() if e is not entry and e.awake]
         if len(awake) < self.max_loaded:
             return True
-        victim = pick_evictee(awake)
+        victim = pick_evictee(awake, self._draining)
+        if victim is None and entry.name not in self._draining.values():
+            # Every awake model is busy: the least recently used one takes no new request from now on, so that it
+            # is idle once its requests in flight are done (a model always busy would keep this one out forever).
+            ready = [e for e in awake if e.ready and e.name not in self._draining]
+            if ready:
+                drained = min(ready, key=lambda e: e.last_used)
+                self._draining[drained.name] = entry.name
+                logger.info("router: %r takes no new request until it makes room for %r (--models-max %d)",
+                            drained.name, entry.name, self.max_loaded)  # fmt: skip
+                victim = pick_evictee([drained], self._draining)
         if victim is not None:
             how = self.evict
             logger.info("router: %s %r to make room for %r (--models-max %d)", how, victim.name, entry.name,
@@ -319,6 +341,7 @@ class ModelManager:
             entry.state, entry.error = ModelState.UNLOADED, f"{how} failed: {e}"
         finally:
             entry.task = None
+            self._draining.pop(entry.name, None)
             self._notify()
 
     async def _drop_stack(self, entry: ModelEntry) -> None:
@@ -366,6 +389,8 @@ class ModelManager:
                 return
         if entry.ready and entry.name in self._queue:
             why = f"other models computed for {self.wait_timeout:g} s (--models-max-running {self.max_running})"
+        elif entry.name in self._draining:
+            why = f"it was making room for `{self._draining[entry.name]}` for {self.wait_timeout:g} s"
         elif entry.state is ModelState.LOADING:
             why = f"it is still loading after {self.wait_timeout:g} s"
         elif entry.task is not None:
