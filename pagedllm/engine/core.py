@@ -65,6 +65,7 @@ class EngineCore:
         self._step_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
         self.max_model_len = config.model_config.max_model_len
         self.sleep_level = 0  # 0 awake; 1 weights aside, KV cache freed; 2 executor gone (sleep())
+        self._gc_frozen = False  # whether level 2 unfroze what start-up froze (frozen again at wake-up)
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -199,6 +200,7 @@ class EngineCore:
         else:
             self.executor.shutdown()
             self.executor = Executor(self.config)  # no ranks: health checks pass, nothing runs until wake_up
+            self._gc_frozen = gc.get_freeze_count() > 0
             gc.unfreeze()  # what start-up froze (engine/core_proc.py) may now be collected
             gc.collect()
             trim_heap()
@@ -213,10 +215,18 @@ class EngineCore:
         if self.sleep_level == 1:
             self.executor.collective_rpc("wake_up")
         else:
-            self.executor = Executor.get_class(self.config)(self.config)
-            self.executor.initialize_cache(self.num_blocks)
-            for lora in self._loras.values():  # the adapters the workers held before
-                self.executor.collective_rpc("add_lora", (lora,))
+            executor = Executor.get_class(self.config)(self.config)
+            try:
+                executor.initialize_cache(self.num_blocks)
+                for lora in self._loras.values():  # the adapters the workers held before
+                    executor.collective_rpc("add_lora", (lora,))
+            except BaseException:
+                executor.shutdown()  # its workers stop; the engine stays asleep (level 2), a wake may be tried again
+                raise
+            self.executor = executor
+            if self._gc_frozen:  # the new model lives until exit: frozen again, as start-up did (core_proc.py)
+                gc.collect()
+                gc.freeze()
         logger.info("engine awake (from level %d) in %.2f s", self.sleep_level, time.perf_counter() - start)
         self.sleep_level = 0
 

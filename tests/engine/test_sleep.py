@@ -201,6 +201,35 @@ def test_sleep_levels_and_validation(tiny_model_dir: Path) -> None:
         assert llm.engine_core.engine_core.sleep_level == 0
 
 
+def test_a_failed_level_2_wake_stops_what_it_started(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers a level-2 wake started are stopped when it fails; the engine stays asleep, and wakes later."""
+    from pagedllm.executor.uniproc import UniProcExecutor
+
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM", seed=6)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 9], seed=6)]
+    with LLM(folder, engine_client="inproc", **TINY) as llm:
+        before = _texts(llm, prompts)
+        llm.sleep(2)
+        stopped: list[UniProcExecutor] = []
+        shutdown = UniProcExecutor.shutdown
+
+        def failing_cache(self: UniProcExecutor, num_blocks: int) -> None:
+            raise RuntimeError("no memory for the KV cache")
+
+        def recording_shutdown(self: UniProcExecutor) -> None:
+            stopped.append(self)
+            shutdown(self)
+
+        monkeypatch.setattr(UniProcExecutor, "initialize_cache", failing_cache)
+        monkeypatch.setattr(UniProcExecutor, "shutdown", recording_shutdown)
+        with pytest.raises(RuntimeError, match="no memory"):
+            llm.wake_up()
+        assert len(stopped) == 1 and llm.engine_core.engine_core.sleep_level == 2
+        monkeypatch.undo()
+        llm.wake_up()
+        assert _texts(llm, prompts) == before
+
+
 def test_quantized_moe_gguf_sleeps(tiny_model_dir: Path, tmp_path: Path) -> None:
     folder = make_tiny_model(
         tiny_model_dir,

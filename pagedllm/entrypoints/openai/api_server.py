@@ -54,6 +54,7 @@ from pagedllm.config import api_key_from_env, parse_size, runtime_lora_updating_
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
+from pagedllm.engine.llm import check_sleep_level
 from pagedllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -535,10 +536,8 @@ async def sleep(raw_request: Request, level: str = "1") -> Response:
     with --sleep-auto-wake)."""
     engine = _engine(raw_request)
     try:
-        value = int(level)
+        value = check_sleep_level(int(level))
     except ValueError:
-        value = None
-    if value not in (1, 2):
         return error_response(OpenAIError(f"level must be 1 or 2, got {level!r}", 400, "level"))
     if not _engine_alive(engine):
         return error_response(OpenAIError("The engine core process died.", 503))
