@@ -209,7 +209,8 @@ class ModelRunner:
             self._sleeper.wake_up()
 
     def shutdown(self) -> None:
-        """The model is about to be dropped: memory a sleep mapped from its file becomes anonymous again."""
+        """The model is about to be dropped: memory a sleep mapped from its file becomes anonymous again (contents
+        kept: the heap reuses what the model frees)."""
         if self._sleeper is not None:
             self._sleeper.close()
             self._sleeper = None

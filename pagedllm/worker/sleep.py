@@ -8,11 +8,13 @@ addresses (`mmap(MAP_SHARED | MAP_FIXED)`): from then on the weights live in the
 reclaim, writing it back to the file first, not this process's), and a later write to them (a LoRA slot) lands in the
 file by itself. Each `sleep()` then drops this process's pages of the weights and of the KV cache
 (`madvise(MADV_DONTNEED)`) and trims the heap; only weights found in new places since (an adapter loaded, a buffer
-replaced) are written to the file first. `wake_up()` maps the weights' pages back from the page cache
-(`MADV_POPULATE_READ`; where the kernel lacks it they come back as the model reads them): nothing is copied. The KV
-cache reads as zeros (its contents are gone: the caller resets the prefix cache). Between `sleep()` and `wake_up()`
-nothing may run the model. `close()`, once the model is being dropped, turns the file's pages back into anonymous
-memory (their contents discarded) and drops the file.
+replaced) are written to the file first, and memory the file is mapped over that holds no weight any more (freed,
+perhaps reused by the heap) becomes anonymous memory again, its contents kept. Scratch buffers reachable from the
+model (a class with `sleep_scratch = True`) are not weights. `wake_up()` maps the weights' pages back from the
+page cache (`MADV_POPULATE_READ`; where the kernel lacks it they come back as the model reads them): nothing is
+copied. The KV cache reads as zeros (its contents are gone: the caller resets the prefix cache). Between `sleep()`
+and `wake_up()` nothing may run the model. `close()` (before the model is dropped) turns every range still mapped
+from the file back into anonymous memory, contents kept, and drops the file.
 
 Why addresses and not tensors: the kernels' objects (QuantMatrix, the fused decoder) keep pointers into the weight
 arenas, so replacing tensors would leave them dangling; mapping the file where they are keeps every address. Only
@@ -47,7 +49,7 @@ _MADV_POPULATE_READ = 22  # Linux 5.14
 _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 _HUGE = 2 << 20  # file offsets keep each range's place within a 2 MiB page
-_CHUNK = 1 << 30  # bytes per write call (Linux moves at most ~2 GiB per call)
+_CHUNK = 1 << 26  # bytes per write call, and per copy back into anonymous memory (64 MiB)
 PAGE = mmap.PAGESIZE
 _LINUX = sys.platform.startswith("linux")
 
@@ -75,7 +77,7 @@ def tensor_span(t: torch.Tensor) -> tuple[int, int] | None:
 def _tensors(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     """Every tensor inside `value`: itself, the items of containers, the attributes of pagedllm's own objects
     (quantized parts, panels, LoRA slots); nn.Modules are not entered (the caller walks each module)."""
-    if id(value) in seen:
+    if id(value) in seen or getattr(type(value), "sleep_scratch", False):  # scratch buffers are no weights
         return
     seen.add(id(value))
     if isinstance(value, torch.Tensor):
@@ -134,8 +136,9 @@ class MemorySleeper:
         self.weights: list[tuple[int, int]] = []
         self.kv: list[tuple[int, int]] = []
         self._file: Any = None
-        self._inode: tuple[int, int] | None = None  # (device, inode) of the file
-        self._mapped: list[tuple[int, int]] = []  # the ranges the file is mapped over, merged
+        # The file as /proc/self/maps names it, (device, inode), learnt from its first mapping (on an overlay file
+        # system fstat names another device than the maps do).
+        self._inode: tuple[int, int] | None = None
         self._end = 0  # the file's length
         self.asleep = False
 
@@ -173,16 +176,20 @@ class MemorySleeper:
             return
         if self._file is None:
             self._file = _open_file()
-            info = os.fstat(self._file.fileno())
-            self._inode = (info.st_dev, info.st_ino)
-        new = subtract_spans(self.weights, self._mapped)
+        # What the file is mapped over now (the kernel's word: a block unmapped since is not), less the weights of
+        # this sleep: memory freed since, perhaps holding other things now, becomes anonymous again, contents kept.
+        mapped = _file_mappings(self._inode)
+        for address, size in subtract_spans(mapped, self.weights):
+            _to_anonymous(address, size)
+        new = subtract_spans(self.weights, mapped)
         for address, size in new:
             # Written at an offset congruent to the address modulo 2 MiB (huge pages map again), then mapped.
             offset = -(-self._end // _HUGE) * _HUGE + address % _HUGE
             _write_all(self._file.fileno(), _view(address, size), offset)
             _map_file(address, size, self._file.fileno(), offset)
             self._end = offset + size
-        self._mapped = merge_spans(self._mapped + new)
+            if self._inode is None:
+                self._inode = _identity_at(address)
         for address, size in self.weights + self.kv:
             _madvise(address, size, _MADV_DONTNEED)
         trim_heap()
@@ -208,13 +215,12 @@ class MemorySleeper:
         )
 
     def close(self) -> None:
-        """The model is being dropped: the ranges still mapped from the file become anonymous memory again (their
-        contents discarded: freed heap memory must not stay backed by the file), and the file goes."""
+        """Every range still mapped from the file becomes anonymous memory again, its contents kept (the memory
+        outlives the model: heap blocks freed with it are reused), and the file goes."""
         if self._file is None:
             return
         for address, size in _file_mappings(self._inode):
-            _map_anonymous(address, size)
-        self._mapped = []
+            _to_anonymous(address, size)
         self._file.close()
         self._file = None
 
@@ -275,13 +281,22 @@ def _writable_mappings(own: tuple[int, int] | None = None) -> list[tuple[int, in
 
 
 def _file_mappings(own: tuple[int, int] | None) -> list[tuple[int, int]]:
-    """(address, bytes) of this process's mappings of the file `own`."""
+    """(address, bytes) of this process's mappings of the file `own`, merged."""
     out = []
     for fields in _maps() or ():
         if own is not None and _inode_of(fields) == own:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             out.append((start, end - start))
-    return out
+    return merge_spans(out)
+
+
+def _identity_at(address: int) -> tuple[int, int] | None:
+    """(device, inode) of the file mapped at `address`, as /proc/self/maps names it."""
+    for fields in _maps() or ():
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return _inode_of(fields)
+    return None
 
 
 def _open_file() -> Any:
@@ -327,6 +342,11 @@ def _map_file(address: int, size: int, fd: int, offset: int) -> None:
     _mmap_fixed(address, size, _MAP_SHARED, fd, offset)
 
 
-def _map_anonymous(address: int, size: int) -> None:
-    """Fresh anonymous memory (zeros) over [address, address + size)."""
-    _mmap_fixed(address, size, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+def _to_anonymous(address: int, size: int) -> None:
+    """Anonymous memory over [address, address + size) in place of the file's, holding what the file held (copied
+    a chunk at a time: a whole page range, as mapped)."""
+    for start in range(address, address + size, _CHUNK):
+        n = min(_CHUNK, address + size - start)
+        saved = bytes(_view(start, n))
+        _mmap_fixed(start, n, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        _view(start, n)[:] = saved

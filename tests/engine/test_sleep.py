@@ -126,10 +126,47 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     sleeper.wake_up()
     assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
     inode = sleeper._inode
-    sleeper.close()  # the model is being dropped: no memory stays backed by the file
-    assert inode is not None and _file_mappings(inode) == []
-    arena_view.fill_(1)  # anonymous memory again, writable
-    assert int(arena_view.sum()) == arena_view.numel()
+    assert inode is not None and _file_mappings(inode)
+    sleeper.close()  # the model is being dropped: no memory stays backed by the file, and none of it changes
+    assert _file_mappings(inode) == []
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
+
+
+def test_memory_that_is_no_weight_any_more_leaves_the_file_with_its_contents() -> None:
+    """A weight dropped after a sleep (its memory freed, perhaps reused by another allocation): the next sleep maps
+    it back to anonymous memory with what it holds now, and leaves it resident; scratch buffers are never saved."""
+    model = nn.Linear(8, 8)
+    _, (old,) = hugepages.arena([(2 << 20,)], torch.uint8)
+    old.fill_(5)
+    model.extra = _Holder(old)
+    scratch = _Scratch(hugepages.zeros((1 << 20,), torch.uint8))
+    model.workspace = scratch
+    sleeper = MemorySleeper(model)
+    sleeper.sleep()
+    sleeper.wake_up()
+    inode = sleeper._inode
+    old_span = tensor_span(old)
+    assert inode is not None and old_span is not None and _inside_any(old_span, _file_mappings(inode))
+    assert not _inside_any(tensor_span(scratch.buffer), _file_mappings(inode))  # type: ignore[arg-type]
+    model.extra = None  # no weight any more; its memory now holds something else
+    old.fill_(9)
+    sleeper.sleep()
+    assert not _inside_any(old_span, _file_mappings(inode)) and _resident(*old_span) == old_span[1]
+    sleeper.wake_up()
+    assert int(old.min()) == int(old.max()) == 9
+    sleeper.close()
+
+
+class _Scratch:
+    sleep_scratch = True
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+
+
+def _inside_any(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    start, size = span
+    return any(s < start + size and start < s + n for s, n in spans)
 
 
 def test_spans_subtract() -> None:

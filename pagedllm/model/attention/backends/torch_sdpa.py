@@ -70,6 +70,8 @@ class GatherWorkspace:
     layer and group in turn.
     """
 
+    sleep_scratch = True  # not weights: sleep mode (worker/sleep.py) leaves these buffers alone
+
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
 
