@@ -282,6 +282,46 @@ def test_a_model_that_is_never_idle_drains_to_make_room():
     asyncio.run(run())
 
 
+def test_the_model_drained_is_one_computing_not_one_whose_requests_wait_for_a_turn():
+    async def run() -> None:
+        builder = Builder()
+        manager = _manager(builder, max_loaded=2, wait_timeout=10)  # one model computes at a time
+        await _use(manager, "B")  # B loaded first: the least recently used
+        await manager.acquire("A")  # A computes
+        b = asyncio.ensure_future(manager.acquire("B"))  # B's request waits for A's turn, nothing of B in flight
+        await _until(lambda: manager.entries["B"].waiting == 1)
+        c = asyncio.ensure_future(_use(manager, "C"))
+        await _until(lambda: bool(manager._draining))
+        assert manager._draining == {"A": "C"} and _states(manager)["B"] == "loaded"
+        manager.release("A")  # A sleeps; B takes its turn; C loads and waits for B's
+        await b
+        manager.release("B")
+        assert (await c).name == "C"
+        assert _states(manager) == {"A": "sleeping", "B": "loaded", "C": "loaded"} and not manager._draining
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_drained_model_that_dies_drains_no_more():
+    async def run() -> None:
+        builder = Builder()
+        manager = _manager(builder, max_loaded=2, max_running=None, wait_timeout=10)
+        await manager.acquire("A")
+        await manager.acquire("B")
+        c = asyncio.ensure_future(_use(manager, "C"))
+        await _until(lambda: "A" in manager._draining)
+        builder.of("A")[0].dead = True  # killed while draining
+        manager.release("A")
+        assert (await c).name == "C"
+        assert not manager._draining
+        assert (await _use(manager, "A")).engine is builder.of("A")[1]  # started afresh, and served
+        manager.release("B")
+        await manager.shutdown()
+
+    asyncio.run(run())
+
+
 def test_no_room_within_the_wait_timeout_is_unavailable():
     async def run() -> None:
         manager = _manager(Builder(), "AB", max_loaded=1, wait_timeout=0.1)

@@ -143,11 +143,8 @@ class ModelManager:
                 await self._wait_change(deadline, entry)
         finally:
             entry.waiting -= 1
-            drained = [v for v, wanted_by in self._draining.items() if wanted_by == name] if not entry.waiting else []
-            for victim in drained:  # its last waiter gave up (or is served): those models take requests again
-                del self._draining[victim]
-            if drained:
-                self._notify()
+            if not entry.waiting:  # its last waiter gave up (or is served): no model drains for it any more
+                self._undrain(name)
             if entry.waiting == 0 and name in self._queue:
                 self._queue.remove(name)
                 # Turns closed for it alone open again; the models behind it in the queue may go now.
@@ -206,6 +203,14 @@ class ModelManager:
                 self._closing.add(min(open_turns, key=self._turns.__getitem__))
         return False
 
+    def _undrain(self, wanted_by: str, but: str | None = None) -> None:
+        """The models draining for `wanted_by` (but `but`) take requests again."""
+        drained = [v for v, w in self._draining.items() if w == wanted_by and v != but]
+        for victim in drained:
+            del self._draining[victim]
+        if drained:
+            self._notify()
+
     def _serving(self, entry: ModelEntry) -> bool:
         """Whether the model takes requests now: loaded, and not draining to make room for another."""
         return entry.ready and entry.name not in self._draining
@@ -260,13 +265,17 @@ class ModelManager:
         if self.max_loaded is None:
             return True
         awake = [e for e in self.entries.values() if e is not entry and e.awake]
+        for other in awake:  # a dead engine's room is freed now, not at the monitor's next look
+            self._reap_if_dead(other)
         if len(awake) < self.max_loaded:
+            self._undrain(entry.name)
             return True
-        victim = pick_evictee(awake, self._draining)
+        victim = pick_evictee(awake, {v for v, wanted_by in self._draining.items() if wanted_by == entry.name})
         if victim is None and entry.name not in self._draining.values():
-            # Every awake model is busy: the least recently used one takes no new request from now on, so that it
-            # is idle once its requests in flight are done (a model always busy would keep this one out forever).
-            ready = [e for e in awake if e.ready and e.name not in self._draining]
+            # Every awake model is busy: the least recently used one computing takes no new request from now on, so
+            # that it is idle once its requests in flight are done (a model always busy would keep this one out
+            # forever). Not one whose requests only wait for a turn: it would go to sleep at once.
+            ready = [e for e in awake if e.ready and e.in_flight and e.name not in self._draining]
             if ready:
                 drained = min(ready, key=lambda e: e.last_used)
                 self._draining[drained.name] = entry.name
@@ -274,6 +283,7 @@ class ModelManager:
                             drained.name, entry.name, self.max_loaded)  # fmt: skip
                 victim = pick_evictee([drained], self._draining)
         if victim is not None:
+            self._undrain(entry.name, but=victim.name)
             how = self.evict
             logger.info("router: %s %r to make room for %r (--models-max %d)", how, victim.name, entry.name,
                         self.max_loaded)  # fmt: skip
@@ -346,6 +356,7 @@ class ModelManager:
 
     async def _drop_stack(self, entry: ModelEntry) -> None:
         engine, entry.stack = entry.engine, None
+        self._draining.pop(entry.name, None)  # gone (evicted, unloaded, dead): it drains no more
         self._threads_of.pop(entry.name, None)  # a new engine starts on every thread
         if engine is not None:
             try:
