@@ -435,7 +435,7 @@ class Scheduler:
             if not finished:
                 req.spec_token_ids = result.spec_token_ids.get(req_id, [])
                 req.drafts_forced = False
-                if req.structured_output is not None and self.forced_drafts:
+                if new_ids and req.structured_output is not None and self.forced_drafts:  # it sampled: decoding
                     assert self.structured_output_manager is not None
                     forced = self.structured_output_manager.forced_drafts(req, self.forced_drafts)
                     if forced:  # what the grammar forces beats any proposer's guess

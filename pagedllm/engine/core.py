@@ -65,7 +65,7 @@ class EngineCore:
         self._step_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
         self.max_model_len = config.model_config.max_model_len
         self.sleep_level = 0  # 0 awake; 1 weights aside, KV cache freed; 2 executor gone (sleep())
-        self._gc_frozen = False  # whether level 2 unfroze what start-up froze (frozen again at wake-up)
+        self.froze_gc = False  # whether start-up froze the collector (core_proc.py): level 2 unfreezes, wake refreezes
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -181,7 +181,7 @@ class EngineCore:
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's memory without stopping it (vLLM's sleep mode). Level 1: the KV cache is freed and the
-        weights wait in a temporary file (page cache), to be read back by `wake_up` in a fraction of a second.
+        weights wait in the page cache (a temporary file mapped over them), mapped back by `wake_up` at once.
         Level 2: the workers are stopped (everything but the config goes); `wake_up` starts them again, as at
         start-up. Either way the prefix cache starts cold after it. Only an idle engine sleeps (ValueError
         naming the requests in flight); a deeper level than the current one applies, a shallower one does nothing."""
@@ -200,8 +200,8 @@ class EngineCore:
         else:
             self.executor.shutdown()
             self.executor = Executor(self.config)  # no ranks: health checks pass, nothing runs until wake_up
-            self._gc_frozen = gc.get_freeze_count() > 0
-            gc.unfreeze()  # what start-up froze (engine/core_proc.py) may now be collected
+            if self.froze_gc:
+                gc.unfreeze()  # what start-up froze (engine/core_proc.py) may now be collected
             gc.collect()
             trim_heap()
         self.sleep_level = level
@@ -221,10 +221,13 @@ class EngineCore:
                 for lora in self._loras.values():  # the adapters the workers held before
                     executor.collective_rpc("add_lora", (lora,))
             except BaseException:
-                executor.shutdown()  # its workers stop; the engine stays asleep (level 2), a wake may be tried again
+                try:  # its workers stop; the engine stays asleep (level 2), a wake may be tried again
+                    executor.shutdown()
+                except Exception:
+                    logger.exception("stopping the workers of a failed wake-up failed")
                 raise
             self.executor = executor
-            if self._gc_frozen:  # the new model lives until exit: frozen again, as start-up did (core_proc.py)
+            if self.froze_gc:  # the new model lives until exit: frozen again, as start-up did (core_proc.py)
                 gc.collect()
                 gc.freeze()
         logger.info("engine awake (from level %d) in %.2f s", self.sleep_level, time.perf_counter() - start)

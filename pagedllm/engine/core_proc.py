@@ -97,6 +97,7 @@ class EngineCoreProc:
         # Everything allocated so far lives until exit: keep the collector from scanning it every cycle.
         gc.collect()
         gc.freeze()
+        self.engine_core.froze_gc = True
 
     # ---- threads ---------------------------------------------------------------------------------
 
