@@ -256,17 +256,23 @@ def test_a_busy_model_is_never_evicted_the_other_model_waits_for_it():
     asyncio.run(run())
 
 
+async def _a_and_b_busy_c_waits(builder: Builder) -> tuple[ModelManager, asyncio.Future]:
+    """--models-max 2, A and B each with a request in flight, then a request for C (returned): A drains for it."""
+    manager = _manager(builder, max_loaded=2, max_running=None, wait_timeout=10)
+    await manager.acquire("A")
+    await manager.acquire("B")
+    c = asyncio.ensure_future(_use(manager, "C"))
+    await _until(lambda: "A" in manager._draining)
+    return manager, c
+
+
 def test_a_model_that_is_never_idle_drains_to_make_room():
     """Two loaded models, each always with a request in flight: a third one's request is served all the same. The
     least recently used model takes no new request (its next one waits, as for a load) until it has slept."""
 
     async def run() -> None:
         builder = Builder()
-        manager = _manager(builder, max_loaded=2, max_running=None, wait_timeout=10)
-        await manager.acquire("A")
-        await manager.acquire("B")
-        c = asyncio.ensure_future(_use(manager, "C"))
-        await _until(lambda: "A" in manager._draining)
+        manager, c = await _a_and_b_busy_c_waits(builder)
         a2 = asyncio.ensure_future(manager.acquire("A"))  # A is busy again at once: without draining, forever
         await asyncio.sleep(0.05)
         assert not a2.done() and not c.done()
@@ -306,11 +312,7 @@ def test_the_model_drained_is_one_computing_not_one_whose_requests_wait_for_a_tu
 def test_a_drained_model_that_dies_drains_no_more():
     async def run() -> None:
         builder = Builder()
-        manager = _manager(builder, max_loaded=2, max_running=None, wait_timeout=10)
-        await manager.acquire("A")
-        await manager.acquire("B")
-        c = asyncio.ensure_future(_use(manager, "C"))
-        await _until(lambda: "A" in manager._draining)
+        manager, c = await _a_and_b_busy_c_waits(builder)
         builder.of("A")[0].dead = True  # killed while draining
         manager.release("A")
         assert (await c).name == "C"
