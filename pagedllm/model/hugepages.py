@@ -24,6 +24,7 @@ import ctypes
 import logging
 import mmap
 import sys
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+_mappings: dict[int, int] = {}  # the live mappings of `empty`: address -> bytes
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
@@ -70,10 +72,18 @@ def empty(
     mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     base = raw.data_ptr()
+    _mappings[base] = len(mapping)
+    weakref.finalize(mapping, _mappings.pop, base, None)
     start = -base % HUGE_PAGE
     if huge:
         _advise(base + start, span)
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def own_mappings() -> list[tuple[int, int]]:
+    """(address, bytes) of the live mappings `empty` made, sorted. No allocator ever places anything else in them
+    (sleep mode may map a file over their pages: worker/sleep.py)."""
+    return sorted(_mappings.items())
 
 
 def zeros(

@@ -2,23 +2,24 @@
 
 Contract. `MemorySleeper(model, kv_tensors)` (`kv_tensors()`: the KV cache's tensors) finds, at each `sleep()`,
 the memory the model's weights live in (every tensor reachable from the model's modules: parameters, buffers, packed
-panels, quantized matrices, oneDNN's packed copies, LoRA slots) and, apart from it, the KV cache tensors. The first
-`sleep()` writes the weights' whole pages to an unlinked temporary file and maps the file over them, at the same
-addresses (`mmap(MAP_SHARED | MAP_FIXED)`): from then on the weights live in the page cache (memory the kernel may
-reclaim, writing it back to the file first, not this process's), and a later write to them (a LoRA slot) lands in the
-file by itself. Each `sleep()` then drops this process's pages of the weights and of the KV cache
-(`madvise(MADV_DONTNEED)`) and trims the heap; only weights found in new places since (an adapter loaded, a buffer
-replaced) are written to the file first, and memory the file is mapped over that holds no weight any more (freed,
-perhaps reused by the heap) becomes anonymous memory again, its contents kept. Scratch buffers reachable from the
-model (a class with `sleep_scratch = True`) are not weights. `wake_up()` maps the weights' pages back from the
-page cache (`MADV_POPULATE_READ`; where the kernel lacks it they come back as the model reads them): nothing is
-copied. The KV cache reads as zeros (its contents are gone: the caller resets the prefix cache). Between `sleep()`
-and `wake_up()` nothing may run the model. `close()` (before the model is dropped) turns every range still mapped
-from the file back into anonymous memory, contents kept, and drops the file.
+panels, quantized matrices, oneDNN's packed copies, LoRA slots) and, apart from it, the KV cache tensors. Scratch
+buffers reachable from the model (a class with `sleep_scratch = True`) are not weights.
+* Weights in hugepages' own mappings (the arenas decode streams: most of a model's bytes) are written to an unlinked
+  temporary file at their first sleep and the file is mapped over them in place (`mmap(MAP_SHARED | MAP_FIXED)`):
+  from then on they live in the page cache (memory the kernel may reclaim, writing it to the file first), and a
+  later write to them lands in the file by itself. `wake_up()` maps them back (`MADV_POPULATE_READ`; where the
+  kernel lacks it they come back as the model reads them): nothing is copied. Only new ranges are written at a
+  later sleep; a range of the file's that holds no weight any more becomes anonymous memory again, contents kept.
+* Every other weight (heap memory, which the allocator hands out again once freed: no file may stay mapped there)
+  is written to a second file at every sleep and read back by `wake_up()`.
+* Every sleep then gives the weights' and the KV cache's pages back (`madvise(MADV_DONTNEED)`) and trims the heap.
+  The KV cache reads as zeros after it (its contents are gone: the caller resets the prefix cache).
+Between `sleep()` and `wake_up()` nothing may run the model. `close()` (before the model is dropped) turns the
+file's ranges back into anonymous memory, contents kept, and drops the files.
 
 Why addresses and not tensors: the kernels' objects (QuantMatrix, the fused decoder) keep pointers into the weight
 arenas, so replacing tensors would leave them dangling; mapping the file where they are keeps every address. Only
-whole pages inside an allocation are mapped: the partial pages at its ends may hold other heap blocks, and stay (a
+whole pages inside an allocation are dropped: the partial pages at its ends may hold other heap blocks, and stay (a
 few KiB per tensor). Each range sits in the file at an offset congruent to its address modulo 2 MiB, so that a
 kernel that keeps large folios in the page cache maps a huge-page arena with huge pages again.
 """
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import cache_dir
+from pagedllm.model import hugepages
 from pagedllm.model.heap import trim_heap
 
 logger = logging.getLogger(__name__)
@@ -48,8 +50,9 @@ _MADV_DONTNEED = 4  # linux/mman.h
 _MADV_POPULATE_READ = 22  # Linux 5.14
 _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 0x1, 0x2
 _HUGE = 2 << 20  # file offsets keep each range's place within a 2 MiB page
-_CHUNK = 1 << 26  # bytes per write call, and per copy back into anonymous memory (64 MiB)
+_CHUNK = 1 << 30  # bytes per read or write call (Linux moves at most ~2 GiB per call)
 PAGE = mmap.PAGESIZE
 _LINUX = sys.platform.startswith("linux")
 
@@ -134,8 +137,11 @@ class MemorySleeper:
         self.model = model
         self.kv_tensors = kv_tensors
         self.weights: list[tuple[int, int]] = []
+        self.mapped: list[tuple[int, int]] = []  # the weights in hugepages' own mappings: the file mapped over them
+        self.copied: list[tuple[int, int]] = []  # the others (heap memory): written aside and read back
         self.kv: list[tuple[int, int]] = []
-        self._file: Any = None
+        self._file: Any = None  # mapped over `mapped`
+        self._copies: Any = None  # holds `copied` while asleep
         # The file as /proc/self/maps names it, (device, inode), learnt from its first mapping (on an overlay file
         # system fstat names another device than the maps do).
         self._inode: tuple[int, int] | None = None
@@ -154,6 +160,9 @@ class MemorySleeper:
             if not _inside(span, kv) and (writable is None or _inside(span, writable)):
                 weights.append(span)
         self.weights = whole_pages(merge_spans(weights))
+        own = merge_spans(hugepages.own_mappings())
+        self.mapped = [w for w in self.weights if _inside(w, own)]
+        self.copied = [w for w in self.weights if not _inside(w, own)]
         self.kv = whole_pages(kv)
 
     @property
@@ -165,8 +174,8 @@ class MemorySleeper:
         return sum(size for _, size in self.kv)
 
     def sleep(self) -> None:
-        """Weights not yet in the file to it (mapped over them), then the weights' and the KV cache's pages back to
-        the system."""
+        """Weights of hugepages' mappings not yet in the file to it (mapped over them), the others to the copy file,
+        then the weights' and the KV cache's pages back to the system."""
         if self.asleep:
             return
         start = time.perf_counter()
@@ -175,13 +184,14 @@ class MemorySleeper:
             self.asleep = True
             return
         if self._file is None:
-            self._file = _open_file()
-        # What the file is mapped over now (the kernel's word: a block unmapped since is not), less the weights of
-        # this sleep: memory freed since, perhaps holding other things now, becomes anonymous again, contents kept.
+            self._file, self._copies = _open_file(), _open_file()
+        # What the file is mapped over now (the kernel's word), less this sleep's weights: memory of a mapping that
+        # holds no weight any more becomes anonymous again, contents kept (no allocator works in these mappings,
+        # and one that is unmapped took the file's pages with it).
         mapped = _file_mappings(self._inode)
-        for address, size in subtract_spans(mapped, self.weights):
+        for address, size in subtract_spans(mapped, self.mapped):
             _to_anonymous(address, size)
-        new = subtract_spans(self.weights, mapped)
+        new = subtract_spans(self.mapped, mapped)
         for address, size in new:
             # Written at an offset congruent to the address modulo 2 MiB (huge pages map again), then mapped.
             offset = -(-self._end // _HUGE) * _HUGE + address % _HUGE
@@ -190,39 +200,47 @@ class MemorySleeper:
             self._end = offset + size
             if self._inode is None:
                 self._inode = _identity_at(address)
+        offset = 0
+        for address, size in self.copied:  # heap memory: written each time (an adapter slot may have changed)
+            _write_all(self._copies.fileno(), _view(address, size), offset)
+            offset += size
         for address, size in self.weights + self.kv:
             _madvise(address, size, _MADV_DONTNEED)
         trim_heap()
         self.asleep = True
         logger.info(
-            "asleep: %.0f MiB of weights in the page cache (%.0f MiB written now), %.0f MiB of KV cache freed in "
-            "%.2f s", self.weight_bytes / 2**20, sum(n for _, n in new) / 2**20, self.kv_bytes / 2**20,
-            time.perf_counter() - start,
+            "asleep: %.0f MiB of weights in the page cache (%.0f MiB mapped, %.0f MiB of it written now; %.0f MiB "
+            "copied), %.0f MiB of KV cache freed in %.2f s", self.weight_bytes / 2**20,
+            sum(n for _, n in self.mapped) / 2**20, sum(n for _, n in new) / 2**20,
+            sum(n for _, n in self.copied) / 2**20, self.kv_bytes / 2**20, time.perf_counter() - start,
         )  # fmt: skip
 
     def wake_up(self) -> None:
-        """The weights' pages mapped back from the page cache; the KV cache's come back (zeros) as they are
-        written."""
+        """The mapped weights' pages mapped back from the page cache, the copied ones read back; the KV cache's
+        pages come back (zeros) as they are written."""
         if not self.asleep:
             return
         start = time.perf_counter()
-        for address, size in self.weights:
+        for address, size in self.mapped:
             if not _madvise(address, size, _MADV_POPULATE_READ, check=False):
                 break  # an older kernel: the pages come back as the model reads them
+        offset = 0
+        for address, size in self.copied if self._copies is not None else ():
+            _read_all(self._copies.fileno(), _view(address, size), offset)
+            offset += size
         self.asleep = False
-        logger.info(
-            "awake: %.0f MiB of weights mapped back in %.2f s", self.weight_bytes / 2**20, time.perf_counter() - start
-        )
+        logger.info("awake: %.0f MiB of weights back in %.2f s", self.weight_bytes / 2**20, time.perf_counter() - start)
 
     def close(self) -> None:
-        """Every range still mapped from the file becomes anonymous memory again, its contents kept (the memory
-        outlives the model: heap blocks freed with it are reused), and the file goes."""
+        """Every range still mapped from the file becomes anonymous memory again, its contents kept (a tensor of
+        the model may outlive it), and the files go."""
         if self._file is None:
             return
         for address, size in _file_mappings(self._inode):
             _to_anonymous(address, size)
-        self._file.close()
-        self._file = None
+        for f in (self._file, self._copies):
+            f.close()
+        self._file = self._copies = None
 
 
 def subtract_spans(spans: Iterable[tuple[int, int]], minus: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -315,6 +333,15 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done : done + _CHUNK], offset + done)
 
 
+def _read_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.preadv(fd, [data[done : done + _CHUNK]], offset + done)
+        if n <= 0:
+            raise OSError(f"sleep file ended at byte {offset + done} of the weights")
+        done += n
+
+
 def _madvise(address: int, size: int, advice: int, check: bool = True) -> bool:
     """madvise(2) on Linux (elsewhere nothing happens); False where the kernel refused it (OSError if `check`)."""
     if not _LINUX:
@@ -343,10 +370,20 @@ def _map_file(address: int, size: int, fd: int, offset: int) -> None:
 
 
 def _to_anonymous(address: int, size: int) -> None:
-    """Anonymous memory over [address, address + size) in place of the file's, holding what the file held (copied
-    a chunk at a time: a whole page range, as mapped)."""
-    for start in range(address, address + size, _CHUNK):
-        n = min(_CHUNK, address + size - start)
-        saved = bytes(_view(start, n))
-        _mmap_fixed(start, n, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
-        _view(start, n)[:] = saved
+    """Anonymous memory over [address, address + size) in place of the file's, holding what the file held: copied
+    into a fresh mapping the kernel places elsewhere, which `mremap` then moves over the range at once. (A copy on the
+    heap could land inside the range itself, freed memory being reused: then it would be overwritten mid-way.)"""
+    libc = _libc()
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fresh = libc.mmap(None, size, _PROT_READ_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+    if fresh in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
+    ctypes.memmove(fresh, address, size)
+    if libc.mremap(fresh, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
+        errno = ctypes.get_errno()
+        libc.munmap(fresh, size)
+        raise OSError(errno, f"mremap of {size} bytes to {address:#x} failed")

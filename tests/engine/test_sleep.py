@@ -116,9 +116,10 @@ def test_sleeper_frees_and_restores_memory_in_place() -> None:
     new_weight = model.weight.detach().clone()
     sleeper.sleep()
     weight = whole_pages([tensor_span(model.weight)])[0]  # type: ignore[list-item]
-    assert _resident(*weight) == 0 and _resident(*arena) == 0
+    assert weight in sleeper.copied and arena in sleeper.mapped  # heap memory is copied aside, never mapped
+    assert model.weight[400:500].count_nonzero() == 0 and _resident(*arena) == 0  # both left the process
     sleeper.wake_up()
-    assert _resident(*weight) == weight[1]
+    assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
     sleeper.sleep()
     sleeper.wake_up()
     assert torch.equal(arena_view, before[2]) and torch.equal(model.weight, new_weight)
@@ -139,7 +140,7 @@ def test_memory_that_is_no_weight_any_more_leaves_the_file_with_its_contents() -
     _, (old,) = hugepages.arena([(2 << 20,)], torch.uint8)
     old.fill_(5)
     model.extra = _Holder(old)
-    scratch = _Scratch(hugepages.zeros((1 << 20,), torch.uint8))
+    scratch = _Scratch(hugepages.zeros((4 << 20,), torch.uint8))
     model.workspace = scratch
     sleeper = MemorySleeper(model)
     sleeper.sleep()
