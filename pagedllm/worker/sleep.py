@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -57,8 +58,18 @@ PAGE = mmap.PAGESIZE
 _LINUX = sys.platform.startswith("linux")
 
 
+@functools.cache
 def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
+    """The process's libc, with the prototypes of the calls used here."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    void_p, size_t, int_ = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    libc.madvise.argtypes = [void_p, size_t, int_]
+    libc.mmap.restype = void_p
+    libc.mmap.argtypes = [void_p, size_t, int_, int_, int_, ctypes.c_long]
+    libc.mremap.restype = void_p
+    libc.mremap.argtypes = [void_p, size_t, size_t, int_, void_p]
+    libc.munmap.argtypes = [void_p, size_t]
+    return libc
 
 
 def tensor_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -267,12 +278,14 @@ def _inside(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     return any(s <= start and start + size <= s + n for s, n in spans)
 
 
-def _maps() -> list[list[str]] | None:
+def _maps() -> list[tuple[int, int, list[str]]] | None:
+    """(start, end, fields) of each line of /proc/self/maps; None where unknown."""
     try:
         with open("/proc/self/maps") as f:
-            return [line.split() for line in f.read().splitlines()]
+            lines = [line.split() for line in f.read().splitlines()]
     except OSError:
         return None
+    return [(*(int(x, 16) for x in fields[0].split("-")), fields) for fields in lines]  # type: ignore[misc]
 
 
 def _inode_of(fields: list[str]) -> tuple[int, int] | None:
@@ -290,31 +303,23 @@ def _writable_mappings(own: tuple[int, int] | None = None) -> list[tuple[int, in
     if lines is None:
         return None
     spans = []
-    for fields in lines:
+    for start, end, fields in lines:
         if len(fields) >= 2 and fields[1].startswith("rw"):
             if fields[1][3] == "p" or (own is not None and _inode_of(fields) == own):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
                 spans.append((start, end - start))
     return merge_spans(spans)
 
 
 def _file_mappings(own: tuple[int, int] | None) -> list[tuple[int, int]]:
     """(address, bytes) of this process's mappings of the file `own`, merged."""
-    out = []
-    for fields in _maps() or ():
-        if own is not None and _inode_of(fields) == own:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            out.append((start, end - start))
-    return merge_spans(out)
+    if own is None:
+        return []
+    return merge_spans((start, end - start) for start, end, fields in _maps() or () if _inode_of(fields) == own)
 
 
 def _identity_at(address: int) -> tuple[int, int] | None:
     """(device, inode) of the file mapped at `address`, as /proc/self/maps names it."""
-    for fields in _maps() or ():
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        if start <= address < end:
-            return _inode_of(fields)
-    return None
+    return next((_inode_of(fields) for start, end, fields in _maps() or () if start <= address < end), None)
 
 
 def _open_file() -> Any:
@@ -346,27 +351,17 @@ def _madvise(address: int, size: int, advice: int, check: bool = True) -> bool:
     """madvise(2) on Linux (elsewhere nothing happens); False where the kernel refused it (OSError if `check`)."""
     if not _LINUX:
         return False
-    madvise = _libc().madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(address, size, advice) != 0:
+    if _libc().madvise(address, size, advice) != 0:
         if check:
             raise OSError(ctypes.get_errno(), f"madvise({advice}) of {size} bytes failed")
         return False
     return True
 
 
-def _mmap_fixed(address: int, size: int, flags: int, fd: int, offset: int) -> None:
-    mmap_ = _libc().mmap
-    mmap_.restype = ctypes.c_void_p
-    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    result = mmap_(address, size, _PROT_READ_WRITE, flags | _MAP_FIXED, fd, offset)
-    if result != address:
-        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes at {address:#x} failed")
-
-
 def _map_file(address: int, size: int, fd: int, offset: int) -> None:
     """The file's bytes from `offset` mapped (shared) over [address, address + size), in place of what was there."""
-    _mmap_fixed(address, size, _MAP_SHARED, fd, offset)
+    if _libc().mmap(address, size, _PROT_READ_WRITE, _MAP_SHARED | _MAP_FIXED, fd, offset) != address:
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes at {address:#x} failed")
 
 
 def _to_anonymous(address: int, size: int) -> None:
@@ -374,11 +369,6 @@ def _to_anonymous(address: int, size: int) -> None:
     into a fresh mapping the kernel places elsewhere, which `mremap` then moves over the range at once. (A copy on the
     heap could land inside the range itself, freed memory being reused: then it would be overwritten mid-way.)"""
     libc = _libc()
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mremap.restype = ctypes.c_void_p
-    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     fresh = libc.mmap(None, size, _PROT_READ_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
     if fresh in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")

@@ -195,6 +195,14 @@ async def _use(manager: ModelManager, name: str) -> Any:
         return stack
 
 
+async def _loaded(names: str, **kwargs: Any) -> ModelManager:
+    """A manager over fake engines with each of `names` used once (loaded, idle)."""
+    manager = _manager(Builder(), names, **kwargs)
+    for name in names:
+        await _use(manager, name)
+    return manager
+
+
 async def _until(predicate: Any, timeout: float = 10.0) -> None:
     """Wait (polling the event loop) until `predicate()` holds; a bounded wait, not a timing assertion."""
     loop = asyncio.get_running_loop()
@@ -508,9 +516,7 @@ def test_one_model_computes_at_a_time_and_turns_pass_in_order():
     have finished; once one waits, the running model takes no new request (no starving the waiter)."""
 
     async def run() -> None:
-        manager = _manager(Builder(), "ABC")
-        for name in "ABC":  # all loaded (no room limit), none running
-            await _use(manager, name)
+        manager = await _loaded("ABC")  # all loaded (no room limit), none running
         await manager.acquire("A")
         await manager.acquire("A")  # A's turn: more A requests start at once
         b = asyncio.ensure_future(manager.acquire("B"))
@@ -540,9 +546,7 @@ def test_one_model_computes_at_a_time_and_turns_pass_in_order():
 
 def test_models_max_running_lets_that_many_models_compute_together():
     async def run() -> None:
-        manager = _manager(Builder(), "ABC", max_running=2)
-        for name in "ABC":
-            await _use(manager, name)
+        manager = await _loaded("ABC", max_running=2)
         await manager.acquire("A")
         await manager.acquire("B")  # a second turn
         c = asyncio.ensure_future(manager.acquire("C"))
@@ -600,9 +604,7 @@ def test_models_computing_together_share_the_threads():
 
 def test_a_turn_takes_every_request_waiting_when_it_began():
     async def run() -> None:
-        manager = _manager(Builder(), "AB")
-        for name in "AB":
-            await _use(manager, name)
+        manager = await _loaded("AB")
         await manager.acquire("A")
         bs = [asyncio.ensure_future(manager.acquire("B")) for _ in range(3)]
         await asyncio.sleep(0.05)
@@ -622,9 +624,7 @@ def test_a_turn_takes_every_request_waiting_when_it_began():
 
 def test_a_waiter_that_gives_up_reopens_the_turn_and_unready_models_hold_no_one_back():
     async def run() -> None:
-        manager = _manager(Builder(), "ABC", wait_timeout=0.3)
-        for name in "ABC":
-            await _use(manager, name)
+        manager = await _loaded("ABC", wait_timeout=0.3)
         await manager.acquire("A")
         with pytest.raises(ModelUnavailable):
             await manager.acquire("B")  # B gave up: A's turn, closed for it, takes new requests again
@@ -648,9 +648,7 @@ def test_a_waiter_that_gives_up_reopens_the_turn_and_unready_models_hold_no_one_
 
 def test_front_end_requests_take_no_turn():
     async def run() -> None:
-        manager = _manager(Builder(), "AB")
-        for name in "AB":
-            await _use(manager, name)
+        manager = await _loaded("AB")
         await manager.acquire("A")
         await asyncio.wait_for(manager.acquire("B", compute=False), 5)  # /tokenize of B while A computes
         manager.release("B")
