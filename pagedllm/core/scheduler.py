@@ -35,8 +35,8 @@ scheduled, the bitmask has a row for each verified position, and the grammar adv
 
 Forced tokens (jump-forward), with or without speculative decoding: where a constrained request's grammar forces its
 next tokens (a JSON key, the punctuation after it), up to `$PAGEDLLM_GRAMMAR_FORCED_DRAFTS` (8; 0: off) of them are
-its drafts for the next step instead of the proposer's, verified as any drafts are: the model computes them in the
-step that samples the token before them, so they cost no step of their own, and the output is what plain decoding
+its drafts for the next step instead of the proposer's, verified as any drafts are: that step computes them beside
+the request's own token, so they cost no step of their own, and the output is what plain decoding
 would sample (under the grammar's mask a forced token has all the probability; where the tokenizer could split the
 forced text another way, the verification decides). They stay out of the speculative-decoding stats and policy.
 
