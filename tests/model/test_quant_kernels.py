@@ -179,6 +179,25 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(whole.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", (Q4_0, Q8_0, Q4_K), ids=lambda t: NAMES[t])
+def test_many_panel_rows_in_blocks_are_the_same_bits(ops, qtype: int) -> None:
+    """Prompt rows beyond about 768 KiB of inputs go in row blocks against panels de-quantized a group at a time
+    (16 MiB of panels a group): 300 rows of 3,072 inputs are 3-5 blocks on every build, and 2,800 outputs two
+    groups of bf16 panels (three of float32 ones). A row's result is the same bits whether its call was blocked
+    (other block boundaries too) or small enough not to be, bias included, and within the product's rounding."""
+    qm, w = _matrix(ops, [(qtype, 2800)], 3072, seed=11)
+    gen = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(300, 3072, generator=gen), torch.randn(2800, generator=gen)
+    whole = ops.quant_linear(x, qm, bias, False)
+    for lo, hi in ((0, 40), (37, 101), (250, 300), (37, 300), (1, 299)):
+        assert torch.equal(ops.quant_linear(x[lo:hi].contiguous(), qm, bias, False), whole[lo:hi]), (lo, hi)
+    rows = [0, 77, 150, 299]
+    wd = torch.from_numpy(w).double()
+    ref = x[rows].double() @ wd.T + bias.double()
+    bound = (2.0**-8 * 1.01 if ops.bf16_native() else 1e-5) * (x[rows].abs().double() @ wd.abs().T) + 1e-5
+    assert torch.all((whole[rows].double() - ref).abs() <= bound)
+
+
 PACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
 
 
