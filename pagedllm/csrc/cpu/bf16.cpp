@@ -460,18 +460,28 @@ void bf16_pack_panels(uint32_t* dst, const float* w, int64_t out, int64_t in, in
 void bf16_panel_linear(float* y, const float* x, const uint32_t* wp, const float* bias, int64_t rows, int64_t in,
                        int64_t out, int threads) {
   const int64_t np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
-  // The rows in tiles whose pairs (blocked) stay in L2 while every panel passes over them.
-  const int64_t tile = std::max<int64_t>(kBf16Block, (int64_t{256} << 10) / (in2 * 4) / kBf16Block * kBf16Block);
+  // The rows in tiles whose pairs (blocked) stay in L2 while every panel passes over them; on AMX (plain pairs, 32
+  // rows at a time) a tile is a whole block. Beyond a block, the rows go block by block, each passed by every panel
+  // (internal.h kRowBlockBytes): the same kernel calls for every row, in another order.
+  const int64_t l2_rows = std::max<int64_t>(32, kRowBlockBytes / (in2 * 4) / 32 * 32);
+  const int64_t tile = amx_rows(in2) ? l2_rows
+                                     : std::max<int64_t>(kBf16Block, (int64_t{256} << 10) / (in2 * 4) / kBf16Block *
+                                                                         kBf16Block);
+  const int64_t block = std::max<int64_t>(tile, l2_rows / tile * tile);
   uint32_t* xt = scratch<uint32_t, 0>(rows * in2);
   for (int64_t t0 = 0; t0 < rows; t0 += tile)
     bf16_pairs_blocked(xt + t0 * in2, x + t0 * in, std::min(tile, rows - t0), in, threads);
-#pragma omp parallel for schedule(guided) num_threads(team_size(threads, np))
-  for (int64_t p = 0; p < np; ++p) {
-    const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
-    for (int64_t t0 = 0; t0 < rows; t0 += tile) {
-      const int64_t n = std::min(tile, rows - t0);
-      bf16_panel_block(wp + p * in2 * kPanel, xt + t0 * in2, n, in2, y + t0 * out + base, out,
-                       bias ? bias + base : nullptr, nout);
+#pragma omp parallel num_threads(team_size(threads, np))
+  for (int64_t m0 = 0; m0 < rows; m0 += block) {
+    const int64_t m1 = std::min(rows, m0 + block);
+#pragma omp for schedule(guided) nowait
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t base = p * kPanel, nout = std::min<int64_t>(kPanel, out - base);
+      for (int64_t t0 = m0; t0 < m1; t0 += tile) {
+        const int64_t n = std::min(tile, m1 - t0);
+        bf16_panel_block(wp + p * in2 * kPanel, xt + t0 * in2, n, in2, y + t0 * out + base, out,
+                         bias ? bias + base : nullptr, nout);
+      }
     }
   }
 }

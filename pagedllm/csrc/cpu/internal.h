@@ -21,6 +21,11 @@ T* scratch(std::size_t n) {
   return buf.data();
 }
 
+// Rows of a GEMM whose inputs pass this many bytes (a prompt chunk of a few hundred tokens on) go in blocks of about
+// that size, each passed by every panel of the weight while it stays in L2, instead of every panel streaming all the
+// rows from L3 (quant.cpp quant_linear_panels, bf16.cpp bf16_panel_linear).
+constexpr int64_t kRowBlockBytes = int64_t{768} << 10;
+
 // The attention scale and, for soft-capped attention logits (Gemma 2), the cap: a score s = q.k * scale becomes
 // cap * tanh(s / cap) before the softmax (cap 0: none), as transformers computes it. It converts to the scale where
 // only that is needed (queries pre-scaled, products scaled).

@@ -1669,7 +1669,6 @@ void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpane
 // block passed by every panel of the group while it stays in L2: that product went from 39-41 ms to 27-32 ms on the
 // Sapphire Rapids of bench/RESULTS.md (AMX). Each row meets the same panels in the same kernel calls, only in
 // another order: its results are the same bits.
-constexpr int64_t kRowBlockBytes = int64_t{768} << 10;
 constexpr int64_t kPanelGroupBytes = int64_t{16} << 20;
 
 void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float* bias, int64_t rows, int threads) {
