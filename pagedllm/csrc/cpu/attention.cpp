@@ -698,4 +698,123 @@ void paged_decode(const PagedDecodeArgs* a) {
 
 void paged_prefill(const PagedPrefillArgs* a) { prefill_all(a); }
 
+// An encoder's bidirectional attention (BERT, RoBERTa: no KV cache, every token of a request attends to all of its
+// request's tokens). One item per request and head, handed out to the threads one at a time (a request's length
+// sets its cost). Per item the head's keys are transposed once into kt [D][Lp] (Lp: L rounded up to whole vectors,
+// zero past L); then R query rows at a time (enc_rows): their scores against every key, vectorised over the keys,
+// each key vector loaded once for the R rows; each row's softmax (simd.h max_of, exp_into); and the values'
+// weighted sums, the R rows' D columns held in registers while each value row is loaded once for them. float32
+// throughout; a token's arithmetic is the same whatever the other rows or requests of the call.
+namespace {
+
+constexpr int kEncRegs = kLanes == 16 ? 32 : 16;  // vector registers of the build
+
+// Rows [0, R) of one item: queries q (rows qs apart, D = NV vectors), keys kt [D][lp], values v (rows vs apart,
+// L of them); scores in s [R][lp]; outputs to out (rows os apart).
+template <int NV, int R>
+void enc_rows(const float* q, int64_t qs, const float* kt, int64_t lp, int64_t L, const float* v, int64_t vs,
+              float scale, float* s, float* out, int64_t os) {
+  constexpr int D = NV * kLanes;
+  const pvec zero = pv_zero(), sc = pv_splat(scale);
+  for (int64_t j0 = 0; j0 < lp; j0 += kLanes) {
+    pvec c[R];
+    for (int r = 0; r < R; ++r) c[r] = zero;
+    for (int x = 0; x < D; ++x) {
+      const pvec k = pv_load(kt + x * lp + j0);
+      for (int r = 0; r < R; ++r) c[r] = pv_fma(pv_splat(q[r * qs + x]), k, c[r]);
+    }
+    for (int r = 0; r < R; ++r) pv_store(s + r * lp + j0, pv_fma(c[r], sc, zero));
+  }
+  float inv[R];
+  for (int r = 0; r < R; ++r) inv[r] = 1.f / exp_in_place(s + r * lp, L, max_of(s + r * lp, L));
+  pvec o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) o[r][n] = zero;
+  for (int64_t j = 0; j < L; ++j) {
+    pvec vj[NV];
+    for (int n = 0; n < NV; ++n) vj[n] = pv_load(v + j * vs + n * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const pvec p = pv_splat(s[r * lp + j]);
+      for (int n = 0; n < NV; ++n) o[r][n] = pv_fma(p, vj[n], o[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) pv_store(out + r * os + n * kLanes, pv_fma(o[r][n], pv_splat(inv[r]), zero));
+}
+
+// Every query row of one item, R at a time and the rest one by one.
+template <int NV>
+void enc_item(const float* q, int64_t qs, const float* kt, int64_t lp, int64_t L, const float* v, int64_t vs,
+              float scale, float* s, float* out, int64_t os) {
+  constexpr int R = std::max(1, std::min(4, kEncRegs / 2 / NV));
+  int64_t i = 0;
+  for (; i + R <= L; i += R) enc_rows<NV, R>(q + i * qs, qs, kt, lp, L, v, vs, scale, s, out + i * os, os);
+  for (; i < L; ++i) enc_rows<NV, 1>(q + i * qs, qs, kt, lp, L, v, vs, scale, s, out + i * os, os);
+}
+
+using EncItemFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, int64_t, float,
+                           float*, float*, int64_t);
+
+// The item kernel for a head of `dim` columns: whole vectors, up to 8 of them (heads of 16-128 columns with
+// AVX-512); null otherwise.
+EncItemFn enc_item_fn(int64_t dim) {
+  if (dim % kLanes != 0) return nullptr;
+  switch (dim / kLanes) {
+    case 1: return enc_item<1>;
+    case 2: return enc_item<2>;
+    case 4: return enc_item<4>;
+    case 6: return enc_item<6>;
+    case 8: return enc_item<8>;
+    default: return nullptr;
+  }
+}
+
+// Any head size: one row at a time, the values' sums through memory.
+void enc_item_any(const float* q, int64_t qs, const float* kt, int64_t lp, int64_t L, const float* v, int64_t vs,
+                  int64_t dim, float scale, float* s, float* o, float* out, int64_t os) {
+  for (int64_t i = 0; i < L; ++i) {
+    const float* qi = q + i * qs;
+    for (int64_t j = 0; j < L; ++j) {
+      float acc = 0.f;
+      for (int64_t x = 0; x < dim; ++x) acc += qi[x] * kt[x * lp + j];
+      s[j] = acc * scale;
+    }
+    const float inv = 1.f / exp_in_place(s, L, max_of(s, L));
+    std::fill(o, o + dim, 0.f);
+    for (int64_t j = 0; j < L; ++j) {
+      const float p = s[j];
+#pragma omp simd
+      for (int64_t x = 0; x < dim; ++x) o[x] += p * v[j * vs + x];
+    }
+    for (int64_t x = 0; x < dim; ++x) out[i * os + x] = o[x] * inv;
+  }
+}
+
+}  // namespace
+
+void encoder_attention(float* out, const float* qkv, const int64_t* starts, int64_t nseq, int64_t heads, int64_t dim,
+                       float scale, int threads) {
+  const int64_t hd = heads * dim, stride = 3 * hd, items = nseq * heads;
+  const EncItemFn fn = enc_item_fn(dim);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team_size(threads, items))
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t b = it / heads, h = it % heads, a = starts[b], L = starts[b + 1] - a;
+    if (L <= 0) continue;
+    const int64_t lp = (L + kLanes - 1) / kLanes * kLanes;
+    float* kt = scratch<float, 20>(dim * lp + 4 * lp + dim);
+    float* s = kt + dim * lp;
+    const float* q = qkv + a * stride + h * dim;
+    const float* k = q + hd;
+    const float* v = k + hd;
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t x = 0; x < dim; ++x) kt[x * lp + j] = k[j * stride + x];
+    for (int64_t x = 0; x < dim; ++x) std::fill(kt + x * lp + L, kt + (x + 1) * lp, 0.f);
+    float* o = out + a * hd + h * dim;
+    if (fn != nullptr)
+      fn(q, stride, kt, lp, L, v, stride, scale, s, o, hd);
+    else
+      enc_item_any(q, stride, kt, lp, L, v, stride, dim, scale, s, s + 4 * lp, o, hd);
+  }
+}
+
 }  // namespace pagedllm

@@ -120,6 +120,23 @@ class CpuOps {
     t_->silu_and_mul(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), out.size(1), at::get_num_threads());
   }
 
+  torch::Tensor encoder_attention(torch::Tensor qkv, torch::Tensor starts, int64_t heads, int64_t dim,
+                                  double scale) const {
+    check_float(qkv, "qkv");
+    check_index(starts, "starts");
+    TORCH_CHECK(heads > 0 && dim > 0, "heads and dim must be positive");
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == 3 * heads * dim, "qkv must be [T, 3 * heads * dim]");
+    TORCH_CHECK(starts.dim() == 1 && starts.size(0) >= 1, "starts must be [B + 1]");
+    const int64_t* st = starts.data_ptr<int64_t>();
+    const int64_t n = starts.size(0) - 1;
+    TORCH_CHECK(st[0] == 0 && st[n] == qkv.size(0), "starts must run from 0 to the number of tokens");
+    for (int64_t b = 0; b < n; ++b) TORCH_CHECK(st[b] <= st[b + 1], "starts must not decrease");
+    auto out = torch::empty({qkv.size(0), heads * dim}, qkv.options());
+    t_->encoder_attention(out.data_ptr<float>(), qkv.data_ptr<float>(), st, n, heads, dim, static_cast<float>(scale),
+                          at::get_num_threads());
+    return out;
+  }
+
   void sample_inverse(torch::Tensor out, torch::Tensor probs, torch::Tensor u) const {
     check_index(out, "out");
     check_float(probs, "probs");
@@ -1001,6 +1018,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("isa", &CpuOps::isa)
       .def_property_readonly("source_hash", &CpuOps::source_hash)
       .def("panel_width", &CpuOps::panel_width)
+      .def("encoder_attention", &CpuOps::encoder_attention, py::arg("qkv"), py::arg("starts"), py::arg("heads"),
+           py::arg("dim"), py::arg("scale"),
+           "an encoder's bidirectional attention: qkv [T, 3 H D], each run [starts[b], starts[b + 1]) over its own "
+           "tokens -> [T, H D]")
       .def("silu_and_mul", &CpuOps::silu_and_mul)
       .def("rms_norm", &CpuOps::rms_norm)
       .def("sample_inverse", &CpuOps::sample_inverse, py::arg("out"), py::arg("probs"), py::arg("u"),

@@ -215,6 +215,8 @@ int32_t bf16_has_native();
 void sample_inverse(const float* probs, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
 void top_k_mask(float* logits, const int64_t* k, int64_t rows, int64_t vocab, int threads);
 void top_p_mask(float* logits, const float* probs, const float* p, int64_t rows, int64_t vocab, int threads);
+void encoder_attention(float* out, const float* qkv, const int64_t* starts, int64_t nseq, int64_t heads, int64_t dim,
+                       float scale, int threads);
 void sample_rows(const float* logits, const float* temperature, const int64_t* k, const float* p, const float* min_p,
                  const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
 

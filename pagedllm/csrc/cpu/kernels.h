@@ -16,7 +16,7 @@
 extern "C" {
 
 // Bumped whenever this table or an argument struct changes: the bindings refuse a library of another version.
-#define PAGEDLLM_CPU_ABI 19
+#define PAGEDLLM_CPU_ABI 20
 
 // The element type of a KV cache: float32, or bfloat16 (the upper half of a float32, rounded to nearest even when
 // written; read by widening, so attention still sums in float32).
@@ -288,6 +288,10 @@ struct PagedllmCpuOps {
   // p null: none) and min-p (min_p[r] > 0; null: none), each computed as the torch path does but for rounding.
   void (*sample_rows)(const float* logits, const float* temperature, const int64_t* k, const float* p,
                       const float* min_p, const double* u, int64_t* out, int64_t rows, int64_t vocab, int threads);
+  // An encoder's bidirectional attention: qkv [T, 3 H D] (each token's q | k | v, heads of D), the requests' token
+  // runs [starts[b], starts[b + 1]) for b < nseq; every token attends to all tokens of its own run. out [T, H D].
+  void (*encoder_attention)(float* out, const float* qkv, const int64_t* starts, int64_t nseq, int64_t heads,
+                            int64_t dim, float scale, int threads);
 };
 
 __attribute__((visibility("default"))) const PagedllmCpuOps* pagedllm_cpu_ops(void);

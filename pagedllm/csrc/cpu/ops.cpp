@@ -40,6 +40,7 @@ extern "C" const PagedllmCpuOps* pagedllm_cpu_ops(void) {
       pagedllm::top_k_mask,
       pagedllm::top_p_mask,
       pagedllm::sample_rows,
+      pagedllm::encoder_attention,
   };
   return &table;
 }
