@@ -533,10 +533,22 @@ class RowParallelLinear(LinearBase):
         self.put_rows(param, 0, part)
 
     def forward(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
-        # The bias is added once, after the reduction, not once per rank.
-        w = self.weight
-        y = linear(x, w, None, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows)
+        # The bias is added once, after the reduction, not once per rank; alone (one rank, no adapters) the kernel
+        # adds it as it stores the sums, as the column-parallel layers do, instead of another pass over y.
+        w, bias = self.weight, self.bias
+        fused = bias is not None and self.tp_size == 1 and self.lora is None
+        y = linear(
+            x,
+            w,
+            bias if fused else None,
+            self.packed_weight,
+            self.panels,
+            self.ops,
+            self.qweight,
+            self.bf16_panels,
+            rows,
+        )
         if self.lora is not None:  # this rank's part of the adapters' products, summed by the all-reduce
             y = self.lora.apply(x, y)
         y = self.tp.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return y + bias if bias is not None and not fused else y
