@@ -66,9 +66,26 @@ def test_a_rows_result_does_not_depend_on_the_batch(ops) -> None:
         assert torch.equal(ops.bf16_panel_linear(x[5:30].contiguous(), panels, b, 70), whole[5:30])
 
 
+def test_native_only_in_the_bf16_build(ops) -> None:
+    assert ops.bf16_native() == (ops.isa == "avx512bf16")
+
+
+def test_bad_input_is_refused(ops) -> None:
+    w = torch.randn(40, 64)
+    panels = ops.bf16_pack_panels(w)
+    with pytest.raises(RuntimeError, match="bf16 panels must be"):
+        ops.bf16_panel_linear(torch.randn(2, 62), panels, None, 40)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.bf16_panel_linear(torch.randn(2, 64), panels.float(), None, 40)
+    with pytest.raises(RuntimeError, match=r"bias must be \[O\]"):
+        ops.bf16_panel_linear(torch.randn(2, 64), panels, torch.randn(39), 40)
+    with pytest.raises(RuntimeError, match="non-empty"):
+        ops.bf16_pack_panels(torch.randn(0, 64))
+
+
 @pytest.mark.parametrize("inp", [3001, 3072])  # 3,072: AMX's rows where the CPU has it (pairs in whole tiles)
 def test_rows_in_blocks_are_the_same_bits(ops, inp: int) -> None:
-    """Rows beyond about 768 KiB of inputs go block by block past every panel (300 rows of ~3,000 inputs: 3-6 blocks
+    """Rows beyond about 768 KiB of inputs go block by block past every panel (300 rows of ~3,000 inputs: 3 blocks
     on every build): a row's result is the same bits whether or where its call was split, and the product."""
     g = torch.Generator().manual_seed(8)
     w, x, b = torch.randn(70, inp, generator=g), torch.randn(300, inp, generator=g), torch.randn(70, generator=g)

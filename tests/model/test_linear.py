@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.layers.embedding import ParallelLMHead
-from pagedllm.model.layers.linear import PANEL_MAX_ROWS, Panels, ReplicatedLinear, prepare_for_inference
+from pagedllm.model.layers.linear import (
+    PANEL_MAX_ROWS,
+    Panels,
+    ReplicatedLinear,
+    RowParallelLinear,
+    prepare_for_inference,
+)
 
 
 def _layers(bias: bool, ops=None) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor | None]]]:
@@ -49,6 +55,31 @@ def test_native_layers_use_panels_and_match(isa_ops, bias: bool) -> None:
             expected = F.linear(expected, w, b)
         torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-5)
     assert calls == [1, 1, 3, 3, PANEL_MAX_ROWS, PANEL_MAX_ROWS]  # beyond that, oneDNN (or torch)
+
+
+def test_row_parallel_bias_is_added_once(isa_ops) -> None:
+    """One rank without adapters: the kernel adds the row-parallel layer's bias as it stores its sums (no pass of its
+    own). A zero weight gives exactly the bias on every path (panels, oneDNN or torch beyond, and bf16 panels on the
+    build that runs them), and a random one F.linear's result."""
+    for bf16 in (False, True) if isa_ops.bf16_native() else (False,):
+        _check_row_parallel_bias(isa_ops, bf16)
+
+
+def _check_row_parallel_bias(isa_ops, bf16: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for zero in (True, False):
+        layer = RowParallelLinear(96, 70, bias=True, ops=isa_ops)
+        layer.weight.data.copy_(torch.zeros(70, 96) if zero else torch.randn(70, 96, generator=g))
+        layer.bias.data.copy_(torch.randn(70, generator=g))
+        layers.append((layer, layer.weight.detach().clone(), layer.bias.detach().clone()))
+        prepare_for_inference(layer, bf16=bf16)
+    for rows in (1, PANEL_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 96, generator=g)
+        (zero, _, b0), (layer, w, b) = layers
+        assert torch.equal(zero(x), b0.expand(rows, -1))
+        ref = F.linear(x.bfloat16().float(), w.bfloat16().float(), b) if bf16 else F.linear(x, w, b)
+        torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
 
 
 def test_without_native_kernels_the_panels_are_not_built() -> None:

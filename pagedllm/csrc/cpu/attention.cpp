@@ -702,7 +702,7 @@ void paged_prefill(const PagedPrefillArgs* a) { prefill_all(a); }
 // request's tokens). One item per request and head, handed out to the threads one at a time (a request's length
 // sets its cost). Per item the head's keys are transposed once into kt [D][Lp] (Lp: L rounded up to whole vectors,
 // zero past L); then R query rows at a time (enc_rows): their scores against every key, vectorised over the keys,
-// each key vector loaded once for the R rows; each row's softmax (simd.h max_of, exp_into); and the values'
+// each key vector loaded once for the R rows; each row's softmax (simd.h max_of, exp_in_place); and the values'
 // weighted sums, the R rows' D columns held in registers while each value row is loaded once for them. float32
 // throughout; a token's arithmetic is the same whatever the other rows or requests of the call.
 namespace {
@@ -755,30 +755,37 @@ void enc_item(const float* q, int64_t qs, const float* kt, int64_t lp, int64_t L
 using EncItemFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, int64_t, float,
                            float*, float*, int64_t);
 
-// The item kernel for a head of `dim` columns: whole vectors, up to 8 of them (heads of 16-128 columns with
-// AVX-512); null otherwise.
+// The item kernel for a head of `dim` columns: whole vectors, up to 8 of them (heads of 16, 32, ..., 128 columns
+// with AVX-512; 8, 16, ..., 64 with AVX2); null otherwise.
 EncItemFn enc_item_fn(int64_t dim) {
   if (dim % kLanes != 0) return nullptr;
   switch (dim / kLanes) {
     case 1: return enc_item<1>;
     case 2: return enc_item<2>;
+    case 3: return enc_item<3>;
     case 4: return enc_item<4>;
+    case 5: return enc_item<5>;
     case 6: return enc_item<6>;
+    case 7: return enc_item<7>;
     case 8: return enc_item<8>;
     default: return nullptr;
   }
 }
 
-// Any head size: one row at a time, the values' sums through memory.
+// Any head size: one row at a time, its scores summed key-vectorised over kt's rows, the values' sums through memory.
 void enc_item_any(const float* q, int64_t qs, const float* kt, int64_t lp, int64_t L, const float* v, int64_t vs,
                   int64_t dim, float scale, float* s, float* o, float* out, int64_t os) {
   for (int64_t i = 0; i < L; ++i) {
     const float* qi = q + i * qs;
-    for (int64_t j = 0; j < L; ++j) {
-      float acc = 0.f;
-      for (int64_t x = 0; x < dim; ++x) acc += qi[x] * kt[x * lp + j];
-      s[j] = acc * scale;
+    std::fill(s, s + lp, 0.f);
+    for (int64_t x = 0; x < dim; ++x) {
+      const float qx = qi[x];
+      const float* kr = kt + x * lp;
+#pragma omp simd
+      for (int64_t j = 0; j < lp; ++j) s[j] += qx * kr[j];
     }
+#pragma omp simd
+    for (int64_t j = 0; j < L; ++j) s[j] *= scale;
     const float inv = 1.f / exp_in_place(s, L, max_of(s, L));
     std::fill(o, o + dim, 0.f);
     for (int64_t j = 0; j < L; ++j) {

@@ -20,10 +20,10 @@
 //   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
 // Either way a row's result does not depend on the other rows of the call. Otherwise (prompt tokens' rows on a packed
 // weight, more rows on one as stored) the rows run on de-quantized panels, whose inputs keep more precision than int8
-// blocks do (a row's result again independent of the others beyond kQuantDotMaxRows): each thread de-quantizes kPanel
-// output rows at a time into a panel and runs a panel GEMM kernel over all the input rows: bf16 panels and inputs
-// where the CPU has AVX512-BF16 (bf16.cpp), else float32 panels, exact products of the de-quantized weights
-// (linear.cpp).
+// blocks do (a row's result again independent of the others beyond kQuantDotMaxRows): kPanel output rows at a time
+// are de-quantized into a panel, which a panel GEMM kernel runs over the input rows (up to an L2-sized block of rows,
+// block by block beyond: quant_linear_panels): bf16 panels and inputs where the CPU has AVX512-BF16 (bf16.cpp), else
+// float32 panels, exact products of the de-quantized weights (linear.cpp).
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -1658,9 +1658,9 @@ void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpane
   bf16_panel_from_rows(bpanel, rows, w.in, nout, w.in);
 }
 
-// Many rows: each thread de-quantizes a panel of kPanel output rows at a time and runs a panel kernel over all the
-// input rows, in tiles whose transposed copy stays in L2. The weight is de-quantized once per call, which many rows
-// amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the panel is rounded to bf16 and the inputs too
+// Many rows: each thread de-quantizes a panel of kPanel output rows at a time and runs a panel kernel over the input
+// rows, in tiles whose transposed copy stays in L2 (on AMX, a tile is a whole block of rows, below). The weight is
+// de-quantized once per call, which many rows amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the panel is rounded to bf16 and the inputs too
 // (bf16.cpp: twice the float32 multiply rate, float32 sums); elsewhere the panel and the products are float32.
 //
 // Rows beyond kRowBlockBytes of inputs (a prompt chunk of a few hundred tokens on) would have every panel stream all
@@ -1695,7 +1695,10 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int64_t panel_size = bf16 ? in2 * kPanel : in * kPanel;  // elements of one panel (uint32 pairs or floats)
   const int64_t block = std::max<int64_t>(tile, l2_rows / tile * tile);  // rows of a block: whole tiles
   const bool blocked = rows > block;
-  const int64_t group = blocked ? std::max<int64_t>(1, kPanelGroupBytes / (panel_size * 4)) : np;  // panels
+  // Panels of a group: at most kPanelGroupBytes, the groups evened out (292 + 12 panels would leave the last group
+  // passing every row for 12 panels, on at most 12 threads).
+  const int64_t most = std::max<int64_t>(1, kPanelGroupBytes / (panel_size * 4));
+  const int64_t groups = (np + most - 1) / most, group = blocked ? (np + groups - 1) / groups : np;
   // Blocked: the group's panels, shared by the threads (the calling thread's scratch).
   uint32_t* bgroup = blocked && bf16 ? scratch<uint32_t, 5>(std::min(group, np) * panel_size) : nullptr;
   float* fgroup = blocked && !bf16 ? scratch<float, 5>(std::min(group, np) * panel_size) : nullptr;
