@@ -182,7 +182,7 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
 @pytest.mark.parametrize("qtype", (Q4_0, Q8_0, Q4_K), ids=lambda t: NAMES[t])
 def test_many_panel_rows_in_blocks_are_the_same_bits(ops, qtype: int) -> None:
     """Prompt rows beyond about 768 KiB of inputs go in row blocks against panels de-quantized a group at a time
-    (16 MiB of panels a group): 300 rows of 3,072 inputs are 3-6 blocks on every build, and 2,800 outputs two
+    (16 MiB of panels a group): 300 rows of 3,072 inputs are 3-5 blocks on every build, and 2,800 outputs two
     groups of bf16 panels (three of float32 ones). A row's result is the same bits whether its call was blocked
     (other block boundaries too) or small enough not to be, bias included, and within the product's rounding."""
     qm, w = _matrix(ops, [(qtype, 2800)], 3072, seed=11)

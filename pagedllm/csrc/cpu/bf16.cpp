@@ -461,13 +461,13 @@ void bf16_panel_linear(float* y, const float* x, const uint32_t* wp, const float
                        int64_t out, int threads) {
   const int64_t np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
   // The rows in tiles whose pairs (blocked) stay in L2 while every panel passes over them; on AMX (plain pairs, 32
-  // rows at a time) a tile is a whole block. Beyond a block, the rows go block by block, each passed by every panel
-  // (internal.h kRowBlockBytes): the same kernel calls for every row, in another order.
-  const int64_t l2_rows = std::max<int64_t>(32, kRowBlockBytes / (in2 * 4) / 32 * 32);
-  const int64_t tile = amx_rows(in2) ? l2_rows
+  // rows at a time) a tile is a whole block. Many rows go block by block, each passed by every panel (internal.h
+  // row_block): the same kernel calls for every row, in another order.
+  const int64_t unit = amx_rows(in2) ? 32
                                      : std::max<int64_t>(kBf16Block, (int64_t{256} << 10) / (in2 * 4) / kBf16Block *
                                                                          kBf16Block);
-  const int64_t block = std::max<int64_t>(tile, l2_rows / tile * tile);
+  const int64_t block = row_block(rows, in2 * 4, unit);
+  const int64_t tile = amx_rows(in2) ? block : unit;
   uint32_t* xt = scratch<uint32_t, 0>(rows * in2);
   for (int64_t t0 = 0; t0 < rows; t0 += tile)
     bf16_pairs_blocked(xt + t0 * in2, x + t0 * in, std::min(tile, rows - t0), in, threads);

@@ -2,6 +2,7 @@
 // panel GEMV). Internal to the library: hidden like everything but the ops table.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cmath>
@@ -21,10 +22,20 @@ T* scratch(std::size_t n) {
   return buf.data();
 }
 
-// Rows of a GEMM whose inputs pass this many bytes (a prompt chunk of a few hundred tokens on) go in blocks of about
-// that size, each passed by every panel of the weight while it stays in L2, instead of every panel streaming all the
-// rows from L3 (quant.cpp quant_linear_panels, bf16.cpp bf16_panel_linear).
+// Rows of a GEMM whose inputs pass twice this many bytes (a prompt chunk of several hundred tokens on) go in blocks
+// of about this size, each passed by every panel of the weight while it stays in L2, instead of every panel
+// streaming all the rows from L3 (quant.cpp quant_linear_panels, bf16.cpp bf16_panel_linear).
 constexpr int64_t kRowBlockBytes = int64_t{768} << 10;
+
+// The rows of one block for `rows` rows of `row_bytes` inputs each, in whole units of `unit` rows: all of them up to
+// two blocks' worth (their inputs then still mostly in L2: a 512-row block ran ~1.5x as fast as 432 + 80 rows), else
+// blocks of about kRowBlockBytes, evened out.
+inline int64_t row_block(int64_t rows, int64_t row_bytes, int64_t unit) {
+  const int64_t most = std::max<int64_t>(32, kRowBlockBytes / row_bytes / 32 * 32);
+  const int64_t blocks = rows > 2 * most ? (rows + most - 1) / most : 1;
+  const int64_t per = (rows + blocks - 1) / blocks;
+  return (per + unit - 1) / unit * unit;
+}
 
 // The attention scale and, for soft-capped attention logits (Gemma 2), the cap: a score s = q.k * scale becomes
 // cap * tanh(s / cap) before the softmax (cap 0: none), as transformers computes it. It converts to the scale where

@@ -1675,12 +1675,13 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int64_t in = w.in, out = w.out, np = (out + kPanel - 1) / kPanel, in2 = (in + 1) / 2;
   const bool bf16 = bf16_native();
   const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
-  // AMX (bf16.cpp) reads its input rows as plain pairs, 32 rows at a time: any tile will do, the taller the better.
+  // AMX (bf16.cpp) reads its input rows as plain pairs, 32 rows at a time: any tile will do, the taller the better,
+  // so there a tile is a whole block of rows.
   const bool amx = bf16 && in2 % 16 == 0 && bf16_amx(-1) != 0;
-  const int64_t l2_rows = std::max<int64_t>(32, kRowBlockBytes / (in * elem) / 32 * 32);
-  const int64_t tile = amx ? l2_rows
-                           : std::max<int64_t>(kPanelBlock,
-                                               (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
+  const int64_t unit =
+      amx ? 32 : std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
+  const int64_t block = row_block(rows, in * elem, unit);  // rows of a block: whole tiles
+  const int64_t tile = amx ? block : unit;
   // x in tiles of `tile` rows, in pack_row_blocks' blocks, or in bf16 pairs as bf16_panel_block reads them.
   float* xt = bf16 ? nullptr : scratch<float, 0>(rows * in);
   uint32_t* xp = bf16 ? scratch<uint32_t, 1>(rows * in2) : nullptr;
@@ -1693,7 +1694,6 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
     pack_row_blocks(x + t0 * in, n, in, xt + t0 * in);
   }
   const int64_t panel_size = bf16 ? in2 * kPanel : in * kPanel;  // elements of one panel (uint32 pairs or floats)
-  const int64_t block = std::max<int64_t>(tile, l2_rows / tile * tile);  // rows of a block: whole tiles
   const bool blocked = rows > block;
   // Panels of a group: at most kPanelGroupBytes, the groups evened out (292 + 12 panels would leave the last group
   // passing every row for 12 panels, on at most 12 threads).
