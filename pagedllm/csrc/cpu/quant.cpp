@@ -1660,15 +1660,16 @@ void bf16_panel_of(const QMatrix& w, int64_t base, int64_t nout, uint32_t* bpane
 
 // Many rows: each thread de-quantizes a panel of kPanel output rows at a time and runs a panel kernel over the input
 // rows, in tiles whose transposed copy stays in L2 (on AMX, a tile is a whole block of rows, below). The weight is
-// de-quantized once per call, which many rows amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the panel is rounded to bf16 and the inputs too
-// (bf16.cpp: twice the float32 multiply rate, float32 sums); elsewhere the panel and the products are float32.
+// de-quantized once per call, which many rows amortize. Where the CPU multiplies bf16 in hardware (AVX512-BF16) the
+// panel is rounded to bf16 and the inputs too (bf16.cpp: twice the float32 multiply rate, float32 sums); elsewhere
+// the panel and the products are float32.
 //
-// Rows beyond kRowBlockBytes of inputs (a prompt chunk of a few hundred tokens on) would have every panel stream all
-// of them from L3 again: 1.1 GB for a 2,048-row chunk of Qwen2.5-0.5B's gate|up (9,728 x 896). There the panels of
-// a group of outputs (up to kPanelGroupBytes) are de-quantized first, and then the rows go block by block, each
-// block passed by every panel of the group while it stays in L2: that product went from 39-41 ms to 27-32 ms on the
-// Sapphire Rapids of bench/RESULTS.md (AMX). Each row meets the same panels in the same kernel calls, only in
-// another order: its results are the same bits.
+// Rows past two blocks' worth of inputs (internal.h row_block: a prompt chunk of several hundred tokens on) would
+// have every panel stream all of them from L3 again: 1.1 GB for a 2,048-row chunk of Qwen2.5-0.5B's gate|up (9,728
+// x 896). There the panels of a group of outputs (up to kPanelGroupBytes) are de-quantized first, and then the rows
+// go block by block, each block passed by every panel of the group while it stays in L2: that product went from
+// 39-41 ms to 26-32 ms on the Sapphire Rapids of bench/RESULTS.md (AMX). Each row meets the same panels in the same
+// kernel calls, only in another order: its results are the same bits.
 constexpr int64_t kPanelGroupBytes = int64_t{16} << 20;
 
 void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float* bias, int64_t rows, int threads) {
