@@ -505,6 +505,8 @@ bool amx_int8_on() {
 #endif
 }
 
+bool bf16_amx_rows(int64_t in2) { return amx_rows(in2); }
+
 int32_t bf16_amx(int32_t mode) {
 #if defined(PAGEDLLM_AMX)
   if (mode == 0) g_amx.store(0);

@@ -175,6 +175,8 @@ bool bf16_native();
 // not 0), -1 asks; returns whether it is on. While on, bf16_pairs_blocked(_serial) write rows of a multiple of 32
 // inputs as plain pairs (row m at xt + m * in2) and bf16_panel_block multiplies them on the tiles.
 int32_t bf16_amx(int32_t mode);
+// Whether rows of in2 input pairs run on AMX now (then as plain pairs, 32 rows at a time): in2 a multiple of 16.
+bool bf16_amx_rows(int64_t in2);
 // An AMX tile configuration (LDTILECFG's 64 bytes, palette 1): tile t holds rows[t] rows of colsb[t] bytes.
 struct alignas(64) AmxTileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -1678,7 +1678,7 @@ void quant_linear_panels(float* y, const float* x, const QMatrix& w, const float
   const int64_t elem = bf16 ? 2 : 4;  // bytes of one input of a transposed row
   // AMX (bf16.cpp) reads its input rows as plain pairs, 32 rows at a time: any tile will do, the taller the better,
   // so there a tile is a whole block of rows.
-  const bool amx = bf16 && in2 % 16 == 0 && bf16_amx(-1) != 0;
+  const bool amx = bf16 && bf16_amx_rows(in2);
   const int64_t unit =
       amx ? 32 : std::max<int64_t>(kPanelBlock, (int64_t{256} << 10) / (in * elem) / kPanelBlock * kPanelBlock);
   const int64_t block = row_block(rows, in * elem, unit);  // rows of a block: whole tiles

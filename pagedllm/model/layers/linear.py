@@ -537,17 +537,8 @@ class RowParallelLinear(LinearBase):
         # adds it as it stores the sums, as the column-parallel layers do, instead of another pass over y.
         w, bias = self.weight, self.bias
         fused = bias is not None and self.tp_size == 1 and self.lora is None
-        y = linear(
-            x,
-            w,
-            bias if fused else None,
-            self.packed_weight,
-            self.panels,
-            self.ops,
-            self.qweight,
-            self.bf16_panels,
-            rows,
-        )
+        b = bias if fused else None
+        y = linear(x, w, b, self.packed_weight, self.panels, self.ops, self.qweight, self.bf16_panels, rows)
         if self.lora is not None:  # this rank's part of the adapters' products, summed by the all-reduce
             y = self.lora.apply(x, y)
         y = self.tp.all_reduce(y)
