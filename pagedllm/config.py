@@ -338,6 +338,18 @@ def grammar_forced_drafts() -> int:
     return int(raw)
 
 
+def express_tokens() -> int:
+    """$PAGEDLLM_EXPRESS_TOKENS: the express lane of an encoder pooling model (default 256; 0 off). A request of an API
+    call of at most this many prompt tokens (a query, not a batch of documents) that arrives while a step runs is
+    computed between two of the step's layers, in a step of its own, instead of waiting for the next step."""
+    raw = os.environ.get("PAGEDLLM_EXPRESS_TOKENS", "").strip()
+    if not raw:
+        return 256
+    if not raw.isdigit():
+        raise ValueError(f"PAGEDLLM_EXPRESS_TOKENS must be a whole number of tokens (0: off), got {raw!r}")
+    return int(raw)
+
+
 def ray_address_from_env() -> str | None:
     """$RAY_ADDRESS: a Ray cluster to join (it makes "ray" the default executor backend for more than one rank)."""
     return os.environ.get("RAY_ADDRESS") or None

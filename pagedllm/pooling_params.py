@@ -3,8 +3,10 @@
 Contract. A pooling request carries a `PoolingParams` instead of sampling settings: its `task` ("embed", "classify",
 "score" or "encode": per-token states), `normalize` and `dimensions` (embed, encode), `use_activation` (classify,
 score; vLLM's older `softmax`/`activation` are accepted as aliases), `truncate_prompt_tokens`, and for a
-cross-encoder's pair the position where the second text's token type starts (`token_type_split`). Field names and
-errors follow vLLM's `PoolingParams`; it is a msgspec Struct so that it crosses the engine-core boundary as msgpack.
+cross-encoder's pair the position where the second text's token type starts (`token_type_split`); set by the server,
+the prompt tokens of the API call the request is part of (`call_tokens`: short calls take the express lane). Field
+names and errors follow vLLM's `PoolingParams`; it is a msgspec Struct so that it crosses the engine-core boundary as
+msgpack.
 `verify(task, pooler)` fills what the request left unset from the model's `PoolerConfig` and raises `ValueError`
 naming a parameter the task does not take.
 
@@ -53,6 +55,9 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     truncate_prompt_tokens: int | None = None
     # A cross-encoder's pair: tokens from this position on have token type 1 (None: all type 0).
     token_type_split: int | None = None
+    # Set by the server: the prompt tokens of the whole API call this request is one input of. The engine core's
+    # express lane runs the requests of short calls between two layers of an encoder's step (config.express_tokens).
+    call_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:

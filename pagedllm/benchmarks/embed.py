@@ -4,8 +4,9 @@ Contract. The corpus is `--num-sentences` sentences of `--min-words` .. `--max-w
 alphabetic whole words of the model's tokenizer vocabulary, so that every engine given the same tokenizer embeds the
 same texts. One of three engines runs it:
 - `--base-url URL` (any server with OpenAI's /v1/embeddings: pagedllm, vLLM): requests of `--batch-size` inputs,
-  `--concurrency` of them in flight; meanwhile one short query is sent again and again, alone, and its latency
-  under that load reported (p50, p90);
+  `--concurrency` of them in flight; meanwhile one short query is sent again and again, alone, one at most every
+  `--probe-interval` seconds (the same rate whatever the engine's latency, so that an engine that answers it
+  sooner does not take on more load), and its latency under that load reported (p50, p90);
 - `--sentence-transformers`: sentence-transformers' `encode` in this process, `--batch-size` at a time, on
   `--num-threads` torch threads;
 - otherwise pagedllm offline (`LLM.embed` of the whole corpus; engine flags are `pagedllm serve`'s).
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--corpus-seed", type=int, default=0, help="seed of the corpus (default 0)")
     add("--batch-size", type=int, default=32, help="inputs per request / per encode batch (default 32)")
     add("--concurrency", type=int, default=4, help="requests in flight against a server (default 4)")
+    add(
+        "--probe-interval",
+        type=float,
+        default=0.25,
+        help="a lone short query is sent at most this often, in seconds, during a server run (default 0.25; "
+        "0: again as soon as it is answered)",
+    )
     add("--base-url", default=None, help="measure this server's /v1/embeddings instead of pagedllm offline")
     add("--sentence-transformers", action="store_true", help="measure sentence-transformers in this process")
     add("--reference", action="store_true", help="compare every embedding with sentence-transformers' (cosine)")
@@ -99,6 +107,12 @@ async def _serve_run(args: argparse.Namespace, corpus: list[str], model: str) ->
             start = time.perf_counter()
             await post(client, [PROBE])
             probes.append(time.perf_counter() - start)
+            rest = args.probe_interval - (time.perf_counter() - start)
+            if rest > 0:
+                try:  # the next one after the interval, or none once the run is over
+                    await asyncio.wait_for(done.wait(), rest)
+                except TimeoutError:
+                    pass
 
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     async with httpx.AsyncClient(limits=limits) as client:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig, grammar_forced_drafts
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -115,7 +115,6 @@ class Scheduler:
         self._num_preemptions = 0  # since the last stats report
         self._step_started: float | None = None  # when a step of decodes only was scheduled (draft policy)
         self.total_preemptions = 0
-        self._last_num_scheduled = 0
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -261,38 +260,11 @@ class Scheduler:
             n = self._num_new_tokens(req, budget, num_hit)
             if not self.config.chunked_prefill and n < req.num_tokens - num_hit:
                 break  # an encoder's prompt runs whole in one step: it waits for a step with room for all of it
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit, hit_blocks)
-            if new_blocks is None:
+            if not self._admit(req, n, num_hit, hit_blocks, now, new_reqs, cached):
                 break
             self.waiting.pop()
-            req.record_event(EngineCoreEventType.SCHEDULED, now)
-            resumed = req.status == RequestStatus.PREEMPTED
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            self.running.append(req)
             if req.lora_id:
                 loras.add(req.lora_id)
-            block_ids = self.kv_cache_manager.get_group_block_ids(req.request_id)
-            if resumed:
-                cached.req_ids.append(req.request_id)
-                cached.resumed_from_preemption.append(True)
-                cached.new_block_ids.append(block_ids)
-                cached.num_computed_tokens.append(num_hit)
-            else:
-                new_reqs.append(
-                    NewRequestData(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        req.sampling_params,
-                        req.eos_token_id,
-                        block_ids,
-                        num_hit,
-                        req.pooling_params,
-                        req.lora_request,
-                    )
-                )
             num_scheduled[req.request_id] = n
             budget -= n
         for req in reversed(skipped):
@@ -313,7 +285,6 @@ class Scheduler:
                 if k > 0:
                     propose[req_id] = k
         total = sum(num_scheduled.values())
-        self._last_num_scheduled = total
         # A step of decodes only (with or without drafts) is timed for the draft policy's cost model.
         decodes_only = (
             policy is not None
@@ -334,6 +305,79 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         return out
+
+    def _admit(
+        self,
+        req: Request,
+        n: int,
+        num_hit: int,
+        hit_blocks: Any,
+        now: float,
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> bool:
+        """Start a waiting request (still in the queue: the caller takes it out) with `n` tokens to compute after
+        `num_hit` cached ones: its slots, its state, and what the worker is told (all of it when new, its blocks when
+        resumed). False when the KV cache has no room for it."""
+        new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit, hit_blocks)
+        if new_blocks is None:
+            return False
+        req.record_event(EngineCoreEventType.SCHEDULED, now)
+        resumed = req.status == RequestStatus.PREEMPTED
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        self.running.append(req)
+        block_ids = self.kv_cache_manager.get_group_block_ids(req.request_id)
+        if resumed:
+            cached.req_ids.append(req.request_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_hit)
+        else:
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    req.eos_token_id,
+                    block_ids,
+                    num_hit,
+                    req.pooling_params,
+                    req.lora_request,
+                )
+            )
+        return True
+
+    def schedule_express(self, max_tokens: int) -> SchedulerOutput | None:
+        """An express step, run between two layers of an encoder's step (the engine core's express lane): the
+        waiting requests of short calls (PoolingParams.call_tokens at most `max_tokens`: a query, not a batch of
+        documents), in queue order, as many as fit in `max_tokens` tokens and `max_num_seqs`. None when there are
+        none. The step in flight is left as it is (its requests run, their tokens counted computed), and so are the
+        requests finished since it was scheduled: the next regular step tells the worker of them and of these."""
+        if self.config.chunked_prefill or not len(self.waiting):
+            return None
+        picked: list[Request] = []
+        total = 0
+        for req in self.waiting:
+            call = req.pooling_params.call_tokens if req.pooling_params is not None else None
+            if call is None or call > max_tokens or req.status != RequestStatus.WAITING:
+                continue
+            if total + req.num_tokens > max_tokens or len(self.running) + len(picked) >= self.config.max_num_seqs:
+                break
+            picked.append(req)
+            total += req.num_tokens
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        now = time.monotonic()
+        admitted = [req for req in picked if self._admit(req, req.num_tokens, 0, None, now, new_reqs, cached)]
+        if not admitted:
+            return None
+        self.waiting.remove_requests(admitted)
+        for req in admitted:
+            req.num_computed_tokens = req.num_tokens
+        return SchedulerOutput(new_reqs, cached, {r.request_id: r.num_tokens for r in admitted}, total)
 
     def _schedulable_drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The request's drafts that fit this step (taking them: a draft is verified once or dropped). Only a
@@ -457,7 +501,8 @@ class Scheduler:
             if finished:
                 self.running.remove(req)
                 self._free_request(req)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+        stats = self.make_stats(sched.total_num_scheduled_tokens)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 
     def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """After a verification: the rejected drafts' slots are no longer computed tokens; stats and policy (those
@@ -512,7 +557,7 @@ class Scheduler:
             return True
         return False
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
@@ -521,7 +566,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
-            num_scheduled_tokens=self._last_num_scheduled,
+            num_scheduled_tokens=num_scheduled_tokens,
             spec_decoding_stats=self._spec_stats,
         )
         if self.max_loras:

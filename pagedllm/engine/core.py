@@ -6,6 +6,12 @@ bitmask of the constrained requests, computed on the step thread while the forwa
 to `sample_tokens`, which samples (the seeds' split). Apart from that split, and the short wait when only grammars
 being compiled are left, a feature adds a field to SchedulerOutput/ModelRunnerOutput or a method on a component,
 not a branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
+
+The express lane (an encoder pooling model whose worker runs in this process): `install_express(poll)` has `poll`
+called between two layers of every encoder step; the process wrapper's poll takes the requests that arrived
+meanwhile and calls `express_step`, which computes the waiting requests of short API calls (a query; the scheduler's
+`schedule_express`) in a step of their own and returns their outputs at once. A lone query then waits at most a layer
+of a big step, not the rest of that step and a whole step more.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import concurrent.futures
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, express_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -66,7 +73,34 @@ class EngineCore:
         self.max_model_len = config.model_config.max_model_len
         self.sleep_level = 0  # 0 awake; 1 weights aside, KV cache freed; 2 executor gone (sleep())
         self.froze_gc = False  # whether start-up froze the collector (core_proc.py): level 2 unfreezes, wake refreezes
+        self.express_tokens = express_tokens()
+        self._express_poll: Callable[[], None] | None = None  # install_express's hook
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
+
+    def install_express(self, poll: Callable[[], None]) -> bool:
+        """Have `poll` called between two layers of every encoder step, where it may call `express_step` (see the
+        module's docstring); again after a level-2 sleep rebuilds the worker. Only for an encoder pooling model whose
+        worker runs in this process, with the lane on ($PAGEDLLM_EXPRESS_TOKENS); False where it does not apply."""
+        from pagedllm.executor.uniproc import UniProcExecutor
+
+        mc = self.config.model_config
+        if self.express_tokens == 0 or mc.runner != "pooling" or not mc.is_encoder:
+            return False
+        if not isinstance(self.executor, UniProcExecutor):
+            return False
+        self._express_poll = poll
+        self.executor.collective_rpc("set_layer_hook", (poll,))
+        return True
+
+    def express_step(self) -> EngineCoreOutputs:
+        """Inside an encoder step (from the express poll): the waiting requests of short calls, computed now in a step
+        of their own; their outputs (empty when there are none)."""
+        sched = self.scheduler.schedule_express(self.express_tokens)
+        if sched is None:
+            return EngineCoreOutputs()
+        model_output = self.executor.execute_model(sched)
+        assert model_output is not None  # a pooling step samples nothing
+        return self.scheduler.update_from_output(sched, model_output)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if self.sleep_level:  # the front ends refuse or wake first; a request that still arrives wakes the engine
@@ -227,6 +261,8 @@ class EngineCore:
                     logger.exception("stopping the workers of a failed wake-up failed")
                 raise
             self.executor = executor
+            if self._express_poll is not None:
+                self.install_express(self._express_poll)
             if self.froze_gc:  # the new model lives until exit: frozen again, as start-up did (core_proc.py)
                 gc.collect()
                 gc.freeze()

@@ -5,7 +5,8 @@ PUSH. Three threads here:
   input thread:  DEALER -> decode msgpack -> input_queue
   busy loop:     drain input_queue, then step the core while it has work, pushing outputs to output_queue;
                  when there is no work it blocks on input_queue (no spinning: on a 2-core machine a
-                 spinning loop would steal a core from the model)
+                 spinning loop would steal a core from the model). An encoder pooling model's steps also
+                 look at input_queue between two layers (the express lane, engine/core.py `install_express`)
   output thread: output_queue -> encode msgpack -> PUSH
 The first message on the DEALER is READY (or FAILED with the error) once the model is loaded. With data
 parallelism several of these processes share the client's two sockets: each is started with its engine index,
@@ -16,6 +17,7 @@ reaches the whole group, and the client stops it).
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import os
@@ -65,6 +67,9 @@ class EngineCoreProc:
         self.engine_args_json = engine_args_json
         self.encoder = msgspec.msgpack.Encoder()
         self.engine_core = None
+        # Messages an express poll took from input_queue during a step but left for after it (_express_poll).
+        self._deferred: collections.deque[tuple[EngineCoreRequestType, Any]] = collections.deque()
+        self._express = False  # whether the engine core has the express lane (install_express)
 
     # ---- start-up ------------------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class EngineCoreProc:
             self.push.close(linger=0)
             self.ctx.term()
             raise
+        self._express = self.engine_core.install_express(self._express_poll)
         ready = HandshakeMessage(status="READY", num_blocks=self.engine_core.num_blocks, pid=os.getpid())
         self.dealer.send(self.encoder.encode(ready))
         # Everything allocated so far lives until exit: keep the collector from scanning it every cycle.
@@ -149,15 +155,46 @@ class EngineCoreProc:
         core = self.engine_core
         assert core is not None
         while True:
+            while self._deferred:  # what the express polls of the last step left, in arrival order
+                self._handle(*self._deferred.popleft())
             if not core.has_unfinished_requests():
                 self._handle(*self._wait_for_input(core))  # nothing to do until a request arrives
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
+            if self._express:  # short calls waiting at a step's start go first, in a step of their own
+                self._run_express()
             if core.has_unfinished_requests():
                 outputs = core.step()
                 if outputs.outputs:
                     outputs.engine_index = self.engine_index
                     self.output_queue.put(outputs)
+
+    def _express_poll(self) -> None:
+        """Between two layers of an encoder step (EngineCore.install_express): requests that arrived meanwhile join
+        the scheduler, and those of short calls run now, in an express step. Anything else that arrived (an abort, a
+        utility call, a shutdown), and every message after it, waits for the end of the step, in order."""
+        if self.input_queue.empty():
+            return
+        core = self.engine_core
+        assert core is not None
+        while True:
+            try:
+                kind, payload = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            if kind == EngineCoreRequestType.ADD and not self._deferred:
+                core.add_request(payload)
+            else:
+                self._deferred.append((kind, payload))
+        self._run_express()
+
+    def _run_express(self) -> None:
+        """An express step of the short calls waiting, if any; their outputs go out at once."""
+        assert self.engine_core is not None
+        outputs = self.engine_core.express_step()
+        if outputs.outputs:
+            outputs.engine_index = self.engine_index
+            self.output_queue.put(outputs)
 
     def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
         core = self.engine_core

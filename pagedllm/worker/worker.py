@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,6 +147,12 @@ class Worker:
     def shutdown(self) -> None:
         """Before the worker is dropped in this process (the in-process executor's shutdown)."""
         self.model_runner.shutdown()
+
+    def set_layer_hook(self, hook: Callable[[], None] | None) -> None:
+        """An encoder pooling model calls `hook` between two layers of each step (the engine core's express lane;
+        in-process workers only)."""
+        if self.model_runner.pooler is not None:
+            self.model_runner.pooler.between_layers = hook
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)

@@ -116,10 +116,10 @@ def test_resolve_runner() -> None:
         resolve_runner("BertModel", "encode")
 
 
-def _pooling_request(rid: str, n: int) -> Request:
-    return Request(
-        rid, list(range(5, 5 + n)), SamplingParams(max_tokens=1), None, pooling_params=PoolingParams(task="embed")
-    )
+def _pooling_request(rid: str, n: int, call_tokens: int | None = None, arrival: float = 0.0) -> Request:
+    params = PoolingParams(task="embed", call_tokens=call_tokens)
+    ids = list(range(5, 5 + n))
+    return Request(rid, ids, SamplingParams(max_tokens=1), None, pooling_params=params, arrival_time=arrival)
 
 
 def test_scheduler_runs_encoder_prompts_whole_and_finishes_them_with_their_result() -> None:
@@ -144,3 +144,72 @@ def test_scheduler_runs_encoder_prompts_whole_and_finishes_them_with_their_resul
     # a pooling request whose result did not come (aborted while running) is freed like any other
     sched.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
     assert sched.kv_cache_manager.num_blocks_in_use() == 0 and not sched.has_unfinished_requests()
+
+
+def test_express_steps_take_only_the_waiting_requests_of_short_calls() -> None:
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=100, max_num_seqs=4, max_model_len=100, chunked_prefill=False, policy="shortest"
+        ),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+    )
+    sched.add_request(_pooling_request("doc", 90, call_tokens=900))
+    out = sched.schedule()  # the step "in flight"
+    assert out.num_scheduled_tokens == {"doc": 90}
+    assert sched.schedule_express(32) is None  # nothing waiting
+    # Arrivals during that step: a query of a short call, documents of a long one (one of them shorter than the
+    # query), a request without a call size (offline), a second query, and a third that no longer fits.
+    arrivals = [
+        ("q1", 10, 10, 1.0),
+        ("d1", 5, 400, 2.0),
+        ("off", 6, None, 3.0),
+        ("q2", 12, 12, 4.0),
+        ("q3", 11, 30, 5.0),
+    ]
+    for rid, n, call, arrival in arrivals:
+        sched.add_request(_pooling_request(rid, n, call, arrival))
+    express = sched.schedule_express(32)
+    assert express is not None
+    # Queue order (shortest first), short calls only, as far as 32 tokens: q1 and q3; q2 does not fit beside them
+    assert express.num_scheduled_tokens == {"q1": 10, "q3": 11}
+    assert express.total_num_scheduled_tokens == 21
+    assert [r.req_id for r in express.scheduled_new_reqs] == ["q1", "q3"]
+    assert express.finished_req_ids == set()  # what finished before it is for the next regular step to tell
+    pooled = PooledData(b"\x00" * 8, [2])
+    done = sched.update_from_output(
+        express, ModelRunnerOutput(["q1", "q3"], [[], []], pooler_output={"q1": pooled, "q3": pooled})
+    )
+    assert sorted(o.request_id for o in done.outputs) == ["q1", "q3"]
+    assert done.scheduler_stats.num_scheduled_tokens == 21
+    # q2, which did not fit beside them, goes in the next express step
+    again = sched.schedule_express(32)
+    assert again is not None and again.num_scheduled_tokens == {"q2": 12}
+    sched.update_from_output(again, ModelRunnerOutput(["q2"], [[]], pooler_output={"q2": pooled}))
+    assert sched.schedule_express(32) is None  # only the long call's document and the offline request are left
+    # The step in flight finishes as it would have; the next regular step tells the worker of every finished one
+    sched.update_from_output(out, ModelRunnerOutput(["doc"], [[]], pooler_output={"doc": pooled}))
+    nxt = sched.schedule()
+    assert nxt.num_scheduled_tokens == {"d1": 5, "off": 6}
+    assert nxt.finished_req_ids == {"doc", "q1", "q2", "q3"}
+
+
+def test_express_steps_respect_max_num_seqs_and_chunked_prefill() -> None:
+    def make(chunked: bool) -> Scheduler:
+        return Scheduler(
+            SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=2, max_model_len=100, chunked_prefill=chunked),
+            CacheConfig(block_size=4, enable_prefix_caching=False),
+            64,
+        )
+
+    sched = make(False)
+    sched.add_request(_pooling_request("doc", 50, call_tokens=500))
+    sched.schedule()
+    for rid in ("q1", "q2"):
+        sched.add_request(_pooling_request(rid, 5, call_tokens=5))
+    express = sched.schedule_express(64)
+    assert express is not None and express.num_scheduled_tokens == {"q1": 5}  # doc + q1 = max_num_seqs
+    # A model whose prompts run in chunks (a decoder) has no express lane
+    sched = make(True)
+    sched.add_request(_pooling_request("q", 5, call_tokens=5))
+    assert sched.schedule_express(64) is None

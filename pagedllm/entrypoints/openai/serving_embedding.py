@@ -130,10 +130,14 @@ class PoolingServing(OpenAIServing):
         self.check_engine()
         params_list = [params] * len(ids_list) if isinstance(params, PoolingParams) else list(params)
         priority = int(getattr(request, "priority", 0))
+        call_tokens = sum(len(ids) for ids in ids_list)  # a short call's inputs take the engine's express lane
         gens = [
             # The ids are final (truncated already): the cut is not applied again.
             self.engine.encode(
-                {"prompt_token_ids": ids}, pp.clone(truncate_prompt_tokens=None), f"{request_id}-{i}", priority
+                {"prompt_token_ids": ids},
+                pp.clone(truncate_prompt_tokens=None, call_tokens=call_tokens),
+                f"{request_id}-{i}",
+                priority,
             )
             for i, (ids, pp) in enumerate(zip(ids_list, params_list))
         ]

@@ -5,7 +5,7 @@ Contract (an encoder's, beside the decoders' in llama.py):
   is_encoder = True; no attention layers with a KV cache (`attention_layers()` is empty)
   forward(input_ids [T], plan: EncoderPlan (model/step_plan.py: positions, token types, the requests' token runs))
     -> the last layer's hidden states [T, hidden]; each request's tokens attend to all of its own tokens
-    (bidirectional) and to no other request's
+    (bidirectional) and to no other request's; the plan's `between_layers`, when set, is called between two layers
   classify(pooled [B, hidden]) -> logits [B, num_labels] (the *ForSequenceClassification heads)
   load_weights(iterable of (HF parameter name, tensor))
 
@@ -136,7 +136,9 @@ class BertModel(nn.Module):
         one_type = plan.token_types is None or types.shape[0] == 1  # XLM-R has one type, whatever a tokenizer says
         x = x + (types[0] if one_type else F.embedding(plan.token_types, types))
         x = self.embed_norm(x.contiguous())
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i and plan.between_layers is not None:
+                plan.between_layers()
             x = layer(x, plan.starts)
         return x
 
