@@ -43,7 +43,9 @@ forced text another way, the verification decides). They stay out of the specula
 Pooling requests (a PoolingParams instead of sampling): scheduled as prompts are, they finish in the step that
 computes their last prompt token, with the worker's pooled result (`ModelRunnerOutput.pooler_output`) in their
 output. An encoder model's attention sees the whole prompt at once, so with `chunked_prefill` off a prompt is
-admitted only into a step with room for all of it (the budget is at least max_model_len then).
+admitted only into a step with room for all of it (the budget is at least max_model_len then). The express lane
+(`schedule_express`, an encoder's only): the waiting requests of short API calls (`PoolingParams.call_tokens` at most
+`express_tokens`) in a step of their own, which the engine core runs between two layers of the step in flight.
 
 For metrics it stamps each request's events with the core's `time.monotonic()`: QUEUED when it arrives,
 SCHEDULED whenever it is admitted from the waiting queue (again after a preemption; the front end keeps the
@@ -86,10 +88,16 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         kv_windows: tuple[int, ...] = (0,),
         max_loras: int = 0,
+        express_tokens: int = 0,
     ) -> None:
         """kv_windows: the sliding window of each KV cache group (0: full attention), from the worker's layout.
-        max_loras: the most LoRA adapters among the running requests (--max-loras; 0: no adapters served)."""
+        max_loras: the most LoRA adapters among the running requests (--max-loras; 0: no adapters served).
+        express_tokens: the express lane's bound (schedule_express; 0: no lane). Only an encoder's prompts, which are
+        never chunked, take it."""
         self.config = scheduler_config
+        self.express_tokens = 0 if scheduler_config.chunked_prefill else express_tokens
+        # Waiting requests of calls short enough for the express lane (those no longer waiting are dropped lazily).
+        self._express_waiting: dict[str, Request] = {}
         self.max_loras = max_loras
         self.draft_policy = DraftPolicy(speculative_config) if speculative_config is not None else None
         self._spec_stats: SpecDecodingStats | None = SpecDecodingStats() if speculative_config is not None else None
@@ -129,6 +137,9 @@ class Scheduler:
             self.waiting_for_fsm.append(request)
         else:
             self.waiting.add(request)
+            call = request.pooling_params.call_tokens if request.pooling_params is not None else None
+            if call is not None and call <= self.express_tokens:
+                self._express_waiting[request.request_id] = request
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
 
@@ -350,34 +361,36 @@ class Scheduler:
             )
         return True
 
-    def schedule_express(self, max_tokens: int) -> SchedulerOutput | None:
+    def schedule_express(self) -> SchedulerOutput | None:
         """An express step, run between two layers of an encoder's step (the engine core's express lane): the
-        waiting requests of short calls (PoolingParams.call_tokens at most `max_tokens`: a query, not a batch of
-        documents), in queue order, as many as fit in `max_tokens` tokens and `max_num_seqs`. None when there are
-        none. The step in flight is left as it is (its requests run, their tokens counted computed), and so are the
-        requests finished since it was scheduled: the next regular step tells the worker of them and of these."""
-        if self.config.chunked_prefill or not len(self.waiting):
+        waiting requests of short calls (PoolingParams.call_tokens at most `express_tokens`: a query, not a batch of
+        documents), by priority then arrival, as many as fit in `express_tokens` tokens and `max_num_seqs`. None
+        when there are none. The step in flight is left as it is (its requests run, their tokens counted computed);
+        the worker is told of the requests finished since then (earlier express steps' only: aborts wait for the
+        end of the step), so that their rows are free again."""
+        if not self._express_waiting:
             return None
-        picked: list[Request] = []
-        total = 0
-        for req in self.waiting:
-            call = req.pooling_params.call_tokens if req.pooling_params is not None else None
-            if call is None or call > max_tokens or req.status != RequestStatus.WAITING:
-                continue
-            if total + req.num_tokens > max_tokens or len(self.running) + len(picked) >= self.config.max_num_seqs:
-                break
-            picked.append(req)
-            total += req.num_tokens
+        waiting = [r for r in self._express_waiting.values() if r.status == RequestStatus.WAITING]
+        self._express_waiting = {r.request_id: r for r in waiting}  # the others were admitted or finished
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         now = time.monotonic()
-        admitted = [req for req in picked if self._admit(req, req.num_tokens, 0, None, now, new_reqs, cached)]
+        admitted: list[Request] = []
+        total = 0
+        for req in sorted(waiting, key=lambda r: (r.priority, r.arrival_time)):
+            if total + req.num_tokens > self.express_tokens or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._admit(req, req.num_tokens, 0, None, now, new_reqs, cached):
+                break
+            req.num_computed_tokens = req.num_tokens
+            del self._express_waiting[req.request_id]
+            admitted.append(req)
+            total += req.num_tokens
         if not admitted:
             return None
         self.waiting.remove_requests(admitted)
-        for req in admitted:
-            req.num_computed_tokens = req.num_tokens
-        return SchedulerOutput(new_reqs, cached, {r.request_id: r.num_tokens for r in admitted}, total)
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(new_reqs, cached, {r.request_id: r.num_tokens for r in admitted}, total, finished)
 
     def _schedulable_drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The request's drafts that fit this step (taking them: a draft is verified once or dropped). Only a

@@ -64,6 +64,7 @@ class EngineCore:
             config.speculative_config,
             kv_windows,
             0 if config.lora_config is None else config.lora_config.max_loras,
+            express_tokens(),
         )
         # Adapters unloaded while requests still used them: dropped by the workers once those finish.
         self._loras_to_remove: set[int] = set()
@@ -73,7 +74,6 @@ class EngineCore:
         self.max_model_len = config.model_config.max_model_len
         self.sleep_level = 0  # 0 awake; 1 weights aside, KV cache freed; 2 executor gone (sleep())
         self.froze_gc = False  # whether start-up froze the collector (core_proc.py): level 2 unfreezes, wake refreezes
-        self.express_tokens = express_tokens()
         self._express_poll: Callable[[], None] | None = None  # install_express's hook
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
@@ -84,7 +84,7 @@ class EngineCore:
         from pagedllm.executor.uniproc import UniProcExecutor
 
         mc = self.config.model_config
-        if self.express_tokens == 0 or mc.runner != "pooling" or not mc.is_encoder:
+        if self.scheduler.express_tokens == 0 or mc.runner != "pooling" or not mc.is_encoder:
             return False
         if not isinstance(self.executor, UniProcExecutor):
             return False
@@ -95,7 +95,7 @@ class EngineCore:
     def express_step(self) -> EngineCoreOutputs:
         """Inside an encoder step (from the express poll): the waiting requests of short calls, computed now in a step
         of their own; their outputs (empty when there are none)."""
-        sched = self.scheduler.schedule_express(self.express_tokens)
+        sched = self.scheduler.schedule_express()
         if sched is None:
             return EngineCoreOutputs()
         model_output = self.executor.execute_model(sched)

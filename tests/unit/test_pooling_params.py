@@ -146,18 +146,24 @@ def test_scheduler_runs_encoder_prompts_whole_and_finishes_them_with_their_resul
     assert sched.kv_cache_manager.num_blocks_in_use() == 0 and not sched.has_unfinished_requests()
 
 
-def test_express_steps_take_only_the_waiting_requests_of_short_calls() -> None:
-    sched = Scheduler(
+def _encoder_scheduler(max_seqs: int, express: int, chunked: bool = False) -> Scheduler:
+    return Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=100, max_num_seqs=4, max_model_len=100, chunked_prefill=False, policy="shortest"
+            max_num_batched_tokens=100, max_num_seqs=max_seqs, max_model_len=100, chunked_prefill=chunked,
+            policy="shortest",
         ),
         CacheConfig(block_size=4, enable_prefix_caching=False),
         64,
-    )
+        express_tokens=express,
+    )  # fmt: skip
+
+
+def test_express_steps_take_only_the_waiting_requests_of_short_calls() -> None:
+    sched = _encoder_scheduler(max_seqs=4, express=32)
     sched.add_request(_pooling_request("doc", 90, call_tokens=900))
     out = sched.schedule()  # the step "in flight"
     assert out.num_scheduled_tokens == {"doc": 90}
-    assert sched.schedule_express(32) is None  # nothing waiting
+    assert sched.schedule_express() is None  # nothing waiting
     # Arrivals during that step: a query of a short call, documents of a long one (one of them shorter than the
     # query), a request without a call size (offline), a second query, and a third that no longer fits.
     arrivals = [
@@ -169,47 +175,54 @@ def test_express_steps_take_only_the_waiting_requests_of_short_calls() -> None:
     ]
     for rid, n, call, arrival in arrivals:
         sched.add_request(_pooling_request(rid, n, call, arrival))
-    express = sched.schedule_express(32)
+    express = sched.schedule_express()
     assert express is not None
-    # Queue order (shortest first), short calls only, as far as 32 tokens: q1 and q3; q2 does not fit beside them
-    assert express.num_scheduled_tokens == {"q1": 10, "q3": 11}
-    assert express.total_num_scheduled_tokens == 21
-    assert [r.req_id for r in express.scheduled_new_reqs] == ["q1", "q3"]
-    assert express.finished_req_ids == set()  # what finished before it is for the next regular step to tell
+    # By arrival, short calls only, as far as 32 tokens: q1 and q2; q3 does not fit beside them
+    assert express.num_scheduled_tokens == {"q1": 10, "q2": 12}
+    assert express.total_num_scheduled_tokens == 22
+    assert [r.req_id for r in express.scheduled_new_reqs] == ["q1", "q2"]
+    assert express.finished_req_ids == set()
     pooled = PooledData(b"\x00" * 8, [2])
     done = sched.update_from_output(
-        express, ModelRunnerOutput(["q1", "q3"], [[], []], pooler_output={"q1": pooled, "q3": pooled})
+        express, ModelRunnerOutput(["q1", "q2"], [[], []], pooler_output={"q1": pooled, "q2": pooled})
     )
-    assert sorted(o.request_id for o in done.outputs) == ["q1", "q3"]
-    assert done.scheduler_stats.num_scheduled_tokens == 21
-    # q2, which did not fit beside them, goes in the next express step
-    again = sched.schedule_express(32)
-    assert again is not None and again.num_scheduled_tokens == {"q2": 12}
-    sched.update_from_output(again, ModelRunnerOutput(["q2"], [[]], pooler_output={"q2": pooled}))
-    assert sched.schedule_express(32) is None  # only the long call's document and the offline request are left
-    # The step in flight finishes as it would have; the next regular step tells the worker of every finished one
+    assert sorted(o.request_id for o in done.outputs) == ["q1", "q2"]
+    assert done.scheduler_stats.num_scheduled_tokens == 22
+    # The next express step, in the same step in flight, tells the worker that q1 and q2 are done: their rows are
+    # free again (the worker has max_num_seqs rows, the step in flight holds some)
+    again = sched.schedule_express()
+    assert again is not None and again.num_scheduled_tokens == {"q3": 11}
+    assert again.finished_req_ids == {"q1", "q2"}
+    sched.update_from_output(again, ModelRunnerOutput(["q3"], [[]], pooler_output={"q3": pooled}))
+    assert sched.schedule_express() is None  # only the long call's document and the offline request are left
+    # The step in flight finishes as it would have; the next regular step tells the worker of the rest
     sched.update_from_output(out, ModelRunnerOutput(["doc"], [[]], pooler_output={"doc": pooled}))
     nxt = sched.schedule()
     assert nxt.num_scheduled_tokens == {"d1": 5, "off": 6}
-    assert nxt.finished_req_ids == {"doc", "q1", "q2", "q3"}
+    assert nxt.finished_req_ids == {"doc", "q3"}
 
 
-def test_express_steps_respect_max_num_seqs_and_chunked_prefill() -> None:
-    def make(chunked: bool) -> Scheduler:
-        return Scheduler(
-            SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=2, max_model_len=100, chunked_prefill=chunked),
-            CacheConfig(block_size=4, enable_prefix_caching=False),
-            64,
-        )
-
-    sched = make(False)
+def test_express_steps_respect_max_num_seqs_priority_and_chunked_prefill() -> None:
+    sched = _encoder_scheduler(max_seqs=2, express=64)
     sched.add_request(_pooling_request("doc", 50, call_tokens=500))
     sched.schedule()
     for rid in ("q1", "q2"):
         sched.add_request(_pooling_request(rid, 5, call_tokens=5))
-    express = sched.schedule_express(64)
+    express = sched.schedule_express()
     assert express is not None and express.num_scheduled_tokens == {"q1": 5}  # doc + q1 = max_num_seqs
-    # A model whose prompts run in chunks (a decoder) has no express lane
-    sched = make(True)
+    # A waiting request admitted by a regular step, or aborted, leaves the lane
+    sched = _encoder_scheduler(max_seqs=8, express=64)
+    for rid, priority in (("late", 0), ("urgent", -1), ("gone", -2)):
+        r = _pooling_request(rid, 5, call_tokens=5, arrival=1.0 if rid == "late" else 2.0)
+        r.priority = priority
+        sched.add_request(r)
+    sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
+    express = sched.schedule_express()
+    assert express is not None and list(express.num_scheduled_tokens) == ["urgent", "late"]  # priority, then arrival
     sched.add_request(_pooling_request("q", 5, call_tokens=5))
-    assert sched.schedule_express(64) is None
+    assert sched.schedule().num_scheduled_tokens == {"q": 5}
+    assert sched.schedule_express() is None
+    # A model whose prompts run in chunks (a decoder) has no express lane
+    sched = _encoder_scheduler(max_seqs=8, express=64, chunked=True)
+    sched.add_request(_pooling_request("q", 5, call_tokens=5))
+    assert sched.schedule_express() is None
