@@ -8,10 +8,10 @@ being compiled are left, a feature adds a field to SchedulerOutput/ModelRunnerOu
 not a branch to `step`. The process wrapper (EngineCoreProc) drives the same object from its busy loop.
 
 The express lane (an encoder pooling model whose worker runs in this process): `install_express(poll)` has `poll`
-called between two layers of every encoder step; the process wrapper's poll takes the requests that arrived
-meanwhile and calls `express_step`, which computes the waiting requests of short API calls (a query; the scheduler's
-`schedule_express`) in a step of their own and returns their outputs at once. A lone query then waits at most a layer
-of a big step, not the rest of that step and a whole step more.
+called between two layers of every encoder step, and twice within each (models/bert.py); the process wrapper's poll
+takes the requests that arrived meanwhile and calls `express_step`, which computes the waiting requests of short API
+calls (a query; the scheduler's `schedule_express`) in a step of their own and returns their outputs at once. A lone
+query then waits for a third of a layer of a big step, not for the rest of that step and a whole step more.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class EngineCore:
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def install_express(self, poll: Callable[[], None]) -> bool:
-        """Have `poll` called between two layers of every encoder step, where it may call `express_step` (see the
-        module's docstring); again after a level-2 sleep rebuilds the worker. Only for an encoder pooling model whose
-        worker runs in this process, with the lane on ($PAGEDLLM_EXPRESS_TOKENS); False where it does not apply."""
+        """Have `poll` called between (and within) the layers of every encoder step, where it may call
+        `express_step` (see the module's docstring); again after a level-2 sleep rebuilds the worker. Only for an
+        encoder pooling model whose worker runs in this process, with the lane on ($PAGEDLLM_EXPRESS_TOKENS); False
+        where it does not apply."""
         from pagedllm.executor.uniproc import UniProcExecutor
 
         mc = self.config.model_config
@@ -89,7 +90,7 @@ class EngineCore:
         if not isinstance(self.executor, UniProcExecutor):
             return False
         self._express_poll = poll
-        self.executor.collective_rpc("set_layer_hook", (poll,))
+        self.executor.collective_rpc("set_poll_hook", (poll,))
         return True
 
     def express_step(self) -> EngineCoreOutputs:

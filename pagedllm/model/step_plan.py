@@ -36,5 +36,6 @@ class EncoderPlan:
     positions: torch.Tensor  # [T] each token's position in its request
     token_types: torch.Tensor | None  # [T] token type ids (a cross-encoder's pair); None: all type 0
     starts: list[int]  # [num_reqs + 1] request i's tokens are rows [starts[i], starts[i + 1])
-    # Called between two layers (the engine core's express lane, engine/core.py); it may run other steps meanwhile.
-    between_layers: Callable[[], None] | None = None
+    # Called between two layers and within them (the engine core's express lane, engine/core.py); it may run other
+    # steps meanwhile.
+    poll: Callable[[], None] | None = None

@@ -8,8 +8,8 @@ the request's state. A request whose prompt is complete gets its result: embed a
 activation (sigmoid for one label, softmax for several) unless `use_activation` is false. Results go back as
 `ModelRunnerOutput.pooler_output` (float32 bytes and shape), nothing is sampled.
 `run_encoder(batch, counts)` runs an encoder's step: each scheduled request's whole prompt (the scheduler never
-chunks them), token types from a cross-encoder pair's split, then `pool`. Between two layers it calls
-`between_layers` when set (the express lane), which may run a whole other step through `run_encoder` meanwhile (the
+chunks them), token types from a cross-encoder pair's split, then `pool`. Between and within the layers it
+calls `poll` when set (the express lane), which may run a whole other step through `run_encoder` meanwhile (the
 input batch then gains rows; this step's inputs and states are already taken); the hook is off while it runs.
 The layer arithmetic is in layers/pooler.py; this module only lays out the step.
 """
@@ -35,17 +35,17 @@ class PoolerRunner:
         self.encoder = bool(model_config.is_encoder)
         self.pooling_type = model_config.pooler_config.pooling_type
         self.classify = getattr(model, "classify", None)
-        # Called between two layers of an encoder's step (Worker.set_layer_hook: the engine core's express lane).
-        self.between_layers: Callable[[], None] | None = None
+        # Called between and within the layers of an encoder's step (Worker.set_poll_hook: the express lane).
+        self.poll: Callable[[], None] | None = None
 
-    def _between_layers(self) -> None:
+    def _poll(self) -> None:
         """The hook, with itself off while it runs: the steps it runs do not call it again."""
-        hook, self.between_layers = self.between_layers, None
+        hook, self.poll = self.poll, None
         try:
             assert hook is not None
             hook()
         finally:
-            self.between_layers = hook
+            self.poll = hook
 
     def run_encoder(self, batch: Any, counts: dict[str, int]) -> ModelRunnerOutput:
         order = list(counts)
@@ -64,7 +64,7 @@ class PoolerRunner:
         if any(split is not None for split in splits):
             first = np.repeat(np.array([n if sp is None else sp for sp, n in zip(splits, n_tok)]), n_tok)
             types = torch.from_numpy((positions >= first).astype(np.int64)).to(self.device)
-        hook = self._between_layers if self.between_layers is not None else None
+        hook = self._poll if self.poll is not None else None
         plan = EncoderPlan(torch.from_numpy(positions).to(self.device), types, cu.tolist(), hook)
         hidden = self.model(torch.from_numpy(input_ids).to(self.device), plan)
         return self.pool(order, states, np.zeros(len(order), dtype=np.int64), cu, hidden)

@@ -148,11 +148,11 @@ class Worker:
         """Before the worker is dropped in this process (the in-process executor's shutdown)."""
         self.model_runner.shutdown()
 
-    def set_layer_hook(self, hook: Callable[[], None] | None) -> None:
-        """An encoder pooling model calls `hook` between two layers of each step (the engine core's express lane;
-        in-process workers only)."""
+    def set_poll_hook(self, hook: Callable[[], None] | None) -> None:
+        """An encoder pooling model calls `hook` between (and within) the layers of each step (the engine core's
+        express lane; in-process workers only)."""
         if self.model_runner.pooler is not None:
-            self.model_runner.pooler.between_layers = hook
+            self.model_runner.pooler.poll = hook
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(sched)

@@ -74,7 +74,8 @@ def test_a_short_call_runs_between_two_layers_and_changes_nothing_else(llm: LLM)
         for i, doc in enumerate(docs):
             core.add_request(_request(llm, f"doc-{i}", doc, 10_000))
         first = core.step()
-        assert len(polls) == len(core.executor.worker.model_runner.model.layers) - 1  # not called in the express step
+        layers = len(core.executor.worker.model_runner.model.layers)
+        assert len(polls) == 3 * layers - 1  # between layers, twice within each; not in the express steps
         assert [o.request_id for o in express] == ["query-1", "query-2", "query-3"]
         for out in express:
             assert np.array_equal(_vector(out), alone)  # the same bits as the query alone
@@ -86,7 +87,7 @@ def test_a_short_call_runs_between_two_layers_and_changes_nothing_else(llm: LLM)
         assert list(rest) == ["late-doc"]
         assert np.allclose(rest["late-doc"], plain["plain-0"], atol=1e-5)
     finally:
-        core.executor.collective_rpc("set_layer_hook", (None,))
+        core.executor.collective_rpc("set_poll_hook", (None,))
         core._express_poll = None
     assert llm.check_invariants()["in_use"] == 0
 
@@ -115,7 +116,7 @@ def test_the_process_poll_defers_what_is_not_a_new_request(llm: LLM, tmp_path) -
         assert [o.request_id for o in core.step().outputs] == ["after-abort"]
         assert not core.has_unfinished_requests()
     finally:
-        core.executor.collective_rpc("set_layer_hook", (None,))
+        core.executor.collective_rpc("set_poll_hook", (None,))
         core._express_poll = None
         proc.dealer.close(linger=0)
         proc.push.close(linger=0)

@@ -5,7 +5,8 @@ Contract (an encoder's, beside the decoders' in llama.py):
   is_encoder = True; no attention layers with a KV cache (`attention_layers()` is empty)
   forward(input_ids [T], plan: EncoderPlan (model/step_plan.py: positions, token types, the requests' token runs))
     -> the last layer's hidden states [T, hidden]; each request's tokens attend to all of its own tokens
-    (bidirectional) and to no other request's; the plan's `between_layers`, when set, is called between two layers
+    (bidirectional) and to no other request's; the plan's `poll`, when set, is called between two layers and twice
+    within each (after the attention, between the MLP's two products): roughly every third of a layer's work
   classify(pooled [B, hidden]) -> logits [B, num_labels] (the *ForSequenceClassification heads)
   load_weights(iterable of (HF parameter name, tensor))
 
@@ -18,7 +19,7 @@ loaded only by BertForSequenceClassification, whose head reads it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,13 +90,17 @@ class BertLayer(nn.Module):
         self.gelu = _gelu_form(config.hidden_act)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, starts: list[int], poll: Callable[[], None] | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x, _PROMPT)
         attn = encoder_attention(qkv, starts, self.num_heads, self.head_dim, self.scale, self.ops)
         a = self.o_proj(attn, _PROMPT)
         x, _ = self.attn_norm(a, x)  # LN(x + attention); a is a fresh tensor: the native form works in place
-        h = self.down_proj(self.up_proj.forward_gelu(x, _PROMPT, self.gelu), _PROMPT)
-        x, _ = self.mlp_norm(h, x)
+        if poll is not None:
+            poll()
+        up = self.up_proj.forward_gelu(x, _PROMPT, self.gelu)
+        if poll is not None:
+            poll()
+        x, _ = self.mlp_norm(self.down_proj(up, _PROMPT), x)
         return x
 
 
@@ -137,9 +142,9 @@ class BertModel(nn.Module):
         x = x + (types[0] if one_type else F.embedding(plan.token_types, types))
         x = self.embed_norm(x.contiguous())
         for i, layer in enumerate(self.layers):
-            if i and plan.between_layers is not None:
-                plan.between_layers()
-            x = layer(x, plan.starts)
+            if i and plan.poll is not None:
+                plan.poll()
+            x = layer(x, plan.starts, plan.poll)
         return x
 
     # ---- weights -------------------------------------------------------------------------------------------
