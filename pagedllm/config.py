@@ -327,27 +327,27 @@ def grammar_compile_timeout() -> float:
     return _positive_seconds_from_env("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", 30.0)
 
 
+def _env_tokens(name: str, default: int) -> int:
+    """A whole number of tokens from $name (0: off), `default` when unset; ValueError naming it otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a whole number of tokens (0: off), got {raw!r}")
+    return int(raw)
+
+
 def grammar_forced_drafts() -> int:
     """$PAGEDLLM_GRAMMAR_FORCED_DRAFTS: the most tokens a grammar forces that go as drafts at once (default 8; 0 off,
     every token then takes its own step)."""
-    raw = os.environ.get("PAGEDLLM_GRAMMAR_FORCED_DRAFTS", "").strip()
-    if not raw:
-        return 8
-    if not raw.isdigit():
-        raise ValueError(f"PAGEDLLM_GRAMMAR_FORCED_DRAFTS must be a whole number of tokens (0: off), got {raw!r}")
-    return int(raw)
+    return _env_tokens("PAGEDLLM_GRAMMAR_FORCED_DRAFTS", 8)
 
 
 def express_tokens() -> int:
     """$PAGEDLLM_EXPRESS_TOKENS: the express lane of an encoder pooling model (default 256; 0 off). A request of an API
     call of at most this many prompt tokens (a query, not a batch of documents) that arrives while a step runs is
     computed between two of the step's layers, in a step of its own, instead of waiting for the next step."""
-    raw = os.environ.get("PAGEDLLM_EXPRESS_TOKENS", "").strip()
-    if not raw:
-        return 256
-    if not raw.isdigit():
-        raise ValueError(f"PAGEDLLM_EXPRESS_TOKENS must be a whole number of tokens (0: off), got {raw!r}")
-    return int(raw)
+    return _env_tokens("PAGEDLLM_EXPRESS_TOKENS", 256)
 
 
 def ray_address_from_env() -> str | None:
