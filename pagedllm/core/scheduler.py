@@ -88,14 +88,11 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         kv_windows: tuple[int, ...] = (0,),
         max_loras: int = 0,
-        express_tokens: int = 0,
     ) -> None:
         """kv_windows: the sliding window of each KV cache group (0: full attention), from the worker's layout.
-        max_loras: the most LoRA adapters among the running requests (--max-loras; 0: no adapters served).
-        express_tokens: the express lane's bound (schedule_express; 0: no lane). Only an encoder's prompts, which are
-        never chunked, take it."""
+        max_loras: the most LoRA adapters among the running requests (--max-loras; 0: no adapters served)."""
         self.config = scheduler_config
-        self.express_tokens = 0 if scheduler_config.chunked_prefill else express_tokens
+        self.express_tokens = 0  # the express lane's bound (enable_express; 0: no lane)
         # Waiting requests of calls short enough for the express lane (those no longer waiting are dropped lazily).
         self._express_waiting: dict[str, Request] = {}
         self.max_loras = max_loras
@@ -208,6 +205,7 @@ class Scheduler:
             self.draft_policy.forget(req.request_id)
         self.kv_cache_manager.free(req)
         self._finished_req_ids.add(req.request_id)
+        self._express_waiting.pop(req.request_id, None)
         del self.requests[req.request_id]
 
     # ---- one step --------------------------------------------------------------------------------
@@ -360,6 +358,12 @@ class Scheduler:
                 )
             )
         return True
+
+    def enable_express(self, max_tokens: int) -> bool:
+        """Open the express lane (schedule_express) to calls of at most `max_tokens` prompt tokens; only an encoder's
+        prompts, which are never chunked, take it. Whether it is open."""
+        self.express_tokens = 0 if self.config.chunked_prefill else max_tokens
+        return self.express_tokens > 0
 
     def schedule_express(self) -> SchedulerOutput | None:
         """An express step, run between two layers of an encoder's step (the engine core's express lane): the

@@ -64,7 +64,6 @@ class EngineCore:
             config.speculative_config,
             kv_windows,
             0 if config.lora_config is None else config.lora_config.max_loras,
-            express_tokens(),
         )
         # Adapters unloaded while requests still used them: dropped by the workers once those finish.
         self._loras_to_remove: set[int] = set()
@@ -85,9 +84,9 @@ class EngineCore:
         from pagedllm.executor.uniproc import UniProcExecutor
 
         mc = self.config.model_config
-        if self.scheduler.express_tokens == 0 or mc.runner != "pooling" or not mc.is_encoder:
+        if mc.runner != "pooling" or not mc.is_encoder or not isinstance(self.executor, UniProcExecutor):
             return False
-        if not isinstance(self.executor, UniProcExecutor):
+        if not self.scheduler.enable_express(express_tokens()):
             return False
         self._express_poll = poll
         self.executor.collective_rpc("set_poll_hook", (poll,))

@@ -163,8 +163,8 @@ class EngineCoreProc:
                 self._handle(*self.input_queue.get_nowait())
             if self._express:  # short calls waiting at a step's start go first, in a step of their own
                 self._run_express()
-                if self._deferred:
-                    continue  # its polls left messages (an abort, a shutdown): they go before the next step
+                while self._deferred:  # its polls left messages (an abort, a shutdown): they go before the step
+                    self._handle(*self._deferred.popleft())
             if core.has_unfinished_requests():
                 outputs = core.step()
                 if outputs.outputs:

@@ -147,15 +147,16 @@ def test_scheduler_runs_encoder_prompts_whole_and_finishes_them_with_their_resul
 
 
 def _encoder_scheduler(max_seqs: int, express: int, chunked: bool = False) -> Scheduler:
-    return Scheduler(
+    sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=100, max_num_seqs=max_seqs, max_model_len=100, chunked_prefill=chunked,
             policy="shortest",
         ),
         CacheConfig(block_size=4, enable_prefix_caching=False),
         64,
-        express_tokens=express,
     )  # fmt: skip
+    assert sched.enable_express(express) != chunked  # a model whose prompts run in chunks has no lane
+    return sched
 
 
 def test_express_steps_take_only_the_waiting_requests_of_short_calls() -> None:
@@ -217,6 +218,7 @@ def test_express_steps_respect_max_num_seqs_priority_and_chunked_prefill() -> No
         r.priority = priority
         sched.add_request(r)
     sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
+    assert "gone" not in sched._express_waiting  # a finished request is not kept for the lane
     express = sched.schedule_express()
     assert express is not None and list(express.num_scheduled_tokens) == ["urgent", "late"]  # priority, then arrival
     sched.add_request(_pooling_request("q", 5, call_tokens=5))
@@ -226,3 +228,15 @@ def test_express_steps_respect_max_num_seqs_priority_and_chunked_prefill() -> No
     sched = _encoder_scheduler(max_seqs=8, express=64, chunked=True)
     sched.add_request(_pooling_request("q", 5, call_tokens=5))
     assert sched.schedule_express() is None
+
+
+def test_no_lane_until_enabled() -> None:
+    """A scheduler whose engine has no express lane (a worker in another process) keeps nothing for it."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8, max_model_len=100, chunked_prefill=False),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+    )
+    sched.add_request(_pooling_request("q", 5, call_tokens=5))
+    assert not sched._express_waiting and sched.schedule_express() is None
+    assert sched.schedule().num_scheduled_tokens == {"q": 5}
