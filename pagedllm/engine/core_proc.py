@@ -155,21 +155,27 @@ class EngineCoreProc:
         core = self.engine_core
         assert core is not None
         while True:
-            while self._deferred:  # what the express polls of the last step left, in arrival order
-                self._handle(*self._deferred.popleft())
+            self._handle_deferred()  # what the express polls of the last step left
             if not core.has_unfinished_requests():
                 self._handle(*self._wait_for_input(core))  # nothing to do until a request arrives
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
             if self._express:  # short calls waiting at a step's start go first, in a step of their own
                 self._run_express()
-                while self._deferred:  # its polls left messages (an abort, a shutdown): they go before the step
-                    self._handle(*self._deferred.popleft())
+                self._handle_deferred()  # what its polls left (an abort, a shutdown) goes before the step
             if core.has_unfinished_requests():
-                outputs = core.step()
-                if outputs.outputs:
-                    outputs.engine_index = self.engine_index
-                    self.output_queue.put(outputs)
+                self._send(core.step())
+
+    def _handle_deferred(self) -> None:
+        """The messages express polls left for after a step, in arrival order."""
+        while self._deferred:
+            self._handle(*self._deferred.popleft())
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        """A step's outputs to the output thread, stamped with this engine's index (nothing when empty)."""
+        if outputs.outputs:
+            outputs.engine_index = self.engine_index
+            self.output_queue.put(outputs)
 
     def _express_poll(self) -> None:
         """Between two layers of an encoder step (EngineCore.install_express): requests that arrived meanwhile join
@@ -193,10 +199,7 @@ class EngineCoreProc:
     def _run_express(self) -> None:
         """An express step of the short calls waiting, if any; their outputs go out at once."""
         assert self.engine_core is not None
-        outputs = self.engine_core.express_step()
-        if outputs.outputs:
-            outputs.engine_index = self.engine_index
-            self.output_queue.put(outputs)
+        self._send(self.engine_core.express_step())
 
     def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
         core = self.engine_core
