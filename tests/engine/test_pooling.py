@@ -271,8 +271,9 @@ def test_generate_model_refuses_pooling(tmp_path) -> None:
 @pytest.mark.timeout(180)
 def test_a_burst_of_thousands_of_requests_all_finish() -> None:
     """3,000 requests sent at once to the engine-core process all come back (its input socket once dropped what
-    exceeded ZeroMQ's default high-water mark of 1,000 messages, and the caller waited forever)."""
-    texts = corpus(3000, seed=1, longest_words=4)
+    exceeded ZeroMQ's default high-water mark of 1,000 messages, and the caller waited forever). Inputs of 1 to 3
+    words: the count of messages is what is tested, not the model's throughput."""
+    texts = [" ".join(t.split()[:3]) for t in corpus(3000, seed=1)]
     with LLM(minilm_folder()) as llm:
         outs = llm.embed(texts, use_tqdm=False)
     assert len(outs) == 3000 and all(o.outputs.hidden_size == 384 for o in outs)
