@@ -97,6 +97,9 @@ def test_served_model_name_env_key_and_sigterm(servers):
     assert [m.id for m in client.models.list().data] == ["test-model"]
     resp = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=3, temperature=0)
     assert resp.model == "test-model" and resp.choices[0].text
+    root = client.models.list().data[0].root  # with a chosen name, the model's path is no name of it
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=root, prompt=PROMPT, max_tokens=1)
     assert srv.request("GET", "/v1/models", headers={})[0] == 401  # the key came from $PAGEDLLM_API_KEY
     # --trust-request-chat-template: a request's own template is used; one that raises is the client's fault
     messages = [{"role": "user", "content": "Say yes."}]

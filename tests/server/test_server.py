@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 
@@ -28,6 +29,13 @@ def test_models_version_ping_health_load_metrics(server, client, model_name):
     models = client.models.list().data
     assert [m.id for m in models] == [model_name] == ["SmolLM2-135M-Instruct.Q4_1"]  # default: the file's name
     assert models[0].object == "model" and models[0].model_extra["max_model_len"] == 1024
+    # the model's path (`root`), which vLLM and llama.cpp's server name it by, is a name of it too (listed once)
+    root = models[0].model_extra["root"]
+    assert os.path.isabs(root) and root.endswith(".gguf")
+    resp = client.completions.create(model=root, prompt=PROMPT, max_tokens=1)
+    assert resp.model == root and resp.choices[0].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=root + "x", prompt=PROMPT, max_tokens=1)
     assert server.request("GET", "/version") == (200, {"version": pagedllm.__version__})
     assert server.request("GET", "/ping")[0] == 200
     assert server.request("POST", "/ping")[0] == 200

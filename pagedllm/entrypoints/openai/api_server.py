@@ -666,9 +666,24 @@ class ModelStack:
     serving_score: OpenAIServingScore
 
 
-def build_stack(engine: AsyncLLM, args: argparse.Namespace) -> ModelStack:
-    """The serving objects of `engine`'s model, configured by the server flags `args`."""
+def request_names(engine: AsyncLLM, args: argparse.Namespace) -> list[str]:
+    """The names a request's `model` may give the base model of a one-model server: its served name first (the
+    one /v1/models lists); unless --served-model-name chose it, also the model as the command line gave it and its
+    absolute path (`root` in /v1/models), which is what vLLM and llama.cpp's server call a model, so that a client
+    written for either finds it."""
     names = [engine.model_config.served_model_name]
+    if getattr(args, "served_model_name", None) is None:
+        given = getattr(args, "model_tag", None) or getattr(args, "model", None)
+        for alias in (given, engine.model_config.model):
+            if isinstance(alias, str) and alias and alias not in names:
+                names.append(alias)
+    return names
+
+
+def build_stack(engine: AsyncLLM, args: argparse.Namespace, names: list[str] | None = None) -> ModelStack:
+    """The serving objects of `engine`'s model, configured by the server flags `args`; `names` (default: the served
+    name alone) are the names its requests may give it."""
+    names = names or [engine.model_config.served_model_name]
     trust_template = bool(getattr(args, "trust_request_chat_template", False))
     chat = OpenAIServingChat(
         engine,
@@ -700,7 +715,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = make_app(args, routers)
     state = app.state
     state.engine = engine
-    state.stack = build_stack(engine, args)
+    state.stack = build_stack(engine, args, request_names(engine, args))
     state.served_model_names = [engine.model_config.served_model_name]
     state.lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
     state.lora_ids = itertools.count(len(state.lora_modules) + 1)  # ids of adapters loaded at run time
