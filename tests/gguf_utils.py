@@ -287,9 +287,16 @@ _ARCH_METADATA = {
 }
 
 
-def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | None = None) -> dict[str, int]:
+def write_gguf(
+    folder: str,
+    path: str,
+    layout: str,
+    overrides: dict[str, int] | None = None,
+    sampling: dict[str, float | int] | None = None,
+) -> dict[str, int]:
     """Write the HF model in `folder` as a GGUF file at `path` in llama.cpp's `layout`; returns {GGUF tensor name:
-    GGML type} for the matrices. `overrides` sets the type of named tensors (e.g. an F16 one)."""
+    GGML type} for the matrices. `overrides` sets the type of named tensors (e.g. an F16 one); `sampling` writes
+    `general.sampling.*` keys as llama.cpp's converter does (temp, top_p, min_p in float32; top_k an int32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -379,6 +386,9 @@ def write_gguf(folder: str, path: str, layout: str, overrides: dict[str, int] | 
         if key not in _quantized:  # stacked experts: each row of each expert a row of the matrix
             _quantized[key] = quantize(t.reshape(-1, t.shape[-1]), qtype).reshape(*t.shape[:-1], -1)
         w.add_tensor(name, _quantized[key], raw_dtype=gguf.GGMLQuantizationType(qtype))
+    for key, value in (sampling or {}).items():
+        name = f"general.sampling.{key}"
+        w.add_int32(name, value) if isinstance(value, int) else w.add_float32(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -123,7 +123,8 @@ class EngineArgs:
         "auto",
         "default sampling values for requests that leave them unset (temperature, top_p, top_k, min_p, "
         "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model's generation_config.json (an HF "
-        "folder's, or one beside a GGUF file), vllm uses none, a folder reads its generation_config.json",
+        "folder's, or one beside a GGUF file, else the GGUF's general.sampling metadata), vllm uses none, a folder "
+        "reads its generation_config.json",
         metavar="auto|vllm|FOLDER",
     )
     dtype: str = _arg(
@@ -365,8 +366,16 @@ class EngineArgs:
         if self.chat_template is not None:
             changes["chat_template"] = resolve_chat_template(self.chat_template)
         if model_config.runner == "generate":
-            model_dir = model_config.model if model_config.gguf_file is None else os.path.dirname(model_config.model)
-            defaults, source = sampling_defaults(self.generation_config, model_dir)
+            gguf_sampling = None
+            if not os.path.isfile(model_config.model):  # an HF folder (a GGUF model is a file, whatever its tokenizer)
+                model_dir = model_config.model
+            else:
+                from pagedllm.model.config_loader import gguf_config_metadata
+
+                model_dir = os.path.dirname(model_config.model)
+                meta = gguf_config_metadata(model_config.model)  # cached: no second parse
+                gguf_sampling = {k: v for k, v in meta.items() if k.startswith("general.sampling.")}
+            defaults, source = sampling_defaults(self.generation_config, model_dir, gguf_sampling, model_config.model)
             _check_sampling_defaults(defaults, source)
             changes.update(sampling_defaults=defaults, sampling_defaults_source=source)
         return dataclasses.replace(model_config, **changes)

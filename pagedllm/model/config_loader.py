@@ -25,7 +25,7 @@ from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, resolve_r
 logger = logging.getLogger(__name__)
 QUANTIZATIONS = (None, "gguf", "none")
 # Bumped when what the config cache holds changes.
-_CONFIG_CACHE_FORMAT = 2
+_CONFIG_CACHE_FORMAT = 3  # 3: with general.sampling.*
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def _config_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     keep.add("tokenizer.ggml.eos_token_id")
     out: dict[str, Any] = {}
     for key, value in meta.items():
-        if key in keep or (arch and key.startswith(f"{arch}.")):
+        if key in keep or (arch and key.startswith(f"{arch}.")) or key.startswith("general.sampling."):
             if isinstance(value, (str, int, float, bool)) or value is None:
                 out[key] = value
     # the head (tied or not), and the first layer's tensors (which biases and norms the layers have)

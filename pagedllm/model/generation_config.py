@@ -5,9 +5,11 @@ leaving them unset takes, as SamplingParams keyword arguments: `temperature`, `t
 `repetition_penalty`, and `max_new_tokens` as `max_tokens`. As vLLM (`GenerationConfig.to_diff_dict()`), a value
 equal to transformers' own default (temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0) is no
 recommendation and is left out, and so is a null. `source`:
-* "auto": the `generation_config.json` of `model_dir` (an HF model's folder; for a GGUF file, the folder it sits in:
-  a GGUF carries no sampling defaults, but a `generation_config.json` downloaded beside it from the original
-  model is read), none if there is no such file;
+* "auto": the `generation_config.json` of `model_dir` (an HF model's folder; for a GGUF file, the folder it sits in,
+  where one downloaded beside it from the original model is read); where there is none, a GGUF file's own
+  `general.sampling.*` metadata (`gguf_sampling`: what llama.cpp's converter copies from the original model's
+  generation_config.json, and llama.cpp applies as its defaults): temp, top_k, top_p, min_p, and penalty_repeat
+  as repetition_penalty, under the same rules; none if neither;
 * "vllm": none (SamplingParams' own defaults, as `vllm serve --generation-config vllm`);
 * a folder: its `generation_config.json`, which must exist (ValueError otherwise).
 A file that is not a JSON object, or a value of the wrong type, is a ValueError naming the file.
@@ -52,11 +54,31 @@ def generation_config_path(source: str, model_dir: str) -> str | None:
     return path
 
 
-def sampling_defaults(source: str, model_dir: str) -> tuple[dict[str, Any], str | None]:
-    """(SamplingParams defaults, the file they came from) for `--generation-config source` (module docstring)."""
+# a GGUF file's sampling metadata -> the generation_config.json key it stands for
+GGUF_SAMPLING_KEYS: dict[str, str] = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_defaults(
+    source: str, model_dir: str, gguf_sampling: dict[str, Any] | None = None, gguf_path: str | None = None
+) -> tuple[dict[str, Any], str | None]:
+    """(SamplingParams defaults, the file they came from) for `--generation-config source` (module docstring).
+    `gguf_sampling`: the `general.sampling.*` metadata of the GGUF file `gguf_path` when the model is one."""
     path = generation_config_path(source, model_dir)
     if path is None:
-        return {}, None
+        if source != "auto" or not gguf_sampling:
+            return {}, None
+        where = f"the sampling metadata of {gguf_path}"
+        config = {GGUF_SAMPLING_KEYS[k]: _gguf_value(v) for k, v in gguf_sampling.items() if k in GGUF_SAMPLING_KEYS}
+        if config.get("top_k") is not None and config["top_k"] <= 0:  # llama.cpp's "off"
+            del config["top_k"]
+        out = _read_values(config, where)
+        return out, (where if out else None)
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -64,6 +86,18 @@ def sampling_defaults(source: str, model_dir: str) -> tuple[dict[str, Any], str 
         raise ValueError(f"generation config {path}: cannot be read as JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"generation config {path}: expected a JSON object, got {type(config).__name__}")
+    return _read_values(config, path), path
+
+
+def _gguf_value(value: Any) -> Any:
+    """A GGUF metadata number as the JSON value it was converted from: float32 0.699999988 is 0.7."""
+    if isinstance(value, float):
+        return float(f"{value:.7g}")
+    return value
+
+
+def _read_values(config: dict[str, Any], path: str) -> dict[str, Any]:
+    """The SamplingParams values of a generation config's keys (`path` names its source in errors)."""
     out: dict[str, Any] = {}
     for key, (name, kind) in SAMPLING_KEYS.items():
         value = config.get(key)
@@ -73,4 +107,4 @@ def sampling_defaults(source: str, model_dir: str) -> tuple[dict[str, Any], str 
             what = "an integer" if kind is int else "a number"
             raise ValueError(f"generation config {path}: {key} must be {what}, got {value!r}")
         out[name] = kind(value)
-    return out, path
+    return out

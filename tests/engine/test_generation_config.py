@@ -102,6 +102,34 @@ def test_a_gguf_takes_the_generation_config_beside_it(tmp_path):
     assert mc.sampling_defaults_source == os.path.join(tmp_path, "generation_config.json")
 
 
+def test_a_ggufs_own_sampling_metadata_is_its_generation_config(tiny_model_dir, tmp_path):
+    """A GGUF whose converter copied the model's generation config into `general.sampling.*` (as llama.cpp's does
+    since 2025) gets those values with "auto", where no generation_config.json lies beside it; float32 values read
+    as the JSON values they came from, and the same rules apply (top_k 50 is transformers' default)."""
+    from tests.gguf_utils import write_gguf
+
+    folder = make_tiny_model(tiny_model_dir, "LlamaForCausalLM")
+    path = str(tmp_path / "with-sampling.gguf")
+    write_gguf(folder, path, "F32", sampling={"temp": 0.7, "top_p": 0.8, "min_p": 0.05, "penalty_repeat": 1.05})
+    mc = EngineArgs(model=path, tokenizer=folder).create_model_config()
+    assert mc.sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.05}
+    assert mc.sampling_defaults_source == f"the sampling metadata of {path}"
+    assert (
+        EngineArgs(model=path, tokenizer=folder, generation_config="vllm").create_model_config().sampling_defaults == {}
+    )
+    other = str(tmp_path / "top-k.gguf")
+    write_gguf(folder, other, "F32", sampling={"top_k": 50, "temp": 1.0})
+    assert EngineArgs(model=other, tokenizer=folder).create_model_config().sampling_defaults == {}
+    write_gguf(folder, other, "F32", sampling={"top_k": 0, "temp": 0.2})  # top_k 0: llama.cpp's "off"
+    assert EngineArgs(model=other, tokenizer=folder).create_model_config().sampling_defaults == {"temperature": 0.2}
+    _write(tmp_path, {"temperature": 0.3})  # a generation_config.json beside the file wins
+    assert EngineArgs(model=path, tokenizer=folder).create_model_config().sampling_defaults == {"temperature": 0.3}
+    write_gguf(folder, other, "F32", sampling={"top_p": 2.0})
+    os.remove(tmp_path / "generation_config.json")
+    with pytest.raises(ValueError, match="sampling metadata of .*top_p"):
+        EngineArgs(model=other, tokenizer=folder).create_model_config()
+
+
 def test_llm_generate_without_params_runs_the_configs_defaults(greedy_model, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         llm = LLM(greedy_model, engine_client="inproc", **TINY)
