@@ -1,6 +1,7 @@
 """The llguidance backend (PyPI `llguidance`, the default): JSON schema, any JSON object, regex, choice, and Lark or
 GBNF/EBNF grammars, compiled against the model's tokenizer; masks are computed in Rust, several rows at a time
-in parallel, with the GIL released.
+in parallel, with the GIL released. An object schema that lists its properties allows no others unless it says so
+(`close_objects`: vLLM's and llama.cpp's reading).
 
 `GuidanceBackend(tokenizer, vocab_size)` wraps the HF fast tokenizer once (about a second for a 49k vocabulary).
 `compile` raises `ValueError` with llguidance's message when a constraint does not compile; `validate` does the same
@@ -28,6 +29,50 @@ from pagedllm.structured_output.backend import (
 logger = logging.getLogger(__name__)
 
 
+# a sibling that says something of other keys, or may bring properties of its own (which additionalProperties,
+# counting only the node's own `properties`, would refuse)
+_OPEN_KEYS = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "patternProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "dependentSchemas",
+    "dependencies",
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(node: Any, in_all_of: bool = False) -> Any:
+    """A copy of a JSON schema in which every object that lists its `properties` and says nothing of others
+    allows no others (`additionalProperties: false`), as vLLM's default backend (xgrammar's strict mode) and
+    llama.cpp's schema converter read such a schema; llguidance alone would let the model add keys of its own
+    (a 0.5B model wrote `"required": true` into a tool's arguments). An object without `properties` stays open
+    (`{"type": "object"}`: any object), and so do the parts of an `allOf`, where closing each part would refuse the
+    other parts' properties, and an object beside an allOf/anyOf/oneOf/$ref/if, for the same reason. An explicit
+    `additionalProperties` (true, or a schema) is kept."""
+    if isinstance(node, list):
+        return [close_objects(item, in_all_of) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [close_objects(sub, in_all_of=True) for sub in value]
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value  # values, not schemas
+        else:
+            out[key] = close_objects(value)
+    if isinstance(node.get("properties"), dict) and not in_all_of and not any(k in node for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(key: StructuredOutputKey) -> str:
     """llguidance's grammar (its JSON form) for a constraint; ValueError when it cannot be converted."""
     kind, text, whitespace = key
@@ -35,6 +80,7 @@ def grammar_text(key: StructuredOutputKey) -> str:
         schema: Any = json.loads(text) if kind == "json" else {"type": "object"}
         if not isinstance(schema, dict | bool):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        schema = close_objects(schema)
         options: dict[str, Any] = {}
         if whitespace == "any":
             options["whitespace_flexible"] = True
