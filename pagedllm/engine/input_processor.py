@@ -109,7 +109,10 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; pass chat_template explicitly")
+            raise ValueError(
+                "this model has no chat template (a base model's file carries none): give one (`--chat-template` "
+                "when serving, `chat_template=` offline), or send plain prompts (/v1/completions, LLM.generate)"
+            )
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {messages!r:.120}")
         return self.tokenizer.apply_chat_template(

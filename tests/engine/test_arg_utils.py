@@ -224,3 +224,6 @@ def test_chat_template_from_a_file_or_inline(tiny_model_dir, tmp_path) -> None:
     with LLM(folder, chat_template=str(file), engine_client="inproc", kv_cache_memory_bytes="8MiB") as llm:
         out = llm.chat([{"role": "user", "content": "t5 t6"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
         assert out.prompt == "[user] t5 t6 "
+    with LLM(folder, engine_client="inproc", kv_cache_memory_bytes="8MiB") as llm:  # the tiny tokenizer has none
+        with pytest.raises(ValueError, match="no chat template.*--chat-template.*/v1/completions"):
+            llm.chat([{"role": "user", "content": "t5"}], SamplingParams(max_tokens=1), use_tqdm=False)
