@@ -361,8 +361,9 @@ def test_bad_requests_to_the_embedder(embed_server, embed_client, embed_name):
         embed_client.completions.create(model=embed_name, prompt="Hello", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         embed_client.completions.create(model=embed_name, prompt="Hello", max_tokens=2, stream=True)
-    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+    with pytest.raises(openai.BadRequestError, match="--runner pooling") as exc:
         embed_client.chat.completions.create(model=embed_name, messages=[{"role": "user", "content": "Hi"}])
+    assert "use /v1/embeddings, /score, /rerank, /pooling (" in str(exc.value)  # its own routes: no /classify
     # nothing was lost: the server still answers
     resp = embed_client.embeddings.create(model=embed_name, input=TEXTS[0])
     assert len(resp.data[0].embedding) == 384

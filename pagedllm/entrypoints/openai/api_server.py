@@ -470,10 +470,11 @@ def _check_generates(serving: OpenAIServing, model: str | None) -> None:
     serving.check_model(model)
     mc = serving.engine.model_config
     if getattr(mc, "runner", "generate") == "pooling":
+        routes = {"embed": "/v1/embeddings", "classify": "/classify", "score": "/score, /rerank", "encode": "/pooling"}
+        served = ", ".join(routes[t] for t in mc.pooling_tasks if t in routes)
         raise OpenAIError(
             f"model {mc.served_model_name!r} runs as a pooling model (--runner pooling): it does not generate text; "
-            "use /v1/embeddings, /pooling, /classify, /score or /rerank (the tasks it serves: "
-            f"{', '.join(mc.pooling_tasks)})",
+            f"use {served} (the tasks it serves: {', '.join(mc.pooling_tasks)})",
             400,
         )
 
