@@ -1,9 +1,10 @@
-"""The `pagedllm` command: `serve`, `generate`, `chat`, `bench`.
+"""The `pagedllm` command: `serve`, `generate`, `chat`, `complete`, `bench`.
 
 The engine flags of every command are `EngineArgs.add_cli_args` (engine/arg_utils.py), named as `vllm serve`
 names them, and become `EngineArgs` through `EngineArgs.from_cli_args`; no flag of the engine is defined here.
-With no model the default model is used. A bad value exits with status 2 and names it. `serve --models-dir DIR`
-(or `--models A B ...`) runs the model router instead of one model (entrypoints/router/).
+With no model the default model is used. A bad value exits with status 2 and names it. `chat --url URL` and
+`complete` are clients of a running server, as `vllm chat` and `vllm complete` are (entrypoints/cli_client.py).
+`serve --models-dir DIR` (or `--models A B ...`) runs the model router instead of one model (entrypoints/router/).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    if ns.url is not None:  # a client of a running server
+        from pagedllm.entrypoints.cli_client import run_chat
+
+        return run_chat(ns)
     from pagedllm import LLM
 
     llm = LLM(**_engine_kwargs(ns))
@@ -63,8 +68,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})
-    print("Type a message (Ctrl-D to quit).", file=sys.stderr)
-    for line in sys.stdin:
+    if ns.quick is None:
+        print("Type a message (Ctrl-D to quit).", file=sys.stderr)
+    for line in [ns.quick] if ns.quick is not None else sys.stdin:
         line = line.strip()
         if not line:
             continue
@@ -73,6 +79,12 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
     return 0
+
+
+def cmd_complete(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.cli_client import run_complete
+
+    return run_complete(ns)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -120,11 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
-    chat.add_argument("--system", default=None)
+    from pagedllm.entrypoints.cli_client import DEFAULT_URL, add_query_args
+
+    chat = sub.add_parser(
+        "chat", help="chat on stdin/stdout with the model's chat template (--url: with a running server's model)"
+    )
+    chat.add_argument("--system", "--system-prompt", default=None, help="a system message to start with")
+    # no -q here: it is --quantization's short form among the engine flags (as in `vllm serve`)
+    chat.add_argument("--quick", default=None, metavar="MESSAGE", help="send MESSAGE, print the reply, exit")
+    add_query_args(chat, default_url=None)
     EngineArgs.add_cli_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    complete = sub.add_parser("complete", help="complete prompts on stdin with a running server's model")
+    complete.add_argument("-q", "--quick", default=None, metavar="PROMPT", help="complete PROMPT, print it, exit")
+    add_query_args(complete, default_url=DEFAULT_URL)
+    _sampling_args(complete)
+    complete.set_defaults(func=cmd_complete)
 
     from pagedllm.entrypoints.openai.cli_args import add_server_args
 

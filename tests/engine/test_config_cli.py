@@ -163,6 +163,19 @@ def test_generate_cli_prints_completion(model_dir):
     assert proc.stdout.rstrip("\n") == expected[0].outputs[0].text
 
 
+def test_chat_cli_quick_answers_one_message_with_the_local_model(model_dir):
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    with LLM(model_dir, engine_client="inproc", max_model_len=256, kv_cache_memory_bytes="8MiB", num_threads=1) as llm:
+        messages = [{"role": "system", "content": "t9"}, {"role": "user", "content": "t5 t6"}]
+        params = SamplingParams(temperature=0, max_tokens=5)
+        expected = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0].outputs[0].text
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--quick", "t5 t6", "--system-prompt", "t9"]
+    cmd += ["--model", model_dir, "--chat-template", template, "--max-tokens", "5", "--max-model-len", "256"]
+    proc = subprocess.run(cmd + ["--kv-cache-memory-bytes", "8MiB"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected + "\n"
+
+
 def test_generate_cli_bad_model_exits_with_message(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", str(tmp_path / "nope")],
