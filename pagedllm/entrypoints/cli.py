@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `serve`, `generate`, `chat`, `complete`, `bench`.
+"""The `pagedllm` command: `serve`, `generate`, `chat`, `complete`, `run-batch`, `bench`.
 
 The engine flags of every command are `EngineArgs.add_cli_args` (engine/arg_utils.py), named as `vllm serve`
 names them, and become `EngineArgs` through `EngineArgs.from_cli_args`; no flag of the engine is defined here.
@@ -112,6 +112,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns, engine_args, core=core)
 
 
+def cmd_run_batch(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.run_batch import main as run_batch
+
+    return run_batch(ns)
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     import importlib
 
@@ -159,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve, positional_model=True)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from pagedllm.entrypoints.openai.run_batch import add_batch_args
+
+    batch = sub.add_parser(
+        "run-batch",
+        help="run a file of requests in OpenAI's batch format and write the answers (as vllm run-batch)",
+        usage="pagedllm run-batch -i INPUT -o OUTPUT [MODEL] [options]",
+    )
+    add_batch_args(batch)
+    EngineArgs.add_cli_args(batch, positional_model=True)
+    add_server_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     bench = sub.add_parser(
         "bench",

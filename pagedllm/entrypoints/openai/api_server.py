@@ -814,7 +814,7 @@ def run_server(
     try:
         if engine_args is None:
             engine_args = EngineArgs.from_cli_args(args)
-        _check_server_args(args, engine_args)
+        check_server_args(args, engine_args)
         if router_mode(args) and router_app is None:
             raise ValueError("--models and --models-dir need the router: run_server(..., router_app=build_router_app)")
         sock = _bind(args.host, args.port)
@@ -832,7 +832,7 @@ def run_server(
                         host, port)  # fmt: skip
         else:
             logger.info("starting the engine for the API server on %s:%d", host, port)
-            engine = _start_engine(args, engine_args, core, stats_interval)
+            engine = start_engine(args, engine_args, core, stats_interval)
             core = None  # the engine owns it now
             app = build_app(engine, args)
         return _serve(app, args, sock, host, port)
@@ -859,7 +859,7 @@ def _stop(engine: AsyncLLM | None, manager: Any, core: CoreProcess | None, sock:
         sock.close()
 
 
-def _check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+def check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     """ValueError naming a bad server flag, before any model loads."""
     if not getattr(args, "api_key", None):
         args.api_key = api_key_from_env()  # $PAGEDLLM_API_KEY, read in config.py
@@ -881,7 +881,7 @@ def _check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> Non
         raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
 
 
-def _start_engine(
+def start_engine(
     args: argparse.Namespace, engine_args: EngineArgs, core: CoreProcess | None, stats_interval: float
 ) -> AsyncLLM:
     """The one model's engine with its stat loggers (`core`: its process, if started already)."""
