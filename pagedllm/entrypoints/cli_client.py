@@ -75,10 +75,12 @@ class Client:
         """The events of a streamed request (each `data:` line's JSON) until `[DONE]`."""
         import httpx
 
+        started = False
         try:
             with self.http.stream("POST", path, json={**body, "stream": True}) as resp:
                 if resp.status_code != 200:
                     raise self._error(resp.status_code, resp.read())
+                started = True
                 for line in resp.iter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -87,10 +89,15 @@ class Client:
                         return
                     event = json.loads(data)
                     if "error" in event:
-                        raise ValueError(f"the server failed the request: {event['error'].get('message')}")
+                        error = event["error"]
+                        message = error.get("message") if isinstance(error, dict) else error
+                        raise ValueError(f"the server failed the request: {message}")
                     yield event
         except httpx.HTTPError as e:
-            raise self._fail(e) from None
+            if not started:
+                raise self._fail(e) from None
+            raise ValueError(f"the connection to the server at {self.url} broke during the answer: {e}") from None
+        raise ValueError(f"the server at {self.url} ended the answer before its end ([DONE])")
 
 
 def _sampling(ns: argparse.Namespace) -> dict[str, Any]:

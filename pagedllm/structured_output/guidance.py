@@ -44,32 +44,62 @@ _OPEN_KEYS = (
     "dependencies",
 )
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples")  # values, not schemas
 
 
-def close_objects(node: Any, in_all_of: bool = False) -> Any:
+def close_objects(schema: Any) -> Any:
     """A copy of a JSON schema in which every object that lists its `properties` and says nothing of others
     allows no others (`additionalProperties: false`), as vLLM's default backend (xgrammar's strict mode) and
     llama.cpp's schema converter read such a schema; llguidance alone would let the model add keys of its own
-    (a 0.5B model wrote `"required": true` into a tool's arguments). An object without `properties` stays open
-    (`{"type": "object"}`: any object), and so do the parts of an `allOf`, where closing each part would refuse the
-    other parts' properties, and an object beside an allOf/anyOf/oneOf/$ref/if, for the same reason. An explicit
-    `additionalProperties` (true, or a schema) is kept."""
+    (a 0.5B model wrote `"required": true` into a tool's arguments).
+
+    Only what cannot join another schema's properties is closed. Open stay: an object without `properties` (`{"type":
+    "object"}`: any object); one with an explicit `additionalProperties` (true, or a schema) or `patternProperties`;
+    one that requires a key it does not list; one beside an allOf/anyOf/oneOf/$ref/if; every part of an `allOf`;
+    the branches of an anyOf/oneOf whose node has properties of its own or is itself such a part; and what a `$ref`
+    of any of those points to (found by JSON pointer, again for what that target refers to). A branch of a plain
+    anyOf (a union of shapes) and the target of a plain `$ref` are closed."""
+    merged: set[str] = set()
+    for _ in range(64):  # each round may find targets that the last round's open targets refer to
+        refs: set[str] = set()
+        out = _close(schema, "#", False, merged, refs)
+        if refs <= merged:
+            return out
+        merged |= refs
+    return schema  # a chain of references too long to follow: the schema as given
+
+
+def _pointer(path: str, key: str | int) -> str:
+    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def _close(node: Any, path: str, part: bool, merged: set[str], refs: set[str]) -> Any:
+    """close_objects on `node` at JSON pointer `path`; `part`: it joins other schemas' properties. Adds to `refs`
+    the references made where their targets join others."""
     if isinstance(node, list):
-        return [close_objects(item, in_all_of) for item in node]
+        return [_close(item, _pointer(path, i), part, merged, refs) for i, item in enumerate(node)]
     if not isinstance(node, dict):
         return node
+    part = part or path in merged
+    # what the node's branches and reference join: its own properties, its other compositions, what it joins
+    joins = part or "properties" in node or sum(k in node for k in ("allOf", "anyOf", "oneOf", "$ref")) > 1
+    if joins and isinstance(node.get("$ref"), str):
+        refs.add(node["$ref"])
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: close_objects(sub) for name, sub in value.items()}
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [close_objects(sub, in_all_of=True) for sub in value]
-        elif key in ("enum", "const", "default", "examples"):
-            out[key] = value  # values, not schemas
+        at = _pointer(path, key)
+        if key in _VALUES:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _close(sub, _pointer(at, name), False, merged, refs) for name, sub in value.items()}
+        elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+            out[key] = _close(value, at, key == "allOf" or joins, merged, refs)
         else:
-            out[key] = close_objects(value)
-    if isinstance(node.get("properties"), dict) and not in_all_of and not any(k in node for k in _OPEN_KEYS):
-        out["additionalProperties"] = False
+            out[key] = _close(value, at, False, merged, refs)
+    props, required = node.get("properties"), node.get("required")
+    if isinstance(props, dict) and not part and not any(k in node for k in _OPEN_KEYS):
+        if not isinstance(required, list) or all(name in props for name in required if isinstance(name, str)):
+            out["additionalProperties"] = False
     return out
 
 
@@ -80,7 +110,10 @@ def grammar_text(key: StructuredOutputKey) -> str:
         schema: Any = json.loads(text) if kind == "json" else {"type": "object"}
         if not isinstance(schema, dict | bool):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        schema = close_objects(schema)
+        try:
+            schema = close_objects(schema)
+        except RecursionError:
+            raise ValueError("invalid JSON schema: nested too deeply") from None
         options: dict[str, Any] = {}
         if whitespace == "any":
             options["whitespace_flexible"] = True

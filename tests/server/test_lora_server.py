@@ -106,6 +106,9 @@ def test_load_use_unload_reload_at_run_time(server, base, adapters, prompt, tmp_
     assert status == 400 and "above --max-lora-rank 16" in out["error"]["message"]
     status, out = unload({"lora_name": "three"})
     assert status == 404 and "cannot be found" in out["error"]["message"]
+    root = next(m.root for m in server.client().models.list().data if m.parent is None)
+    status, out = load({"lora_name": root, "lora_path": adapters["one"]})  # a name requests give the base model
+    assert status == 400 and "is the base model's" in out["error"]["message"]
     # Unload, then the name is unknown; load it again and it serves as before.
     assert unload({"lora_name": "two"}) == (200, "Success: LoRA adapter 'two' removed successfully.")
     assert _complete(server, "two", prompt)[0] == 404

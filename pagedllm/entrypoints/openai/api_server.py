@@ -361,7 +361,7 @@ async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Reques
     name = request.lora_name
     if not name or not request.lora_path:
         raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.", 400, "lora_name")
-    if name in state.served_model_names:
+    if name in state.stack.serving_chat.served_model_names:  # its served name, or a path requests may give it
         raise OpenAIError(f"The name {name!r} is the base model's.", 400, "lora_name")
     known = engine.loras.by_name(name)
     if known is not None and not request.load_inplace:
@@ -613,6 +613,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     for path, ms in methods.items():
         logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(ms)))
     for lora in app.state.lora_modules:  # --lora-modules: a bad one stops the server before it listens
+        if app.state.stack is not None and lora.lora_name in app.state.stack.serving_chat.served_model_names:
+            app.state.exit_code = 1
+            raise ValueError(f"--lora-modules: the name {lora.lora_name!r} is the base model's")
         try:
             await app.state.engine.add_lora(lora)
         except ValueError:

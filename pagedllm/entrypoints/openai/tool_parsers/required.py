@@ -27,22 +27,37 @@ _PARAMETERS = re.compile(r'"parameters"\s*:')
 
 def required_calls_schema(tools: list[dict[str, Any]], max_calls: int | None = None) -> dict[str, Any]:
     """The JSON schema of a non-empty list of calls to these tools, with each tool's own parameters (at most
-    `max_calls` of them: 1 for `parallel_tool_calls: false`, so that generation stops after one)."""
+    `max_calls` of them: 1 for `parallel_tool_calls: false`, so that generation stops after one). A tool's `$defs`
+    (and `definitions`) move to the root, where its `#/$defs/...` references point once its parameters sit inside
+    this schema; two tools defining one name differently are a ValueError naming both."""
     variants = []
+    hoisted: dict[str, dict[str, Any]] = {}
+    owners: dict[tuple[str, str], str] = {}
     for tool in tools:
         fn = tool["function"]
+        params = dict(fn.get("parameters") or {"type": "object"})
+        for key in ("$defs", "definitions"):
+            defs = params.pop(key, None)
+            if not isinstance(defs, dict):
+                continue
+            for name, definition in defs.items():
+                known = hoisted.setdefault(key, {})
+                if name in known and known[name] != definition:
+                    raise ValueError(
+                        f"tools {owners[(key, name)]!r} and {fn['name']!r} define {key}/{name} differently; "
+                        "give the definitions distinct names"
+                    )
+                known[name] = definition
+                owners[(key, name)] = fn["name"]
         variants.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"type": "string", "enum": [fn["name"]]},
-                    "parameters": fn.get("parameters") or {"type": "object"},
-                },
+                "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, **hoisted}
     if max_calls is not None:
         schema["maxItems"] = max_calls
     return schema
