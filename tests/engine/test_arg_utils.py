@@ -126,6 +126,19 @@ def test_positional_model_is_the_model():
         parse("a.gguf", "--model", "b.gguf", positional_model=True)
 
 
+def test_served_model_name_takes_further_names_but_not_the_model(tmp_path):
+    """vLLM's --served-model-name takes one or more names; the first is the model's name (the rest: the server's
+    `served_model_name_rest`). A path among them is the model taken as a name (`--served-model-name NAME MODEL`)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(), positional_model=True)
+    ns = parser.parse_args([str(model), "--served-model-name", "a", "b"])
+    assert EngineArgs.from_cli_args(ns).served_model_name == "a" and ns.served_model_name_rest == ["b"]
+    ns = parser.parse_args(["--served-model-name", "a", str(model)])
+    with pytest.raises(ValueError, match="took .*m.gguf.*, a path, as a further name"):
+        EngineArgs.from_cli_args(ns)
+
+
 @pytest.mark.parametrize("bad", ["0", "-0.5", "1.5"])
 def test_gpu_memory_utilization_out_of_range(bad):
     args = parse("--gpu-memory-utilization", bad)

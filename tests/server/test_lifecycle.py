@@ -26,6 +26,7 @@ def servers():
         "--enable-debug-routes",
         "--served-model-name",
         "test-model",
+        "other-name",  # vLLM's further names
         "--timeout-graceful-shutdown",
         "1",
         "--trust-request-chat-template",
@@ -94,9 +95,11 @@ class _Background(threading.Thread):
 def test_served_model_name_env_key_and_sigterm(servers):
     srv = servers["term"]
     client = srv.client()
-    assert [m.id for m in client.models.list().data] == ["test-model"]
+    assert [m.id for m in client.models.list().data] == ["test-model", "other-name"]
     resp = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=3, temperature=0)
     assert resp.model == "test-model" and resp.choices[0].text
+    other = client.completions.create(model="other-name", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert other.model == "other-name" and other.choices[0].text == resp.choices[0].text
     root = client.models.list().data[0].root  # with a chosen name, the model's path is no name of it
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=root, prompt=PROMPT, max_tokens=1)

@@ -21,3 +21,5 @@ def test_the_model_as_given_and_its_path_name_it_unless_a_name_was_chosen() -> N
     chosen = _engine("coder", "/models/qwen-q4.gguf")
     args = argparse.Namespace(model_tag="./qwen-q4.gguf", model=None, served_model_name="coder")
     assert request_names(chosen, args) == ["coder"]
+    args = argparse.Namespace(model_tag=None, model=None, served_model_name="coder", served_model_name_rest=["c2"])
+    assert request_names(chosen, args) == ["coder", "c2"]  # vLLM's further names, no path

@@ -671,16 +671,25 @@ class ModelStack:
 
 
 def request_names(engine: AsyncLLM, args: argparse.Namespace) -> list[str]:
-    """The names a request's `model` may give the base model of a one-model server: its served name first (the
-    one /v1/models lists); unless --served-model-name chose it, also the model as the command line gave it and its
-    absolute path (`root` in /v1/models), which is what vLLM and llama.cpp's server call a model, so that a client
-    written for either finds it."""
-    names = [engine.model_config.served_model_name]
+    """The names a request's `model` may give the base model of a one-model server: its served names first (those
+    /v1/models lists: listed_names); unless --served-model-name chose them, also the model as the command line gave
+    it and its absolute path (`root` in /v1/models), which is what vLLM and llama.cpp's server call a model, so that
+    a client written for either finds it."""
+    names = listed_names(engine, args)
     if getattr(args, "served_model_name", None) is None:
         given = getattr(args, "model_tag", None) or getattr(args, "model", None)
         for alias in (given, engine.model_config.model):
             if isinstance(alias, str) and alias and alias not in names:
                 names.append(alias)
+    return names
+
+
+def listed_names(engine: AsyncLLM, args: argparse.Namespace) -> list[str]:
+    """The base model's names in /v1/models: its served name, then --served-model-name's further names."""
+    names = [engine.model_config.served_model_name]
+    for name in getattr(args, "served_model_name_rest", None) or []:
+        if name not in names:
+            names.append(name)
     return names
 
 
@@ -720,7 +729,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     state = app.state
     state.engine = engine
     state.stack = build_stack(engine, args, request_names(engine, args))
-    state.served_model_names = [engine.model_config.served_model_name]
+    state.served_model_names = listed_names(engine, args)
     state.lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
     state.lora_ids = itertools.count(len(state.lora_modules) + 1)  # ids of adapters loaded at run time
     return app
