@@ -161,6 +161,33 @@ def test_echo_with_logprobs(server, client, model_name):
     assert "".join(c.choices[0].text for c in chunks) == choice.text
 
 
+def test_prompt_logprobs_as_vllm_gives_them(server, client, model_name):
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its own entry and the top N, by token id as
+    strings, each {logprob, rank, decoded_token}; on the choice for completions, on the response for chat; the
+    same values as echo's legacy logprobs; refused when streaming or above --max-logprobs."""
+    resp = greedy(client, model_name, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    steps = resp.choices[0].model_extra["prompt_logprobs"]
+    _, tok = server.request("POST", "/tokenize", {"prompt": PROMPT})
+    ids = tok["tokens"]
+    assert len(steps) == len(ids) and steps[0] is None
+    echo = greedy(client, model_name, max_tokens=1, echo=True, logprobs=2).choices[0].logprobs
+    for pos, step in enumerate(steps[1:], start=1):
+        assert str(ids[pos]) in step and 2 <= len(step) <= 3
+        assert {1, 2} <= {e["rank"] for e in step.values()}  # the top 2, and the prompt's own token at its rank
+        assert step[str(ids[pos])]["logprob"] == pytest.approx(echo.token_logprobs[pos], abs=1e-5)
+        assert step[str(ids[pos])]["decoded_token"] == echo.tokens[pos]
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    chat_steps = chat.model_extra["prompt_logprobs"]
+    assert len(chat_steps) == chat.usage.prompt_tokens and chat_steps[0] is None
+    assert all(len(step) == 1 and next(iter(step.values()))["logprob"] <= 0 for step in chat_steps[1:])
+    assert greedy(client, model_name, max_tokens=1).choices[0].model_extra.get("prompt_logprobs") is None
+    for extra in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}):
+        status, body = server.request("POST", "/v1/completions", {"model": model_name, "prompt": PROMPT, **extra})
+        assert status == 400 and body["error"]["param"] == "prompt_logprobs", body
+
+
 def test_logprobs_streaming(client, model_name):
     full = greedy(client, model_name, max_tokens=6, logprobs=2)
     chunks = list(greedy(client, model_name, max_tokens=6, logprobs=2, stream=True))

@@ -80,6 +80,16 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first) its top-N and its own entry, by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -110,6 +120,7 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
+    prompt_logprobs: Int64 | None = None  # the top-N log-probabilities of each prompt token (not when streaming)
     top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -183,6 +194,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -294,6 +306,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (of the prompt all choices share)
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -448,6 +448,7 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
+            prompt_logprobs=self.prompt_logprobs_of(request, final),
         )
 
     def chat_logprobs(

@@ -170,6 +170,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=c.stop_reason,
                         prompt_token_ids=p.ids if request.return_token_ids else None,
                         token_ids=list(c.token_ids) if request.return_token_ids else None,
+                        prompt_logprobs=self.prompt_logprobs_of(request, out),
                     )
                 )
         choices.sort(key=lambda ch: ch.index)

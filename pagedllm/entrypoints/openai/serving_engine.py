@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingFields
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, PromptLogprob, PromptLogprobs, SamplingFields
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -159,6 +159,26 @@ class OpenAIServing:
 
     # ---- request -> SamplingParams ------------------------------------------------------------------------
 
+    @staticmethod
+    def prompt_logprobs_of(request: SamplingFields, out: RequestOutput) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of a response, when the request asked for them."""
+        if request.prompt_logprobs is None:
+            return None
+        steps: PromptLogprobs = []
+        for step in out.prompt_logprobs or []:
+            if step is None:
+                steps.append(None)
+                continue
+            steps.append(
+                {
+                    str(tid): PromptLogprob(
+                        logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                    )
+                    for tid, lp in step.items()
+                }
+            )
+        return steps
+
     def sampling_params(
         self,
         request: SamplingFields,
@@ -177,6 +197,10 @@ class OpenAIServing:
                 raise ValueError(
                     f"logit_bias keys must be token ids (integers as strings), got {list(request.logit_bias)!r:.100}"
                 ) from None
+        if request.prompt_logprobs is not None:
+            if request.stream:
+                raise ValueError("prompt_logprobs is not available when stream is true")
+            prompt_logprobs = max(request.prompt_logprobs, prompt_logprobs or 0)
         defaults = self.default_sampling_params  # --generation-config's, for what the request leaves unset
         top_k = _or(request.top_k, defaults.get("top_k", -1))
         if top_k == 0:
