@@ -1,7 +1,7 @@
 """pagedllm: an LLM inference and serving engine with the architecture of vLLM V1.
 
 Public API: `LLM` (offline), `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`, `CompletionOutput`,
-`PoolingParams` (pooling models), `LoRARequest` (adapters).
+`PoolingParams` (pooling models), `LoRARequest` (adapters), `BeamSearchParams` (`LLM.beam_search`).
 
 The names are imported on first use (PEP 562), not with the package: `import pagedllm.x` for a light module (the
 CLI's argument parsing, the engine-core launcher) must not pay for torch and transformers, so that `pagedllm serve`
@@ -15,6 +15,7 @@ from pagedllm.logger import configure_logging
 configure_logging()
 
 if TYPE_CHECKING:
+    from pagedllm.beam_search import BeamSearchParams
     from pagedllm.engine.llm import LLM
     from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -31,6 +32,7 @@ _EXPORTS = {
     "Logprob": "pagedllm.outputs",
     "PoolingParams": "pagedllm.pooling_params",
     "LoRARequest": "pagedllm.lora.request",
+    "BeamSearchParams": "pagedllm.beam_search",
 }
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "RequestOutputKind",
     "PoolingParams",
     "LoRARequest",
+    "BeamSearchParams",
 ]
 __version__ = "0.1.0"
 

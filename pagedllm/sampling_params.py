@@ -183,3 +183,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with some fields replaced (validated again)."""
         return msgspec.structs.replace(self, **changes)
+
+
+def __getattr__(name: str) -> Any:
+    """`BeamSearchParams` where vLLM has it (defined in beam_search.py, which imports this module)."""
+    if name == "BeamSearchParams":
+        from pagedllm.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig, engine_client_default
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.exceptions import EngineSleepingError
@@ -183,6 +184,18 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         loras = self._as_lora_list(lora_request, len(prompt_list))
         return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True, loras=loras)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the `params.beam_width` best sequences of each prompt, best first (beam_search.py)."""
+        from pagedllm.beam_search import beam_search
+
+        return beam_search(self, self._as_prompt_list(prompts), params, lora_request, use_tqdm)
 
     def chat(
         self,
