@@ -88,6 +88,86 @@ def _prompt_ids(llm: LLM, prompt: Any) -> list[int]:
     raise ValueError(f"a beam search prompt is a string, token ids or a prompt dict, got {type(prompt).__name__}")
 
 
+class BeamSearch:
+    """The search of a batch of prompts, driven from outside: `pending()` gives the token lists to run as one-token
+    requests (`step_params()`), `advance()` takes each one's top log-probabilities in that order; empty `pending()`:
+    done, `results()` the best sequences. Drivers: `beam_search` (LLM) and the server's (AsyncLLM)."""
+
+    def __init__(
+        self,
+        starts: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+        max_logprobs: int,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        if 2 * params.beam_width > max_logprobs:
+            raise ValueError(
+                f"beam_width {params.beam_width} needs the top {2 * params.beam_width} log-probabilities of each "
+                f"step, above --max-logprobs {max_logprobs}"
+            )
+        self.params = params
+        self.eos = eos_token_id
+        self.max_len = max_model_len
+        self.lora_request = lora_request
+        self.live = [[BeamSearchSequence(tokens=list(ids), lora_request=lora_request)] for ids in starts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in starts]
+        self.steps = 0
+
+    def step_params(self) -> Any:
+        from pagedllm.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=1, logprobs=2 * self.params.beam_width, temperature=self.params.temperature)
+
+    def _key(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty)
+
+    def pending(self) -> list[list[int]]:
+        if self.steps >= self.params.max_tokens:
+            return []
+        for i, beams in enumerate(self.live):  # a beam at the context length can grow no more
+            self.done[i] += [b for b in beams if len(b.tokens) >= self.max_len]
+            self.live[i] = [b for b in beams if len(b.tokens) < self.max_len]
+        return [beam.tokens for beams in self.live for beam in beams]
+
+    def advance(self, steps: Sequence[dict[int, Logprob]]) -> None:
+        at = 0
+        for i, beams in enumerate(self.live):
+            grown: list[BeamSearchSequence] = []
+            for beam, step in zip(beams, steps[at : at + len(beams)], strict=True):
+                for token, lp in step.items():
+                    child = BeamSearchSequence(
+                        tokens=[*beam.tokens, token],
+                        logprobs=[*beam.logprobs, step],
+                        lora_request=self.lora_request,
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if token == self.eos and not self.params.ignore_eos:
+                        child.finish_reason = "stop"  # stop_reason None: the end-of-sequence token, as in outputs
+                        self.done[i].append(child)
+                    else:
+                        grown.append(child)
+            at += len(beams)
+            self.live[i] = sorted(grown, key=self._key, reverse=True)[: self.params.beam_width]
+        self.steps += 1
+
+    def results(self, decode: Any, prompt_lens: Sequence[int] | None = None) -> list[BeamSearchOutput]:
+        """The best complete sequences of each prompt; `text` decodes all of `tokens`, or only the generated ones
+        where `prompt_lens` gives the prompts' lengths (the server's choices)."""
+        out = []
+        for i, beams in enumerate(self.live):
+            best = sorted(self.done[i] + beams, key=self._key, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                beam.finish_reason = beam.finish_reason or "length"
+                end = len(beam.tokens)
+                if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                    end -= 1
+                beam.text = decode(beam.tokens[(prompt_lens[i] if prompt_lens else 0) : end])
+            out.append(BeamSearchOutput(sequences=best))
+        return out
+
+
 def beam_search(
     llm: LLM,
     prompts: Sequence[Any],
@@ -96,60 +176,19 @@ def beam_search(
     use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
     """The `params.beam_width` best sequences of each prompt (module docstring)."""
-    from pagedllm.sampling_params import SamplingParams
-
-    width = params.beam_width
-    max_logprobs = llm.config.model_config.max_logprobs
-    if 2 * width > max_logprobs:
-        raise ValueError(
-            f"beam_width {width} needs the top {2 * width} log-probabilities of each step, above --max-logprobs "
-            f"{max_logprobs}"
-        )
-    eos = llm.input_processor.eos_token_id
-    max_len = llm.config.model_config.max_model_len
-
-    def key(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-    starts = [_prompt_ids(llm, p) for p in prompts]
-    live = [[BeamSearchSequence(tokens=ids, lora_request=lora_request)] for ids in starts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in starts]
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature)
-    for _ in range(params.max_tokens):
-        for i, beams in enumerate(live):  # a beam at the context length can grow no more
-            done[i] += [b for b in beams if len(b.tokens) >= max_len]
-            live[i] = [b for b in beams if len(b.tokens) < max_len]
-        batch = [beam for beams in live for beam in beams]
-        if not batch:
-            break
+    mc = llm.config.model_config
+    search = BeamSearch(
+        [_prompt_ids(llm, p) for p in prompts],
+        params,
+        llm.input_processor.eos_token_id,
+        mc.max_model_len,
+        mc.max_logprobs,
+        lora_request,
+    )
+    step_params = search.step_params()
+    while batch := search.pending():
         outs = llm.generate(
-            [{"prompt_token_ids": b.tokens} for b in batch], step_params, use_tqdm=use_tqdm, lora_request=lora_request
+            [{"prompt_token_ids": t} for t in batch], step_params, use_tqdm=use_tqdm, lora_request=lora_request
         )
-        at = 0
-        for i, beams in enumerate(live):
-            grown: list[BeamSearchSequence] = []
-            for beam, out in zip(beams, outs[at : at + len(beams)], strict=True):
-                step = out.outputs[0].logprobs[0]
-                for token, lp in step.items():
-                    child = BeamSearchSequence(
-                        tokens=[*beam.tokens, token],
-                        logprobs=[*beam.logprobs, step],
-                        lora_request=lora_request,
-                        cum_logprob=beam.cum_logprob + lp.logprob,
-                    )
-                    if token == eos and not params.ignore_eos:
-                        child.finish_reason, child.stop_reason = "stop", token
-                        done[i].append(child)
-                    else:
-                        grown.append(child)
-            at += len(beams)
-            live[i] = sorted(grown, key=key, reverse=True)[:width]
-    results = []
-    for i, beams in enumerate(live):
-        best = sorted(done[i] + beams, key=key, reverse=True)[:width]
-        for beam in best:
-            beam.finish_reason = beam.finish_reason or "length"
-            skip = beam.finish_reason == "stop" and not params.include_stop_str_in_output
-            beam.text = llm.tokenizer.decode(beam.tokens[:-1] if skip else beam.tokens)
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+        search.advance([out.outputs[0].logprobs[0] for out in outs])
+    return search.results(llm.tokenizer.decode)

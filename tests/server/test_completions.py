@@ -310,3 +310,25 @@ def test_raw_sse_framing(server, model_name):
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert "usage" not in json.loads(events[0][6:])  # only with stream_options.include_usage
+
+
+def test_use_beam_search_gives_the_offline_beams(client, model_name):
+    """vLLM's `use_beam_search` (width `n`): the choices are LLM.beam_search's sequences, best first, with their
+    generated text; chat too; a width above half of --max-logprobs is a 400."""
+    from pagedllm import LLM, BeamSearchParams
+
+    with LLM(engine_client="inproc", max_model_len=1024, kv_cache_memory_bytes="64MiB") as llm:
+        ids = llm.get_tokenizer().encode(PROMPT)
+        best = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=8))[0].sequences
+        want = [llm.get_tokenizer().decode(s.tokens[len(ids) : len(s.tokens) - (s.finish_reason == "stop")])
+                for s in best]  # fmt: skip
+    resp = greedy(client, model_name, max_tokens=8, n=3, extra_body={"use_beam_search": True})
+    assert [c.text for c in resp.choices] == want and [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage.completion_tokens == sum(len(s.tokens) - len(ids) for s in best)
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a color."}], max_tokens=6, n=2,
+        temperature=0, extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="beam_width 11 needs the top 22"):
+        greedy(client, model_name, max_tokens=2, n=11, extra_body={"use_beam_search": True})

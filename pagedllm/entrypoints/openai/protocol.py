@@ -121,6 +121,8 @@ class SamplingFields(OpenAIBaseModel):
     user: str | None = None
     # vLLM's extra sampling parameters
     prompt_logprobs: Int64 | None = None  # the top-N log-probabilities of each prompt token (not when streaming)
+    use_beam_search: bool = False  # beam search of width n (pagedllm/beam_search.py)
+    length_penalty: float = 1.0  # beam search: scores are logprob sums over length ** length_penalty
     top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

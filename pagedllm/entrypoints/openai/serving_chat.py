@@ -288,13 +288,12 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tools(request, self.enable_auto_tool_choice, self.tool_call_parser)
         text, ids, params = await self.off_loop(self._prepare, request, plan)
         self.check_engine()
-        gen = self.engine.generate(
-            {"prompt": text, "prompt_token_ids": ids},
-            params,
-            request_id,
-            priority=request.priority,
-            lora_request=self.lora_request(request.model),
-        )
+        lora = self.lora_request(request.model)
+        if getattr(request, "use_beam_search", False):
+            gen = self.beam_generate(text, ids, params, request, request_id, lora)
+        else:
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            gen = self.engine.generate(prompt, params, request_id, priority=request.priority, lora_request=lora)
         return ChatRun(request_id, len(ids), gen, plan)
 
     async def collect(self, run: ChatRun, request: ChatCompletionRequest, raw_request: Request) -> RequestOutput:

@@ -68,16 +68,22 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         request_id = f"cmpl-{random_uuid()}"
         lora = self.lora_request(request.model)
-        gens = [
-            self.engine.generate(
-                {"prompt_token_ids": p.ids} if p.text is None else {"prompt": p.text, "prompt_token_ids": p.ids},
-                p.params,
-                f"{request_id}-{i}",
-                priority=request.priority,
-                lora_request=lora,
-            )
-            for i, p in enumerate(prompts)
-        ]
+        if request.use_beam_search:
+            gens = [
+                self.beam_generate(p.text, p.ids, p.params, request, f"{request_id}-{i}", lora)
+                for i, p in enumerate(prompts)
+            ]
+        else:
+            gens = [
+                self.engine.generate(
+                    {"prompt_token_ids": p.ids} if p.text is None else {"prompt": p.text, "prompt_token_ids": p.ids},
+                    p.params,
+                    f"{request_id}-{i}",
+                    priority=request.priority,
+                    lora_request=lora,
+                )
+                for i, p in enumerate(prompts)
+            ]
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, gens))
         try:

@@ -34,7 +34,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, PromptLogprob, PromptLogprobs, SamplingFields
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import GRAMMAR_REFUSED, validate_structured_outputs
 
@@ -158,6 +158,65 @@ class OpenAIServing:
         return min(rest, self.default_sampling_params.get("max_tokens", rest))
 
     # ---- request -> SamplingParams ------------------------------------------------------------------------
+
+    async def beam_generate(
+        self,
+        prompt_text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        request: SamplingFields,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's `use_beam_search`: a beam search of width `n` over `params.max_tokens` tokens at `params`'
+        temperature; yields one finished RequestOutput whose outputs are the beams, best first (their text and token
+        ids the generated ones). Each step's one-token requests run together; leaving early aborts them."""
+        from pagedllm.beam_search import BeamSearch, BeamSearchParams
+
+        beam = BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=params.max_tokens or 1,
+            ignore_eos=request.ignore_eos,
+            temperature=params.temperature,
+            length_penalty=request.length_penalty,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+        mc = self.engine.model_config
+        search = BeamSearch(
+            [ids], beam, self.engine.input_processor.eos_token_id, self.max_model_len, mc.max_logprobs, lora_request
+        )
+        step_params = search.step_params()
+        step = 0
+        while batch := search.pending():
+            gens = [
+                self.engine.generate(
+                    {"prompt_token_ids": tokens},
+                    step_params,
+                    f"{request_id}-beam{step}-{j}",
+                    priority=request.priority,
+                    lora_request=lora_request,
+                )
+                for j, tokens in enumerate(batch)
+            ]
+            finals: list[Any] = [None] * len(gens)
+            async for j, out in merge_async_iterators(*gens):
+                raise_if_failed(out)
+                finals[j] = out
+            search.advance([out.outputs[0].logprobs[0] for out in finals])
+            step += 1
+        best = search.results(self.tokenizer.decode, [len(ids)])[0].sequences
+        outputs = [
+            CompletionOutput(
+                index=k,
+                text=b.text or "",
+                token_ids=b.tokens[len(ids) :],
+                cumulative_logprob=b.cum_logprob,
+                finish_reason=b.finish_reason,
+                stop_reason=b.stop_reason,
+            )
+            for k, b in enumerate(best)
+        ]
+        yield RequestOutput(request_id, prompt_text, ids, None, outputs, True)
 
     @staticmethod
     def prompt_logprobs_of(request: SamplingFields, out: RequestOutput) -> PromptLogprobs | None:
