@@ -304,10 +304,13 @@ class EngineArgs:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         tag = getattr(args, "model_tag", None)
         rest = getattr(args, "served_model_name_rest", None) or []
-        stray = [n for n in rest if os.path.exists(os.path.expanduser(n))]
+        from pagedllm.model.packaged import PACKAGED_MODELS
+
+        models = [n for n in rest if n in PACKAGED_MODELS or n.endswith(".gguf")]
+        stray = models + [n for n in rest if n not in models and os.path.exists(os.path.expanduser(n))]
         if stray and tag is None and values["model"] is None:  # `--served-model-name NAME MODEL` took the model
             raise ValueError(
-                f"--served-model-name took {stray[0]!r}, a path, as a further name: give the model before the flag "
+                f"--served-model-name took {stray[0]!r}, a model, as a further name: give the model before the flag "
                 f"(pagedllm serve {stray[0]} --served-model-name ...)"
             )
         if tag is not None:

@@ -135,8 +135,13 @@ def test_served_model_name_takes_further_names_but_not_the_model(tmp_path):
     ns = parser.parse_args([str(model), "--served-model-name", "a", "b"])
     assert EngineArgs.from_cli_args(ns).served_model_name == "a" and ns.served_model_name_rest == ["b"]
     ns = parser.parse_args(["--served-model-name", "a", str(model)])
-    with pytest.raises(ValueError, match="took .*m.gguf.*, a path, as a further name"):
+    with pytest.raises(ValueError, match="took .*m.gguf.*, a model, as a further name"):
         EngineArgs.from_cli_args(ns)
+    from pagedllm.model.packaged import PACKAGED_MODELS
+
+    packaged = next(iter(PACKAGED_MODELS))  # a packaged model's name, which is no path
+    with pytest.raises(ValueError, match=f"took '{packaged}', a model"):
+        EngineArgs.from_cli_args(parser.parse_args(["--served-model-name", "a", packaged]))
 
 
 @pytest.mark.parametrize("bad", ["0", "-0.5", "1.5"])

@@ -179,6 +179,8 @@ def test_prompt_logprobs_as_vllm_gives_them(server, client, model_name):
     chat = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
     )
+    mixed = greedy(client, model_name, max_tokens=1, echo=True, logprobs=4, extra_body={"prompt_logprobs": 0})
+    assert all(len(step) == 1 for step in mixed.choices[0].model_extra["prompt_logprobs"][1:])  # own token only
     chat_steps = chat.model_extra["prompt_logprobs"]
     assert len(chat_steps) == chat.usage.prompt_tokens and chat_steps[0] is None
     assert all(len(step) == 1 and next(iter(step.values()))["logprob"] <= 0 for step in chat_steps[1:])
@@ -330,5 +332,27 @@ def test_use_beam_search_gives_the_offline_beams(client, model_name):
         temperature=0, extra_body={"use_beam_search": True},
     )  # fmt: skip
     assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
-    with pytest.raises(openai.BadRequestError, match="beam_width 11 needs the top 22"):
-        greedy(client, model_name, max_tokens=2, n=11, extra_body={"use_beam_search": True})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="use_beam_search cannot follow"):  # no silent free text
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, tools=[tool],
+            tool_choice="required", extra_body={"use_beam_search": True},
+        )  # fmt: skip
+    with_logprobs = greedy(client, model_name, max_tokens=8, n=3, logprobs=1, extra_body={"use_beam_search": True})
+    lp = with_logprobs.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(
+        [s[t].logprob for s, t in zip(best[0].logprobs, best[0].tokens[len(ids) :])]
+    )
+    chunks = list(greedy(client, model_name, max_tokens=8, n=3, stream=True, extra_body={"use_beam_search": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == want
+    for extra, match in [
+        ({"n": 11}, "a width n of 11 needs the top 22"),
+        ({"n": 11, "stream": True}, "a width n of 11"),  # before the stream begins
+        ({"n": 2, "extra_body": {"response_format": {"type": "json_object"}}}, "structured output"),
+        ({"n": 2, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ]:
+        kw = {"max_tokens": 2, **extra}
+        kw["extra_body"] = {"use_beam_search": True, **kw.get("extra_body", {})}
+        with pytest.raises(openai.BadRequestError, match=match):
+            greedy(client, model_name, **kw)

@@ -612,16 +612,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         methods.setdefault(route.path, set()).update(route.methods)
     for path, ms in methods.items():
         logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(ms)))
-    for lora in app.state.lora_modules:  # --lora-modules: a bad one stops the server before it listens
-        if app.state.stack is not None and lora.lora_name in app.state.stack.serving_chat.served_model_names:
-            app.state.exit_code = 1
-            raise ValueError(f"--lora-modules: the name {lora.lora_name!r} is the base model's")
-        try:
-            await app.state.engine.add_lora(lora)
-        except ValueError:
-            app.state.exit_code = 1
-            raise
-        logger.info("LoRA adapter %r served (from %s)", lora.lora_name, lora.lora_path)
+    try:
+        await load_lora_modules(app)  # --lora-modules: a bad one stops the server before it listens
+    except ValueError:
+        app.state.exit_code = 1
+        raise
     manager = app.state.manager
     if manager is not None:
         manager.start()
@@ -634,6 +629,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await watchdog
         if manager is not None:  # the router's engines stop with the server
             await manager.shutdown()
+
+
+async def load_lora_modules(app: FastAPI) -> None:
+    """Load the one-model app's --lora-modules (ValueError naming a bad one, or one named like the base model)."""
+    for lora in app.state.lora_modules:
+        if app.state.stack is not None and lora.lora_name in app.state.stack.serving_chat.served_model_names:
+            raise ValueError(f"--lora-modules: the name {lora.lora_name!r} is the base model's")
+        await app.state.engine.add_lora(lora)
+        logger.info("LoRA adapter %r served (from %s)", lora.lora_name, lora.lora_path)
 
 
 async def _watchdog(app: FastAPI) -> None:

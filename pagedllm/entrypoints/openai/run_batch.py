@@ -9,9 +9,10 @@ Contract:
   them.
 * OUTPUT (a path, or `-` for stdout) gets one line per request, in the input's order: `{"id": "batch_req_...",
   "custom_id": ..., "response": {"status_code": ..., "request_id": ..., "body": ...}, "error": null}`; a request the
-  server refuses has `"body": null` and its error (`message`, `type`, `param`, `code`) in `error`, as vLLM writes
-  it. A line that is not such a request (bad JSON, a missing field, another method or url, `"stream": true`) is a
-  400 of its own; no line stops the batch.
+  server refuses has `"body": null` and its error (`message`, `type`, `param`, `code`) in `error` with the server's
+  status (400, 404, 413, 500, ...), as vLLM writes it. A line that is not such a request (bad JSON, a missing field,
+  another method or url, `"stream": true`) is a 400 of its own; an exception in the app is that line's 500; no
+  line stops the batch. --max-queued-requests does not apply (the lines wait their turn).
 * The exit status is 0 once every line has its answer, whatever the answers; 2 for a bad flag or an unreadable
   INPUT. The engine stops before the command returns.
 """
@@ -93,7 +94,8 @@ async def run_lines(app: Any, lines: list[str]) -> list[dict[str, Any]]:
     import httpx
 
     gate = asyncio.Semaphore(MAX_IN_FLIGHT)
-    transport = httpx.ASGITransport(app=app)
+    # an exception the app does not turn into a response is that line's 500, not the end of the batch
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
 
         async def one(line: str) -> dict[str, Any]:
@@ -102,7 +104,12 @@ async def run_lines(app: Any, lines: list[str]) -> list[dict[str, Any]]:
                 return parsed
             custom_id, url, body = parsed
             async with gate:
-                resp = await client.post(url, json=body)
+                try:
+                    resp = await client.post(url, json=body)
+                except Exception as e:  # noqa: BLE001 - reported in the line's answer
+                    logger.exception("run-batch: request %r failed", custom_id)
+                    error = {"message": f"{type(e).__name__}: {e}", "type": "InternalServerError", "code": 500}
+                    return _output(custom_id, 500, None, {**error, "param": None})
             try:
                 answer = resp.json()
             except ValueError:
@@ -142,20 +149,20 @@ def write_lines(out: TextIO, outputs: list[dict[str, Any]]) -> None:
 def main(args: argparse.Namespace) -> int:
     """`pagedllm run-batch`: read, run every request, write the answers; the exit status."""
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.entrypoints.openai.api_server import build_app, check_server_args, start_engine
+    from pagedllm.entrypoints.openai.api_server import build_app, check_server_args, load_lora_modules, start_engine
     from pagedllm.metrics import stats_log_interval
 
     lines = _read(args.input_file)
     engine_args = EngineArgs.from_cli_args(args)
     check_server_args(args, engine_args)
     args.api_key = None  # no client here to send one (check_server_args took $PAGEDLLM_API_KEY's)
+    args.max_queued_requests = None  # the batch is its own queue: its lines wait their turn, never a 429
     engine = start_engine(args, engine_args, None, stats_log_interval())
     try:
         app = build_app(engine, args)
 
         async def run() -> list[dict[str, Any]]:
-            for lora in app.state.lora_modules:  # --lora-modules, as the server's start-up loads them
-                await engine.add_lora(lora)
+            await load_lora_modules(app)  # --lora-modules, as the server's start-up loads them
             return await run_lines(app, lines)
 
         outputs = asyncio.run(run())

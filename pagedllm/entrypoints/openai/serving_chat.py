@@ -336,6 +336,12 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = (request.top_logprobs or 0) if request.logprobs else None
             params = self.sampling_params(request, max_tokens, logprobs)
             constraint = tool_constraint(request, plan)
+            if constraint is not None and request.use_beam_search:
+                raise OpenAIError(
+                    f"tool_choice {request.tool_choice!r} constrains the output: use_beam_search cannot follow it",
+                    400,
+                    "tool_choice",
+                )
             if constraint is not None:
                 if params.structured_outputs is not None:
                     raise OpenAIError(

@@ -211,6 +211,7 @@ class OpenAIServing:
                 text=b.text or "",
                 token_ids=b.tokens[len(ids) :],
                 cumulative_logprob=b.cum_logprob,
+                logprobs=b.logprobs,
                 finish_reason=b.finish_reason,
                 stop_reason=b.stop_reason,
             )
@@ -223,17 +224,20 @@ class OpenAIServing:
         """vLLM's `prompt_logprobs` of a response, when the request asked for them."""
         if request.prompt_logprobs is None:
             return None
+        top = request.prompt_logprobs  # the engine may have computed more, for echo's logprobs
         steps: PromptLogprobs = []
-        for step in out.prompt_logprobs or []:
+        for pos, step in enumerate(out.prompt_logprobs or []):
             if step is None:
                 steps.append(None)
                 continue
+            own = out.prompt_token_ids[pos]
             steps.append(
                 {
                     str(tid): PromptLogprob(
                         logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
                     )
                     for tid, lp in step.items()
+                    if tid == own or (lp.rank is not None and lp.rank <= top)
                 }
             )
         return steps
@@ -256,6 +260,17 @@ class OpenAIServing:
                 raise ValueError(
                     f"logit_bias keys must be token ids (integers as strings), got {list(request.logit_bias)!r:.100}"
                 ) from None
+        if request.use_beam_search:
+            max_logprobs = self.engine.input_processor.max_logprobs
+            if 2 * request.n > max_logprobs:
+                raise ValueError(
+                    f"use_beam_search: a width n of {request.n} needs the top {2 * request.n} log-probabilities of "
+                    f"each step, above --max-logprobs {max_logprobs}"
+                )
+            if request.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs is not available with use_beam_search")
+            if structured_outputs_of(request) is not None:
+                raise ValueError("use_beam_search cannot follow a structured output constraint (response_format, ...)")
         if request.prompt_logprobs is not None:
             if request.stream:
                 raise ValueError("prompt_logprobs is not available when stream is true")
