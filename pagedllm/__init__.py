@@ -15,12 +15,11 @@ from pagedllm.logger import configure_logging
 configure_logging()
 
 if TYPE_CHECKING:
-    from pagedllm.beam_search import BeamSearchParams
     from pagedllm.engine.llm import LLM
     from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.pooling_params import PoolingParams
-    from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "pagedllm.engine.llm",
@@ -32,7 +31,7 @@ _EXPORTS = {
     "Logprob": "pagedllm.outputs",
     "PoolingParams": "pagedllm.pooling_params",
     "LoRARequest": "pagedllm.lora.request",
-    "BeamSearchParams": "pagedllm.beam_search",
+    "BeamSearchParams": "pagedllm.sampling_params",
 }
 
 __all__ = [

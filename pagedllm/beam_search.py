@@ -1,4 +1,5 @@
-"""Beam search over `LLM`, as vLLM's `LLM.beam_search`: `BeamSearchParams`, `BeamSearchSequence`, `BeamSearchOutput`.
+"""Beam search over `LLM`, as vLLM's `LLM.beam_search`: `BeamSearchSequence`, `BeamSearchOutput` (the parameters,
+`BeamSearchParams`, are in sampling_params.py, where vLLM has them).
 
 Contract: `beam_search(llm, prompts, params)` keeps, for each prompt, the `beam_width` best sequences by score
 (`beam_search_score`: the sum of their tokens' log-probabilities over their length to the power `length_penalty`, an
@@ -18,30 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm import LLM
     from pagedllm.lora.request import LoRARequest
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's beam search parameters."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
 
 
 @dataclass
@@ -76,7 +57,7 @@ def beam_search_score(
     return cum_logprob / max(length, 1) ** length_penalty
 
 
-def _prompt_ids(llm: LLM, prompt: Any) -> list[int]:
+def _prompt_ids(llm: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         return llm.input_processor.tokenize(prompt, True)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -115,9 +96,7 @@ class BeamSearch:
         self.done: list[list[BeamSearchSequence]] = [[] for _ in starts]
         self.steps = 0
 
-    def step_params(self) -> Any:
-        from pagedllm.sampling_params import SamplingParams
-
+    def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, logprobs=2 * self.params.beam_width, temperature=self.params.temperature)
 
     def _key(self, beam: BeamSearchSequence) -> float:
@@ -169,13 +148,14 @@ class BeamSearch:
 
 
 def beam_search(
-    llm: LLM,
+    llm: Any,
     prompts: Sequence[Any],
     params: BeamSearchParams,
     lora_request: LoRARequest | None = None,
     use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
-    """The `params.beam_width` best sequences of each prompt (module docstring)."""
+    """The `params.beam_width` best sequences of each prompt (module docstring); `llm`: an `LLM` (engine/llm.py,
+    which imports this module)."""
     mc = llm.config.model_config
     search = BeamSearch(
         [_prompt_ids(llm, p) for p in prompts],

@@ -8,6 +8,7 @@ raises `ValueError` naming the field and the value.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -185,10 +186,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return msgspec.structs.replace(self, **changes)
 
 
-def __getattr__(name: str) -> Any:
-    """`BeamSearchParams` where vLLM has it (defined in beam_search.py, which imports this module)."""
-    if name == "BeamSearchParams":
-        from pagedllm.beam_search import BeamSearchParams
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters."""
 
-        return BeamSearchParams
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedllm.beam_search import BeamSearchOutput
 from pagedllm.config import EngineConfig, engine_client_default
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.exceptions import EngineSleepingError
@@ -34,7 +34,7 @@ from pagedllm.outputs import (
 )
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import eos_token_id, get_tokenizer
 
 logger = logging.getLogger(__name__)

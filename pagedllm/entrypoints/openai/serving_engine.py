@@ -35,7 +35,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_fr
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, PromptLogprob, PromptLogprobs, SamplingFields
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import GRAMMAR_REFUSED, validate_structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class OpenAIServing:
         """vLLM's `use_beam_search`: a beam search of width `n` over `params.max_tokens` tokens at `params`'
         temperature; yields one finished RequestOutput whose outputs are the beams, best first (their text and token
         ids the generated ones). Each step's one-token requests run together; leaving early aborts them."""
-        from pagedllm.beam_search import BeamSearch, BeamSearchParams
+        from pagedllm.beam_search import BeamSearch
 
         beam = BeamSearchParams(
             beam_width=request.n,
