@@ -58,15 +58,11 @@ def beam_search_score(
 
 
 def _prompt_ids(llm: Any, prompt: Any) -> list[int]:
-    if isinstance(prompt, str):
-        return llm.input_processor.tokenize(prompt, True)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return llm.input_processor.tokenize(prompt["prompt"], True)
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    raise ValueError(f"a beam search prompt is a string, token ids or a prompt dict, got {type(prompt).__name__}")
+    """A prompt's token ids, read as `generate` reads prompts (a string is tokenized with special tokens)."""
+    from pagedllm.engine.input_processor import parse_prompt
+
+    text, ids = parse_prompt(prompt)
+    return ids if ids is not None else llm.input_processor.tokenize(text, True)
 
 
 class BeamSearch:

@@ -92,9 +92,6 @@ class _FirstAndRest(argparse.Action):
         setattr(namespace, f"{self.dest}_rest", list(values[1:]))
 
 
-_ACTIONS = {"_first_and_rest": _FirstAndRest}
-
-
 def _arg(default: Any, help: str, *, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
     """A field of EngineArgs with what its flag needs beyond its name, type and default."""
     return field(default=default, metadata={"help": help, "aliases": aliases, "argparse": argparse_kwargs})
@@ -115,7 +112,7 @@ class EngineArgs:
         "model name in the API (default: the model's folder or file name); as vLLM's, more names may follow, which "
         "requests may also give (the first names responses)",
         nargs="+",
-        action="_first_and_rest",
+        action=_FirstAndRest,
     )
     chat_template: str | None = _arg(
         None,
@@ -284,8 +281,6 @@ class EngineArgs:
         hints = typing.get_type_hints(EngineArgs)
         for f in dataclasses.fields(EngineArgs):
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, **f.metadata["argparse"]}
-            if kwargs.get("action") in _ACTIONS:
-                kwargs["action"] = _ACTIONS[kwargs["action"]]
             help_text = f.metadata["help"]
             if f.default is not None and not isinstance(f.default, bool):
                 help_text += " (default: %(default)s)"

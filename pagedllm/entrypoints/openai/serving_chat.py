@@ -65,6 +65,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp_logprob,
+    collect_finals,
     merge_async_iterators,
     raise_if_failed,
     run_until_disconnected,
@@ -299,7 +300,7 @@ class OpenAIServingChat(OpenAIServing):
     async def collect(self, run: ChatRun, request: ChatCompletionRequest, raw_request: Request) -> RequestOutput:
         """The final output of a non-streamed run (aborted if the client goes away)."""
         try:
-            return await run_until_disconnected(self._collect(run.gen), raw_request)
+            return (await run_until_disconnected(collect_finals([run.gen]), raw_request))[0]
         except (OpenAIError, ClientDisconnected):
             raise
         except Exception as e:
@@ -376,14 +377,6 @@ class OpenAIServingChat(OpenAIServing):
         return text, self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
 
     # ---- results ----------------------------------------------------------------------------------------------
-
-    async def _collect(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = None
-        async for _, out in merge_async_iterators(gen):
-            raise_if_failed(out)
-            final = out
-        assert final is not None
-        return final
 
     def _message(self, plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
         """The assistant message of a finished choice: its thinking apart (with a reasoning parser), and its tool

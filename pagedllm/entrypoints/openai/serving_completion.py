@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp_logprob,
+    collect_finals,
     merge_async_iterators,
     raise_if_failed,
     run_until_disconnected,
@@ -87,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, gens))
         try:
-            finals = await run_until_disconnected(self._collect(gens), raw_request)
+            finals = await run_until_disconnected(collect_finals(gens), raw_request)
         except (OpenAIError, ClientDisconnected):
             raise
         except Exception as e:
@@ -141,13 +142,6 @@ class OpenAIServingCompletion(OpenAIServing):
         return p.text
 
     # ---- results ----------------------------------------------------------------------------------------------
-
-    async def _collect(self, gens: list) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(gens)
-        async for i, out in merge_async_iterators(*gens):
-            raise_if_failed(out)
-            finals[i] = out
-        return finals  # type: ignore[return-value]
 
     def _response(
         self, request: CompletionRequest, request_id: str, prompts: list[_Prompt], finals: list[RequestOutput]

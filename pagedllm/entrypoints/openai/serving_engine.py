@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -198,10 +198,7 @@ class OpenAIServing:
                 )
                 for j, tokens in enumerate(batch)
             ]
-            finals: list[Any] = [None] * len(gens)
-            async for j, out in merge_async_iterators(*gens):
-                raise_if_failed(out)
-                finals[j] = out
+            finals = await collect_finals(gens)
             search.advance([out.outputs[0].logprobs[0] for out in finals])
             step += 1
         best = search.results(self.tokenizer.decode, [len(ids)])[0].sequences
@@ -318,6 +315,16 @@ class OpenAIServing:
         if err.status >= 500 and err.status != 503:
             logger.error("request failed", exc_info=exc)
         return err
+
+
+async def collect_finals(gens: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The last output of each generator, in their order (raise_if_failed on every output)."""
+    finals: list[RequestOutput | None] = [None] * len(gens)
+    async for i, out in merge_async_iterators(*gens):
+        raise_if_failed(out)
+        finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
 
 
 def raise_if_failed(out: RequestOutput) -> None:
