@@ -107,7 +107,13 @@ class InputProcessor:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """The prompt text of `messages` through the chat template (`chat_template` instead of the model's own).
+        `documents` and each `chat_template_kwargs` entry become the template's variables, as in vLLM (e.g. Qwen3's
+        `enable_thinking`); a key that names one of the renderer's own arguments is a ValueError."""
+        extra = check_chat_template_kwargs(chat_template_kwargs)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 "this model has no chat template (a base model's file carries none): give one (`--chat-template` "
@@ -122,6 +128,8 @@ class InputProcessor:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             tools=tools,
+            documents=documents,
+            **extra,
         )
 
     def process(
@@ -276,6 +284,32 @@ class InputProcessor:
             from pagedllm.structured_output import validate_structured_outputs
 
             validate_structured_outputs(params.structured_outputs)
+
+
+# The renderer's own arguments (transformers' apply_chat_template): a template variable may not take their names.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    (
+        "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+        "sanitize_control_tokens padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
+        "tokenizer_kwargs"
+    ).split()
+)
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as the template's extra variables: a dict of string keys, none of them an argument the
+    renderer takes itself (those have their own request fields); a ValueError naming the key otherwise."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {kwargs!r:.120}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {reserved[0]!r}: it is the renderer's own argument (use its own "
+            "field where there is one)"
+        )
+    return dict(kwargs)
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -207,15 +207,22 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style function
-        definitions, given to the template as in vLLM), then generate."""
+        definitions, given to the template as in vLLM; `chat_template_kwargs`, the template's own variables such as
+        Qwen3's `enable_thinking`), then generate."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [
             self.input_processor.apply_chat_template(
-                conv, add_generation_prompt, chat_template, continue_final_message, tools
+                conv,
+                add_generation_prompt,
+                chat_template,
+                continue_final_message,
+                tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations
         ]

@@ -277,3 +277,18 @@ def test_trust_remote_code_is_accepted_and_said_once(model_dir, caplog):
             assert llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=1), use_tqdm=False)
     notes = [r for r in caplog.records if "--trust-remote-code" in r.getMessage()]
     assert len(notes) == 1 and "runs no code from the model folder" in notes[0].getMessage()
+
+
+def test_default_chat_template_kwargs_flag_is_a_checked_json_object():
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.openai.api_server import default_chat_template_kwargs
+
+    def parsed(*flags: str) -> dict:
+        return default_chat_template_kwargs(build_parser().parse_args(["serve", *flags]))
+
+    assert parsed() == {}
+    assert parsed("--default-chat-template-kwargs", '{"enable_thinking": false}') == {"enable_thinking": False}
+    for bad, fragment in [("{nope", "must be a JSON object"), ("[1]", "an object"), ('{"tokenize": 1}', "'tokenize'")]:
+        with pytest.raises(ValueError, match="--default-chat-template-kwargs") as exc:
+            parsed("--default-chat-template-kwargs", bad)
+        assert fragment in str(exc.value)

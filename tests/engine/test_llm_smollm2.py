@@ -214,6 +214,19 @@ def test_chat_template_and_eos(llm):
     assert m.arrival_time <= m.first_token_time <= m.finished_time
 
 
+def test_chat_template_kwargs_are_template_variables(llm):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %} /no{% endif %}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    outs = llm.chat([msgs, msgs], params, use_tqdm=False, chat_template=template)
+    assert outs[0].prompt == "Hi"
+    kwargs = {"enable_thinking": False}
+    off = llm.chat(msgs, params, use_tqdm=False, chat_template=template, chat_template_kwargs=kwargs)
+    assert off[0].prompt == "Hi /no"
+    with pytest.raises(ValueError, match="'tools'"):
+        llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={"tools": []})
+
+
 def test_min_tokens_and_ignore_eos(llm):
     msgs = [{"role": "user", "content": "Say OK."}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]

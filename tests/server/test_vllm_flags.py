@@ -1,7 +1,8 @@
 """vLLM's launch flags on real servers of the default model. One started with a vLLM-style line,
 `--chat-template FILE --trust-remote-code --disable-log-requests --max-logprobs 5 --generation-config auto
---response-role bot --disable-log-stats`: the template (a recognisable one, which also renders tools) is what chat
-requests and /tokenize run on, with or without tools; top_logprobs 6 is a 400 naming 5; the reply's role is "bot"
+--response-role bot --disable-log-stats --default-chat-template-kwargs JSON`: the template (a recognisable one, which
+also renders tools, documents and its own variables) is what chat requests and /tokenize run on, with or without
+tools; a request's chat_template_kwargs override the flag's; top_logprobs 6 is a 400 naming 5; the reply's role is "bot"
 (the last message's without a generation prompt); the remote-code note is logged once, and no request nor stats line.
 One started with `--enable-log-requests --max-log-len 12 --generation-config FOLDER`: each request is logged with its
 prompt cut to 12 characters and its sampling params, which take the folder's generation config where the request
@@ -22,10 +23,12 @@ from tests.server.server_utils import RemoteServer, read_sse
 TEMPLATE = (
     "{% if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]\n{% endif %}"
     "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<<reply>>{% endif %}"
+    "{% for d in documents or [] %}[doc: {{ d.title }}]\n{% endfor %}"
+    "{% if add_generation_prompt %}<<reply{% if mood %} {{ mood }}{% endif %}"
+    "{% if reasoning_effort %} effort={{ reasoning_effort }}{% endif %}>>{% endif %}"
 )
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-RENDERED = "<<system>> Be brief.\n<<user>> Name a colour.\n<<reply>>"
+RENDERED = "<<system>> Be brief.\n<<user>> Name a colour.\n<<reply calm>>"  # with --default-chat-template-kwargs
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}},
     {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone"}},
@@ -45,6 +48,7 @@ def servers(tmp_path_factory):
     vllm_line = RemoteServer(
         *("--chat-template", str(folder / "template.jinja"), "--trust-remote-code", "--disable-log-requests"),
         *("--max-logprobs", "5", "--generation-config", "auto", "--response-role", "bot", "--disable-log-stats"),
+        *("--default-chat-template-kwargs", '{"mood": "calm"}'),
         env=STATS_EVERY,
         start=False,
     )
@@ -92,6 +96,40 @@ def test_tokenize_renders_tools_as_chat_does(servers):
     assert status == 400 and body["error"]["param"] == "tools[0]", body
     status, body = srv.request("POST", "/tokenize", {"prompt": "hi", "tools": TOOLS})
     assert status == 400 and body["error"]["param"] == "tools", body
+
+
+def _rendered(srv: RemoteServer, **body) -> tuple[str, int]:
+    status, tok = srv.request("POST", "/tokenize", {"messages": MESSAGES, **body})
+    assert status == 200, tok
+    return srv.request("POST", "/detokenize", {"tokens": tok["tokens"]})[1]["prompt"], tok["count"]
+
+
+@pytest.mark.timeout(600)
+def test_chat_template_kwargs_over_the_servers_default(servers):
+    srv = servers["vllm_line"]
+    mood = {"mood": "very very very bold"}
+    text, count = _rendered(srv, chat_template_kwargs=mood)
+    assert text == RENDERED.replace("calm", mood["mood"])
+    status, chat = _chat(srv, chat_template_kwargs=mood)
+    assert status == 200 and chat["usage"]["prompt_tokens"] == count, chat
+    docs = [{"title": "Colours", "text": "Red is a colour."}]
+    text, count = _rendered(srv, documents=docs)
+    assert text == RENDERED.replace("<<reply", "[doc: Colours]\n<<reply")
+    assert _chat(srv, documents=docs)[1]["usage"]["prompt_tokens"] == count
+    # reasoning_effort is a template variable too (chat), from `reasoning.effort` on the Responses route
+    text, count = _rendered(srv, chat_template_kwargs={"reasoning_effort": "high"})
+    assert text == RENDERED.replace("calm", "calm effort=high")
+    assert _chat(srv, reasoning_effort="high")[1]["usage"]["prompt_tokens"] == count
+    status, resp = srv.request(
+        "POST", "/v1/responses", {"input": MESSAGES, "reasoning": {"effort": "high"}, "max_output_tokens": 2}
+    )
+    assert status == 200 and resp["usage"]["input_tokens"] == count, resp
+    # the renderer's own arguments have their own fields
+    for route, body in [("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})]:
+        bad = {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}, **body}
+        status, err = srv.request("POST", route, bad)
+        assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
+        assert "'add_generation_prompt'" in err["error"]["message"]
 
 
 @pytest.mark.timeout(600)

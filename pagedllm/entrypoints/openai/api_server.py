@@ -54,6 +54,7 @@ from pagedllm.config import api_key_from_env, parse_size, runtime_lora_updating_
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
+from pagedllm.engine.input_processor import check_chat_template_kwargs
 from pagedllm.engine.llm import check_sleep_level
 from pagedllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -702,6 +703,7 @@ def build_stack(engine: AsyncLLM, args: argparse.Namespace, names: list[str] | N
     name alone) are the names its requests may give it."""
     names = names or [engine.model_config.served_model_name]
     trust_template = bool(getattr(args, "trust_request_chat_template", False))
+    template_kwargs = default_chat_template_kwargs(args)
     chat = OpenAIServingChat(
         engine,
         names,
@@ -709,6 +711,7 @@ def build_stack(engine: AsyncLLM, args: argparse.Namespace, names: list[str] | N
         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         response_role=getattr(args, "response_role", "assistant"),
+        default_chat_template_kwargs=template_kwargs,
     )
     return ModelStack(
         engine=engine,
@@ -716,7 +719,7 @@ def build_stack(engine: AsyncLLM, args: argparse.Namespace, names: list[str] | N
         serving_chat=chat,
         serving_messages=AnthropicServingMessages(chat),
         serving_responses=OpenAIServingResponses(chat),
-        serving_tokenization=OpenAIServingTokenization(engine, names, trust_template),
+        serving_tokenization=OpenAIServingTokenization(engine, names, trust_template, template_kwargs),
         serving_embedding=OpenAIServingEmbedding(engine, names),
         serving_score=OpenAIServingScore(engine, names),
     )
@@ -895,6 +898,22 @@ def check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
+    default_chat_template_kwargs(args)  # a ValueError naming a malformed --default-chat-template-kwargs
+
+
+def default_chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--default-chat-template-kwargs as a dict (JSON object text on the command line; a dict when built in
+    Python), its keys checked as a request's chat_template_kwargs are."""
+    value = getattr(args, "default_chat_template_kwargs", None)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got {value!r:.120}: {e}") from None
+    try:
+        return check_chat_template_kwargs(value)
+    except ValueError as e:
+        raise ValueError(f"--default-chat-template-kwargs: {e}") from None
 
 
 def start_engine(

@@ -48,6 +48,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="let requests carry their own `chat_template` (Jinja run on the server; off by default)",
     )
     g.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the chat template's variables for every request, as a JSON object (e.g. '{\"enable_thinking\": "
+        "false}' for Qwen3); a request's chat_template_kwargs override them",
+    )
+    g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',

@@ -269,6 +269,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     add_special_tokens: bool = False
+    # The template's own variables (e.g. Qwen3's enable_thinking), over --default-chat-template-kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents (RAG)
+    reasoning_effort: str | None = None  # given to the template as `reasoning_effort`, as vLLM does
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -355,6 +359,8 @@ class TokenizeRequest(OpenAIBaseModel):
     chat_template: str | None = None
     # With messages: OpenAI-style function definitions, rendered by the chat template as a chat request's are.
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -597,6 +603,8 @@ class ResponsesRequest(OpenAIBaseModel):
     parallel_tool_calls: bool = True
     # {"format": {"type": "text" | "json_object" | "json_schema", "name"?, "schema"?}}
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat template's `reasoning_effort`
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, as in a chat request
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None

@@ -260,8 +260,9 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         response_role: str = "assistant",
+        default_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names, trust_request_chat_template)
+        super().__init__(engine, served_model_names, trust_request_chat_template, default_chat_template_kwargs)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.response_role = response_role  # --response-role
@@ -373,6 +374,10 @@ class OpenAIServingChat(OpenAIServing):
             chat_template=request.chat_template,
             continue_final_message=request.continue_final_message,
             tools=request.tools or None,
+            documents=request.documents,
+            chat_template_kwargs=self.template_kwargs(
+                request.chat_template_kwargs, reasoning_effort=request.reasoning_effort
+            ),
         )
         return text, self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
 

@@ -31,6 +31,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.input_processor import check_chat_template_kwargs
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, PromptLogprob, PromptLogprobs, SamplingFields
 from pagedllm.lora.request import LoRARequest
@@ -67,7 +68,11 @@ class OpenAIServing:
     """Base of the completion and chat handlers: one engine, one served model."""
 
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -76,6 +81,8 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         # --generation-config: the values a request that leaves them unset takes (ModelConfig.sampling_defaults).
         self.default_sampling_params: dict[str, Any] = dict(getattr(engine.model_config, "sampling_defaults", {}))
+        # --default-chat-template-kwargs: template variables a request's chat_template_kwargs may override.
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
 
     @property
     def model_name(self) -> str:
@@ -117,6 +124,17 @@ class OpenAIServing:
                 400,
                 "chat_template",
             )
+
+    def template_kwargs(self, request_kwargs: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+        """The chat template's extra variables for a request: --default-chat-template-kwargs, then the request
+        fields in `fields` that are set (e.g. reasoning_effort), then its chat_template_kwargs (vLLM's order); a
+        malformed or reserved key is a 400 naming chat_template_kwargs."""
+        try:
+            given = check_chat_template_kwargs(request_kwargs)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "chat_template_kwargs") from None
+        set_fields = {k: v for k, v in fields.items() if v is not None}
+        return {**self.default_chat_template_kwargs, **set_fields, **given}
 
     def warn_ignored_fields(self, request: OpenAIBaseModel) -> None:
         if request.model_extra:

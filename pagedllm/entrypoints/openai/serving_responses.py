@@ -199,6 +199,8 @@ class OpenAIServingResponses:
             "response_format": _response_format(request.text),
             "stream": request.stream,
             "priority": request.priority,
+            "chat_template_kwargs": request.chat_template_kwargs,
+            "reasoning_effort": (request.reasoning or {}).get("effort"),
         }
         if not request.parallel_tool_calls:
             fields["parallel_tool_calls"] = False

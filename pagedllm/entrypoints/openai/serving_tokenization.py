@@ -41,6 +41,8 @@ class OpenAIServingTokenization(OpenAIServing):
                     chat_template=request.chat_template,
                     continue_final_message=request.continue_final_message,
                     tools=request.tools or None,
+                    documents=request.documents,
+                    chat_template_kwargs=self.template_kwargs(request.chat_template_kwargs),
                 )
                 add_special = bool(request.add_special_tokens)
             else:
