@@ -109,6 +109,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Only these ids may be sampled (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
+    # Words the output may not contain (vLLM's bad_words): each banned by its last token where the tokens before
+    # it end the output. The engine fills bad_words_token_ids from them with the model's tokenizer.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -175,6 +181,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or not all(isinstance(t, int) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strings")
+        if self.bad_words_token_ids is not None and not all(
+            seq and all(isinstance(t, int) for t in seq) for seq in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", self.bad_words_token_ids, "a list of non-empty token id lists")
 
     @property
     def greedy(self) -> bool:

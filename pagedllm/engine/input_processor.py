@@ -161,6 +161,8 @@ class InputProcessor:
         if ids is None:
             ids = self.tokenize(text, add_special_tokens)  # type: ignore[arg-type]
         self.validate(ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -171,6 +173,22 @@ class InputProcessor:
             lora_request=lora_request,
         )
         return text, req
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences of `bad_words`: each word as it would open the text and, where that differs, as it
+        would follow a space. (vLLM keeps the second form only when it has as many tokens as the first: a word that
+        is two tokens alone and one after a space, " Gutenberg" in SmolLM2's vocabulary, would get through.)"""
+        seqs: list[list[int]] = []
+        for word in words:
+            bare = word.lstrip()
+            first = list(self.tokenizer.encode(bare, add_special_tokens=False))
+            if not first:
+                continue
+            seqs.append(first)
+            spaced = list(self.tokenizer.encode(" " + bare, add_special_tokens=False))
+            if spaced and spaced != first:
+                seqs.append(spaced)
+        return seqs
 
     def verify_lora(self, lora_request: object) -> None:
         """ValueError unless `lora_request` is a LoRARequest and this engine serves adapters."""
@@ -275,9 +293,13 @@ class InputProcessor:
             n = getattr(params, name)
             if n is not None and n > self.max_logprobs:
                 raise ValueError(f"{name}={n} exceeds the maximum of {self.max_logprobs} (--max-logprobs)")
-        for tok in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is out of the vocabulary")
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
+            for tok in getattr(params, name) or ():
+                if not 0 <= tok < self.vocab_size:
+                    raise ValueError(f"token id {tok} in {name} is out of the vocabulary [0, {self.vocab_size})")
+        for seq in params.bad_words_token_ids or ():
+            if not all(0 <= tok < self.vocab_size for tok in seq):
+                raise ValueError(f"bad_words_token_ids {seq!r:.80} has a token id out of the vocabulary")
         if params.structured_outputs is not None:
             # The constraint's syntax, checked here without a tokenizer: a bad schema is the caller's error
             # (a 400), found before the request reaches an engine.

@@ -2,7 +2,8 @@
 
 Contract:
 - Row i of every field describes row i of the logits the sampler receives (one row per request).
-- Tensors live on the device of the logits; per-row Python data (output tokens, logit bias, min_tokens)
+- Tensors live on the device of the logits; per-row Python data (output tokens, logit bias, min_tokens, allowed
+  token ids, bad words)
   stays on the host and is turned into index tensors by the sampler only when it is needed.
 - Optional tensors are `None` when no row uses the feature, so the sampler can skip that work entirely (the
   three penalty tensors are None together, when `no_penalties`).
@@ -24,7 +25,7 @@ per-row device work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +54,10 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, token ids forbidden until then)
     logit_bias: list[dict[int, float] | None]  # per row
     max_num_logprobs: int | None  # None when no row wants logprobs
+    # row -> the only ids it may sample (allowed_token_ids), in range
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # row -> its bad words' token sequences (bad_words_token_ids)
+    bad_words: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @classmethod
     def from_requests(
@@ -82,6 +87,8 @@ class SamplingMetadata:
         seeds: dict[int, tuple[int, int]] = {}
         min_tokens: dict[int, tuple[int, set[int]]] = {}
         logit_bias: list[dict[int, float] | None] = []
+        allowed: dict[int, list[int]] = {}
+        bad_words: dict[int, list[list[int]]] = {}
         max_num_logprobs: int | None = None
         num_greedy = 0
         uses_top_k = uses_top_p = uses_min_p = False
@@ -130,6 +137,10 @@ class SamplingMetadata:
                 # cannot crash the whole batch with an index error.
                 bias = {t: b for t, b in bias.items() if 0 <= t < vocab_size} or None
             logit_bias.append(bias or None)
+            if p.allowed_token_ids:
+                allowed[i] = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+            if p.bad_words_token_ids:
+                bad_words[i] = p.bad_words_token_ids
 
             if p.logprobs is not None:
                 max_num_logprobs = p.logprobs if max_num_logprobs is None else max(max_num_logprobs, p.logprobs)
@@ -164,4 +175,6 @@ class SamplingMetadata:
             min_tokens=min_tokens,
             logit_bias=logit_bias,
             max_num_logprobs=max_num_logprobs,
+            allowed_token_ids=allowed,
+            bad_words=bad_words,
         )

@@ -4,7 +4,9 @@ Contract (vLLM V1 semantics):
 - Logprobs are those of the RAW logits (before bias, penalties, temperature and filters), in float32.
   Each row holds the sampled token first, then the top-`max_num_logprobs` tokens; the caller slices
   each request's own number. Rank = 1 + number of vocab entries with a strictly greater logprob.
-- Processing order: logit_bias -> min_tokens (forbid ids) -> repetition, frequency, presence penalties
+- Processing order: allowed_token_ids (every other id -inf) -> bad words (-inf for a word's last token where
+  the output ends with the tokens before it) -> logit_bias -> min_tokens (forbid ids) -> repetition, frequency,
+  presence penalties
   -> greedy rows take the argmax -> random rows: temperature, top-k, top-p, min-p, then sample.
 - Random rows invert their cumulative distribution at one uniform U: the first token whose cumulative
   probability exceeds U times the row's total (an exact draw). A row without a seed takes U from the default
@@ -148,14 +150,23 @@ def draw_tokens(logits: torch.Tensor, metadata: SamplingMetadata, native: Any | 
 
 
 def needs_processing(metadata: SamplingMetadata) -> bool:
-    """Whether some row has a logit bias, min_tokens or a penalty (processed_logits then changes the logits)."""
-    return not metadata.no_penalties or bool(metadata.min_tokens) or any(b is not None for b in metadata.logit_bias)
+    """Whether some row has a logit bias, min_tokens, a penalty, allowed ids or bad words (processed_logits then
+    changes the logits)."""
+    return (
+        not metadata.no_penalties
+        or bool(metadata.min_tokens)
+        or bool(metadata.allowed_token_ids)
+        or bool(metadata.bad_words)
+        or any(b is not None for b in metadata.logit_bias)
+    )
 
 
 def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """A float32 copy of the logits with bias, min_tokens and penalties applied (the caller's stay intact)."""
     work = logits.to(torch.float32, copy=True)
     if needs_processing(metadata):
+        apply_allowed_token_ids(work, metadata)
+        apply_bad_words(work, metadata)
         apply_logit_bias(work, metadata)
         apply_min_tokens(work, metadata)
         if not metadata.no_penalties:
@@ -187,6 +198,32 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
 # --------------------------------------------------------------------------------------------------
 # Logits processors, public so they can be tested (and reused) one by one. They run on a float32 copy.
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In each row with allowed_token_ids, every other id becomes -inf, in place."""
+    for i, ids in metadata.allowed_token_ids.items():
+        index = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+        kept = logits[i].index_select(0, index)
+        logits[i].fill_(float("-inf"))
+        logits[i].index_copy_(0, index, kept)
+
+
+def apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """For each bad word of a row: its last token becomes -inf, in place, where the row's output ends with the
+    word's tokens before it (always, for a one-token word)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seqs in metadata.bad_words.items():
+        output = metadata.output_token_ids[i]
+        for seq in seqs:
+            head = len(seq) - 1
+            if head == 0 or (len(output) >= head and output[-head:] == seq[:-1]):
+                rows.append(i)
+                cols.append(seq[-1])
+    if rows:
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -83,6 +83,8 @@ class InputBatch:
         # Per-row Python objects; the dicts hold only the rows that use the feature.
         self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # the request's own list
         self.logit_bias: dict[int, dict[int, float]] = {}  # rows with a logit bias
+        self.allowed_token_ids: dict[int, list[int]] = {}  # rows with allowed_token_ids
+        self.bad_words: dict[int, list[list[int]]] = {}  # rows with bad words: their token sequences
         self.seeds: dict[int, int] = {}  # random rows with a seed: the seed
         # Rows still below min_tokens: (min_tokens, ids forbidden until then); dropped once reached.
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
@@ -191,6 +193,16 @@ class InputBatch:
                     forbidden = {t for t in entry[1] if 0 <= t < vocab_size}
                     if forbidden:
                         min_tokens[i] = (entry[0], forbidden)
+        allowed: dict[int, list[int]] = {}
+        bad_words: dict[int, list[list[int]]] = {}
+        if self.allowed_token_ids or self.bad_words:
+            for i, r in enumerate(row_list):
+                ids = self.allowed_token_ids.get(r)
+                if ids is not None:
+                    allowed[i] = [t for t in ids if 0 <= t < vocab_size]
+                seqs = self.bad_words.get(r)
+                if seqs is not None:
+                    bad_words[i] = seqs
         logit_bias: list[dict[int, float] | None] = [None] * n
         if self.logit_bias:
             for i, r in enumerate(row_list):
@@ -226,6 +238,8 @@ class InputBatch:
             min_tokens=min_tokens,
             logit_bias=logit_bias,
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
+            allowed_token_ids=allowed,
+            bad_words=bad_words,
         )
 
     def _take_row(self, state: CachedRequestState, block_ids: list[list[int]]) -> None:
@@ -258,6 +272,10 @@ class InputBatch:
         self.output_token_ids[row] = state.output_token_ids
         if p.logit_bias:
             self.logit_bias[row] = p.logit_bias
+        if p.allowed_token_ids:
+            self.allowed_token_ids[row] = p.allowed_token_ids
+        if p.bad_words_token_ids:
+            self.bad_words[row] = p.bad_words_token_ids
         # Only random rows draw: a greedy row's seed is deliberately left out.
         if p.seed is not None and not greedy:
             self.seeds[row] = p.seed
@@ -275,6 +293,8 @@ class InputBatch:
             and p.logprobs is None
             and row not in self.logit_bias
             and row not in self.min_tokens
+            and row not in self.allowed_token_ids
+            and row not in self.bad_words
         )
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[list[int]]) -> None:
@@ -292,5 +312,7 @@ class InputBatch:
             self.seeds.pop(row, None)
             self.min_tokens.pop(row, None)
             self.logit_bias.pop(row, None)
+            self.allowed_token_ids.pop(row, None)
+            self.bad_words.pop(row, None)
             self.output_token_ids[row] = []
             state.row = -1

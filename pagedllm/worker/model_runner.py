@@ -432,10 +432,10 @@ class ModelRunner:
         np.cumsum(counts[:-1], out=starts[1:])
         rows = pending.rows[pending.sample_rows]
         # Position j of a request sees its first j drafts as output tokens: a seeded row draws at its output
-        # position, and penalties and min_tokens read the drafts before it.
+        # position, and penalties, min_tokens and bad words read the drafts before it.
         draft_pos = np.concatenate([np.arange(c) for c in counts]) if len(counts) else np.zeros(0, dtype=np.int64)
         metadata = self.input_batch.sampling_metadata(np.repeat(rows, counts), self.vocab_size, draft_pos)
-        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens else ()):
+        for j, d in enumerate(drafts if not metadata.no_penalties or metadata.min_tokens or metadata.bad_words else ()):
             for pos in range(1, len(d) + 1):
                 row = int(starts[j]) + pos
                 metadata.output_token_ids[row] = metadata.output_token_ids[row] + d[:pos]

@@ -227,6 +227,26 @@ def test_chat_template_kwargs_are_template_variables(llm):
         llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={"tools": []})
 
 
+def test_bad_words_and_allowed_token_ids(llm):
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert "Paris" in llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    # the word is banned where it opens the text and after a space (the tokenizer's two forms of it)
+    assert llm.input_processor.bad_words_token_ids(["Paris"]) == [
+        llm.get_tokenizer().encode(w, add_special_tokens=False) for w in ("Paris", " Paris")
+    ]
+    banned = greedy.clone(bad_words=["Paris"])
+    assert "Paris" not in llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].text
+    allowed = llm.get_tokenizer().encode(" a big city in the north", add_special_tokens=False)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, allowed_token_ids=allowed)
+    out = llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_min_tokens_and_ignore_eos(llm):
     msgs = [{"role": "user", "content": "Say OK."}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]

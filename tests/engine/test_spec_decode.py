@@ -7,6 +7,8 @@
   the tokens of several requests sharing a step.
 * Sampling keeps working: seeded requests are reproducible, `n > 1`, logprobs of every output token, `max_tokens`
   never exceeded, stop strings, and several requests sharing steps with drafts.
+* Bad words and allowed ids: drafts that would complete a banned word are rejected there; the plain engine's
+  tokens, without the words.
 * Structured output: drafts are verified under the grammar (only those it accepts, a mask row per position, the
   grammar advanced by the tokens output): the same JSON, token for token, as without speculation, drafts accepted.
 * Prefix caching after rejected drafts: a prompt extending an earlier request's prompt and output hits the cache
@@ -141,6 +143,28 @@ def test_batch_with_drafts_completes_and_frees_blocks(spec: LLM) -> None:
     manager = _core(spec).scheduler.kv_cache_manager
     manager.check_invariants()
     assert manager.num_blocks_in_use() == 0
+
+
+def test_bad_words_and_allowed_ids_with_drafts(plain: LLM, spec: LLM) -> None:
+    """Drafts that would write a banned word are rejected where its last token comes (each position sees the
+    drafts before it as output): the plain engine's tokens, without the words; allowed ids likewise."""
+    tok = plain.get_tokenizer()
+    words = ["Gutenberg", "wooden press"]
+    assert len(tok.encode(" wooden press", add_special_tokens=False)) > 1  # banned by its last token, after the rest
+    banned = SamplingParams(temperature=0.0, max_tokens=60, bad_words=words)
+    stats = _core(spec).scheduler.total_spec_stats
+    before = stats.num_drafts
+    want = _one_at_a_time(plain, REPEATING[1:], banned)
+    got = _one_at_a_time(spec, REPEATING[1:], banned)
+    assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]
+    assert "the fifteenth century" in got[0].text  # it still copies the quote
+    assert not any(w in got[0].text for w in words), got[0].text
+    assert stats.num_drafts > before
+    allowed = tok.encode(QUOTE, add_special_tokens=False)[:20]
+    only = SamplingParams(temperature=0.0, max_tokens=30, allowed_token_ids=allowed)
+    got = _one_at_a_time(spec, REPEATING[1:], only)
+    assert list(got[0].token_ids) == list(_one_at_a_time(plain, REPEATING[1:], only)[0].token_ids)
+    assert set(got[0].token_ids) <= set(allowed)
 
 
 def test_structured_output_with_drafts(plain: LLM, spec: LLM) -> None:

@@ -224,6 +224,21 @@ def test_logit_bias_string_keys(server, client, model_name):
     assert resp.choices[0].text == " banana" * 3
 
 
+def test_allowed_token_ids_and_bad_words(server, client, model_name):
+    _, tok = server.request("POST", "/tokenize", {"prompt": " banana apple", "add_special_tokens": False})
+    resp = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=6, seed=3, extra_body={"allowed_token_ids": tok["tokens"]}
+    )
+    assert set(resp.choices[0].text.split()) <= {"banana", "apple"} and resp.usage.completion_tokens == 6
+    word = greedy(client, model_name, max_tokens=1).choices[0].text.strip()
+    resp = greedy(client, model_name, max_tokens=4, extra_body={"bad_words": [word]})
+    assert word not in resp.choices[0].text
+    status, body = server.request("POST", "/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [10**7]})
+    assert status == 400 and "allowed_token_ids" in body["error"]["message"], body
+    status, body = server.request("POST", "/v1/completions", {"prompt": PROMPT, "bad_words": [" "]})
+    assert status == 400 and "bad_words" in body["error"]["message"], body
+
+
 def test_seed_makes_sampling_reproducible(client, model_name):
     def sample():
         return (

@@ -111,6 +111,21 @@ def test_mixed_rows_equal_reference_in_any_order_and_subset() -> None:
     check(batch, ["seeded"])
 
 
+def test_allowed_ids_and_bad_words_follow_their_rows() -> None:
+    batch = make_batch()
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 1000])
+    banned = SamplingParams(temperature=0.0, bad_words_token_ids=[[5], [6, 7]])
+    batch.update(diff([new("g", [1], GREEDY), new("a", [2], allowed), new("b", [3], banned)]))
+    md = check(batch, ["b", "g", "a"])
+    assert md.allowed_token_ids == {2: [4, 9]} and md.bad_words == {0: [[5], [6, 7]]}
+    assert not batch.plain[batch.requests["a"].row] and not batch.plain[batch.requests["b"].row]
+    batch.update(diff(finished={"a", "b"}))
+    batch.update(diff([new("c", [4], GREEDY)]))
+    md = check(batch, ["g", "c"])
+    assert md.allowed_token_ids == {} and md.bad_words == {}
+    assert batch.plain[[batch.requests[r].row for r in "gc"]].all()  # freed rows leave nothing behind
+
+
 def test_all_greedy_rows_take_the_fast_path() -> None:
     batch = make_batch()
     batch.update(diff([new("a", [1, 2], GREEDY), new("b", [3], GREEDY), new("c", [4], GREEDY, eos=None)]))

@@ -404,6 +404,38 @@ def test_logit_bias_forces_token() -> None:
     assert int(tokens[3]) != int(logits[3].argmax())
 
 
+def test_allowed_token_ids_are_the_only_choices() -> None:
+    torch.manual_seed(13)
+    logits = torch.randn(300, 40)
+    allowed = [3, 17, 38]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed)] * 100
+    params += [SamplingParams(temperature=1.5, allowed_token_ids=allowed)] * 100 + [GREEDY] * 100
+    tokens = sample(logits, params).tolist()
+    best = [max(allowed, key=lambda t: float(logits[i, t])) for i in range(100)]
+    assert tokens[:100] == best  # greedy: the argmax among the allowed ids
+    assert set(tokens[100:200]) <= set(allowed) and len(set(tokens[100:200])) == 3
+    assert tokens[200:] == logits[200:].argmax(-1).tolist()  # rows without the field are untouched
+
+
+def test_bad_words_ban_their_last_token_after_the_rest() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 5.0  # the argmax
+    logits[0, 6] = 4.0
+    one = [SamplingParams(temperature=0.0, bad_words_token_ids=[[4]])]
+    assert sample(logits, one, outputs=[[1, 2]]).tolist() == [6]
+    two = [SamplingParams(temperature=0.0, bad_words_token_ids=[[2, 4], [9, 9, 6]])]
+    assert sample(logits, two, outputs=[[1, 2]]).tolist() == [6]  # after 2, 4 would complete the word
+    assert sample(logits, two, outputs=[[2, 1]]).tolist() == [4]  # not after 1
+    assert sample(logits, two, outputs=[[]]).tolist() == [4]
+    three = [SamplingParams(temperature=0.0, bad_words_token_ids=[[2, 4], [1, 2, 6]])]
+    assert sample(logits, three, outputs=[[1, 2]]).tolist() == [0]  # both banned: the best of the rest
+    # random rows never complete a word
+    torch.manual_seed(14)
+    rows = [SamplingParams(temperature=2.0, bad_words_token_ids=[[2, 4]])] * 400
+    tokens = sample(torch.zeros(400, 10), rows, outputs=[[2]] * 400).tolist()
+    assert 4 not in tokens and len(set(tokens)) == 9
+
+
 def test_min_tokens_forbids_eos_then_lifts() -> None:
     eos, stop_id = 3, 5
     logits = torch.zeros(1, 8)

@@ -129,6 +129,8 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
+    allowed_token_ids: list[Int64] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # words the output may not contain
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -286,6 +286,9 @@ class OpenAIServing:
                 raise ValueError("prompt_logprobs is not available with use_beam_search")
             if structured_outputs_of(request) is not None:
                 raise ValueError("use_beam_search cannot follow a structured output constraint (response_format, ...)")
+            if request.allowed_token_ids is not None or request.bad_words:
+                raise ValueError("use_beam_search ranks the raw log-probabilities: allowed_token_ids and bad_words "
+                                 "do not apply to it")  # fmt: skip
         if request.prompt_logprobs is not None:
             if request.stream:
                 raise ValueError("prompt_logprobs is not available when stream is true")
@@ -315,6 +318,8 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=bias,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
             structured_outputs=structured_outputs_of(request),
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
