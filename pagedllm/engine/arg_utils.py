@@ -50,7 +50,7 @@ from pagedllm.config import (
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
-from pagedllm.model.generation_config import sampling_defaults
+from pagedllm.model.generation_config import generation_overrides, sampling_defaults
 from pagedllm.model.registry import CONVERTS, RUNNERS
 from pagedllm.reasoning import REASONING_PARSERS
 
@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 SCHEDULING_POLICIES = ("fcfs", "priority", "shortest")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # what pagedllm reads: the model's own format
+TOKENIZER_MODES = ("auto", "hf")
 
 
 def resolve_chat_template(value: str) -> str:
@@ -123,6 +125,22 @@ class EngineArgs:
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility: pagedllm runs no code from a model folder, whatever this says"
     )
+    # vLLM's hub flags: accepted so that its launch lines run; nothing is downloaded (start-up says so once)
+    download_dir: str | None = _arg(None, "accepted for vLLM compatibility: pagedllm downloads nothing")
+    revision: str | None = _arg(None, "accepted for vLLM compatibility: the model is the local file or folder given")
+    code_revision: str | None = _arg(None, "accepted for vLLM compatibility (no remote code runs)")
+    tokenizer_revision: str | None = _arg(None, "accepted for vLLM compatibility: the tokenizer is the local one")
+    hf_token: str | None = _arg(None, "accepted for vLLM compatibility: no hub is contacted", nargs="?", const="")
+    load_format: str = _arg(
+        "auto",
+        "auto, safetensors or gguf: the model's own format, which pagedllm reads (vLLM's other formats are refused)",
+        choices=LOAD_FORMATS,
+    )
+    tokenizer_mode: str = _arg(
+        "auto",
+        "auto or hf: the model's Hugging Face tokenizer (vLLM's mistral and other modes are refused)",
+        choices=TOKENIZER_MODES,
+    )
     disable_log_stats: bool = _arg(
         False, "no periodic stats log line (the server's throughput and cache line); Prometheus metrics stay"
     )
@@ -141,6 +159,13 @@ class EngineArgs:
         "folder's, or one beside a GGUF file, else the GGUF's general.sampling metadata), vllm uses none, a folder "
         "reads its generation_config.json",
         metavar="auto|vllm|FOLDER",
+    )
+    override_generation_config: dict[str, Any] | str | None = _arg(
+        None,
+        "generation-config values over --generation-config's, as JSON (e.g. '{\"temperature\": 0.5}'; keys as in "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)",
+        type=str,
+        metavar="JSON",
     )
     dtype: str = _arg(
         "auto",
@@ -214,6 +239,18 @@ class EngineArgs:
         choices=SCHEDULING_POLICIES,
     )
     long_prefill_token_threshold: int = _arg(0, "split prefill chunks longer than this; 0: no limit")
+    enable_chunked_prefill: bool | None = _arg(
+        None,
+        "split long prompts into chunks that fit a step's token budget (the default for generating models); "
+        "--no-enable-chunked-prefill computes each prompt whole in one step, the budget raised to max_model_len. An "
+        "encoder's prompts are never chunked",
+    )
+    disable_sliding_window: bool = _arg(
+        False, "cap max_model_len at the model's sliding window (vLLM's), so that every layer sees the whole context"
+    )
+    pipeline_parallel_size: int = _arg(
+        1, "accepted for vLLM compatibility: 1 only (use --tensor-parallel-size)", aliases=("-pp",)
+    )
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (worker processes or Ray actors)", aliases=("-tp",))
     distributed_executor_backend: str | None = _arg(
         None,
@@ -324,7 +361,10 @@ class EngineArgs:
         model_config = self.create_model_config()
         device = self._device()
         batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
-        if model_config.is_encoder:  # an encoder's prompt runs whole in one step: the budget holds the longest one
+        # An encoder's prompt runs whole in one step (its attention sees all of it), and so does every prompt with
+        # --no-enable-chunked-prefill: the budget holds the longest one.
+        chunked = not model_config.is_encoder and self.enable_chunked_prefill is not False
+        if not chunked:
             batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),
@@ -344,7 +384,7 @@ class EngineArgs:
                 max_model_len=model_config.max_model_len,
                 policy=self.scheduling_policy or ("shortest" if model_config.runner == "pooling" else "fcfs"),
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                chunked_prefill=not model_config.is_encoder,
+                chunked_prefill=chunked,
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
@@ -388,11 +428,25 @@ class EngineArgs:
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
 
         changes: dict[str, Any] = {"max_logprobs": self._max_logprobs(model_config.vocab_size)}
+        is_gguf = os.path.isfile(model_config.model)  # a GGUF model is a file, an HF model a folder
+        if self.load_format != "auto" and (self.load_format == "gguf") != is_gguf:
+            raise ValueError(
+                f"load_format {self.load_format!r} does not match the model {model_config.model!r}, which is "
+                f"{'a GGUF file' if is_gguf else 'a folder of safetensors'}"
+            )
+        window = sliding_window_of(model_config.hf_config) if self.disable_sliding_window else None
+        if window is not None and window < model_config.max_model_len:
+            if self.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {self.max_model_len} exceeds the sliding window of {window} tokens that "
+                    "--disable-sliding-window caps the context at"
+                )
+            changes["max_model_len"] = window
         if self.chat_template is not None:
             changes["chat_template"] = resolve_chat_template(self.chat_template)
         if model_config.runner == "generate":
             gguf_sampling = None
-            if not os.path.isfile(model_config.model):  # an HF folder (a GGUF model is a file, whatever its tokenizer)
+            if not is_gguf:  # whatever its tokenizer
                 model_dir = model_config.model
             else:
                 from pagedllm.model.config_loader import gguf_config_metadata
@@ -401,6 +455,10 @@ class EngineArgs:
                 meta = gguf_config_metadata(model_config.model)  # cached: no second parse
                 gguf_sampling = {k: v for k, v in meta.items() if k.startswith("general.sampling.")}
             defaults, source = sampling_defaults(self.generation_config, model_dir, gguf_sampling, model_config.model)
+            overrides = generation_overrides(self.override_generation_config)
+            if overrides:
+                defaults = {**defaults, **overrides}
+                source = f"{source} and --override-generation-config" if source else "--override-generation-config"
             _check_sampling_defaults(defaults, source)
             changes.update(sampling_defaults=defaults, sampling_defaults_source=source)
         return dataclasses.replace(model_config, **changes)
@@ -443,6 +501,16 @@ class EngineArgs:
                 f"generation_config must be auto, vllm or a folder holding generation_config.json, got "
                 f"{self.generation_config!r}"
             )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be 1, got {self.pipeline_parallel_size}: pagedllm has no pipeline "
+                "parallelism; split a model across ranks with --tensor-parallel-size"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got {self.tokenizer_mode!r}")
+        generation_overrides(self.override_generation_config)  # a ValueError naming a bad key or value
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.scheduling_policy is not None and self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -530,6 +598,15 @@ class EngineArgs:
         if self.attention_backend is None:
             return attention_backend_from_env()
         return normalise_attention_backend(self.attention_backend, "attention_backend")
+
+
+def sliding_window_of(hf_config: Any) -> int | None:
+    """The sliding window of a model's windowed layers (None when it has none, or turns it off: Qwen2's
+    use_sliding_window false)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def _check_sampling_defaults(defaults: dict[str, Any], source: str | None) -> None:

@@ -109,10 +109,15 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> str:
         """The prompt text of `messages` through the chat template (`chat_template` instead of the model's own).
         `documents` and each `chat_template_kwargs` entry become the template's variables, as in vLLM (e.g. Qwen3's
-        `enable_thinking`); a key that names one of the renderer's own arguments is a ValueError."""
+        `enable_thinking`); a key that names one of the renderer's own arguments is a ValueError. `content_format`
+        (vLLM's --chat-template-content-format): a message's content reaches the template as one string ("string",
+        and "auto") or as a list of {"type": "text", "text"} parts ("openai")."""
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content_format must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}")
         extra = check_chat_template_kwargs(chat_template_kwargs)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
@@ -121,16 +126,24 @@ class InputProcessor:
             )
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {messages!r:.120}")
-        return self.tokenizer.apply_chat_template(
-            [_flatten_content(m) for m in messages],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            tools=tools,
-            documents=documents,
-            **extra,
-        )
+        flat = [_flatten_content(m, content_format == "openai") for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                flat,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                documents=documents,
+                **extra,
+            )
+        except (TypeError, KeyError, AttributeError, IndexError) as e:  # the template's own code failed on them
+            hint = " (--chat-template-content-format openai gives content as a list of parts)"
+            raise ValueError(
+                f"the chat template could not render these messages: {type(e).__name__}: {e}"
+                + (hint if content_format == "openai" else "")
+            ) from e
 
     def process(
         self,
@@ -334,9 +347,12 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """Content given as a list of {'type': 'text', 'text': ...} parts becomes one string; tool calls' arguments
-    given as JSON text become objects."""
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _flatten_content(message: dict[str, Any], as_parts: bool = False) -> dict[str, Any]:
+    """Content given as a list of {'type': 'text', 'text': ...} parts becomes one string (`as_parts`: content
+    becomes such a list, a string its one part); tool calls' arguments given as JSON text become objects."""
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -347,7 +363,10 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
                 parts.append(part)
             else:
                 raise ValueError(f"unsupported message content part {part!r:.80} (only text is supported)")
-        message = {**message, "content": "".join(parts)}
+        content = [{"type": "text", "text": p} for p in parts] if as_parts else "".join(parts)
+        message = {**message, "content": content}
+    elif as_parts and isinstance(content, str):
+        message = {**message, "content": [{"type": "text", "text": content}]}
     calls = message.get("tool_calls")
     if isinstance(calls, list) and calls:  # as vLLM: templates get a call's arguments as an object, not JSON text
         message = {**message, "tool_calls": [_arguments_as_object(c) for c in calls]}

@@ -81,6 +81,10 @@ def start_front_end(
     return tokenizer, *processors
 
 
+# vLLM's flags for fetching a model from the hub: accepted, and said to change nothing
+HUB_FLAGS = ("download_dir", "revision", "code_revision", "tokenizer_revision", "hf_token")
+
+
 def log_startup_notes(engine_args: EngineArgs, mc: Any) -> None:
     """What the front end says once at start-up about flags that change nothing or change request defaults."""
     if engine_args.trust_remote_code:
@@ -88,7 +92,16 @@ def log_startup_notes(engine_args: EngineArgs, mc: Any) -> None:
             "--trust-remote-code: accepted for vLLM compatibility; pagedllm runs no code from the model folder (its "
             "architectures are built in)"
         )
-    if mc.sampling_defaults:
+    hub = [f"--{name.replace('_', '-')}" for name in HUB_FLAGS if getattr(engine_args, name) is not None]
+    if hub:
+        logger.info(
+            "%s: accepted for vLLM compatibility; pagedllm downloads nothing (the model is the local file or folder "
+            "given)",
+            ", ".join(hub),
+        )
+    if mc.sampling_defaults and mc.sampling_defaults_source == "--override-generation-config":
+        logger.info("Default sampling parameters set by --override-generation-config: %s", mc.sampling_defaults)
+    elif mc.sampling_defaults:
         logger.warning(
             "Default sampling parameters have been overridden by the model's Hugging Face generation config "
             "recommended from the model creator (%s): %s. If this is not intended, relaunch with "
@@ -208,6 +221,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style function
         definitions, given to the template as in vLLM; `chat_template_kwargs`, the template's own variables such as
@@ -223,6 +237,7 @@ class LLM:
                 continue_final_message,
                 tools,
                 chat_template_kwargs=chat_template_kwargs,
+                content_format=chat_template_content_format,
             )
             for conv in conversations
         ]

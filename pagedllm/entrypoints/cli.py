@@ -197,8 +197,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_path(argv: list[str]) -> tuple[str | None, str | None]:
+    """(the subcommand, the --config file) of a command line; Nones where absent."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return command, argv[i + 1]
+        if arg.startswith("--config="):
+            return command, arg.split("=", 1)[1]
+    return command, None
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`--config FILE` (vLLM's): the YAML file's `flag-name: value` entries become the subcommand's defaults, so
+    that flags on the command line win. A value is what the flag would take: true for a switch (false: its --no-
+    form, or nothing), a list for a flag of several values (as JSON text for a flag of one), a mapping as JSON text.
+    ValueError naming an unknown key."""
+    command, path = _config_path(argv)
+    if path is None:
+        return
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = subparsers.choices.get(command or "")
+    if sub is None or "--config" not in sub._option_string_actions:
+        raise ValueError(f"--config is a flag of `pagedllm serve` and `pagedllm run-batch`, not of {command!r}")
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot be read as YAML: {e}") from None
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    config_argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in sub._option_string_actions or flag == "--config":
+            raise ValueError(f"--config {path}: {key!r} is not a flag of `pagedllm {command}`")
+        if isinstance(value, bool):
+            negative = "--no-" + flag[2:]
+            config_argv += [flag] if value else [negative] if negative in sub._option_string_actions else []
+        elif isinstance(value, list) and sub._option_string_actions[flag].nargs in ("+", "*"):
+            config_argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, list):  # a flag of one value that is a list: JSON text (--allowed-origins)
+            config_argv += [flag, json.dumps(value)]
+        elif isinstance(value, dict):
+            config_argv += [flag, json.dumps(value)]
+        elif value is not None:
+            config_argv += [flag, str(value)]
+    given = sub.parse_args(config_argv)
+    sub.set_defaults(**{k: v for k, v in vars(given).items() if v != sub.get_default(k)})
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        apply_config_file(parser, argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)

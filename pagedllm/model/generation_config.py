@@ -96,12 +96,32 @@ def _gguf_value(value: Any) -> Any:
     return value
 
 
-def _read_values(config: dict[str, Any], path: str) -> dict[str, Any]:
-    """The SamplingParams values of a generation config's keys (`path` names its source in errors)."""
+def generation_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """--override-generation-config as SamplingParams defaults: a JSON object (its text, or a dict) of
+    generation_config.json keys, laid over --generation-config's values (vLLM's). Every value given counts, even one
+    equal to transformers' default: the operator chose it. An unknown key or a bad value is a ValueError."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"override_generation_config must be a JSON object, got {value!r:.100}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {value!r:.100}")
+    unknown = sorted(k for k in value if k not in SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown key {unknown[0]!r} (known: {', '.join(SAMPLING_KEYS)})")
+    return _read_values(value, "--override-generation-config", keep_hf_defaults=True)
+
+
+def _read_values(config: dict[str, Any], path: str, keep_hf_defaults: bool = False) -> dict[str, Any]:
+    """The SamplingParams values of a generation config's keys (`path` names its source in errors); a value equal
+    to transformers' default is left out unless `keep_hf_defaults`."""
     out: dict[str, Any] = {}
     for key, (name, kind) in SAMPLING_KEYS.items():
         value = config.get(key)
-        if value is None or value == HF_DEFAULTS.get(key):
+        if value is None or (value == HF_DEFAULTS.get(key) and not keep_hf_defaults):
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
             what = "an integer" if kind is int else "a number"

@@ -292,3 +292,84 @@ def test_default_chat_template_kwargs_flag_is_a_checked_json_object():
         with pytest.raises(ValueError, match="--default-chat-template-kwargs") as exc:
             parsed("--default-chat-template-kwargs", bad)
         assert fragment in str(exc.value)
+
+
+def test_more_vllm_engine_flags_parse_and_act(model_dir, tiny_model_dir, tmp_path):
+    from pagedllm.entrypoints.cli import build_parser
+
+    line = [
+        "serve", model_dir, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", "-pp", "1",
+        "--download-dir", "/nowhere", "--revision", "main", "--hf-token", "--load-format", "safetensors",
+        "--tokenizer-mode", "hf", "--override-generation-config", '{"temperature": 1.0, "max_new_tokens": 7}',
+        "--max-model-len", "128",
+    ]  # fmt: skip
+    args = EngineArgs.from_cli_args(build_parser().parse_args(line))
+    config = args.create_engine_config()
+    sched = config.scheduler_config
+    assert not sched.chunked_prefill and sched.max_num_batched_tokens == 128  # raised to max_model_len
+    # an override keeps even transformers' default (the operator chose it)
+    assert config.model_config.sampling_defaults == {"temperature": 1.0, "max_tokens": 7}
+    assert EngineArgs(model=model_dir).create_engine_config().scheduler_config.chunked_prefill
+    bad = [
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size must be 1"),
+        (dict(load_format="gguf"), "does not match the model"),
+        (dict(load_format="pt"), "load_format must be one of"),
+        (dict(tokenizer_mode="mistral"), "tokenizer_mode must be one of"),
+        (dict(override_generation_config='{"do_sample": true}'), "unknown key 'do_sample'"),
+        (dict(override_generation_config="[1]"), "must be a JSON object"),
+        (dict(override_generation_config='{"top_k": 1.5}'), "top_k must be an integer"),
+    ]
+    for kwargs, fragment in bad:
+        with pytest.raises(ValueError, match=fragment):
+            EngineArgs(model=model_dir, **kwargs).create_engine_config()
+    # --disable-sliding-window caps the context at the window (Mistral's, every layer)
+    windowed = make_tiny_model(tiny_model_dir, "MistralForCausalLM", sliding_window=48)
+    assert EngineArgs(model=windowed).create_model_config().max_model_len > 48
+    assert EngineArgs(model=windowed, disable_sliding_window=True).create_model_config().max_model_len == 48
+    with pytest.raises(ValueError, match="exceeds the sliding window of 48"):
+        EngineArgs(model=windowed, disable_sliding_window=True, max_model_len=64).create_model_config()
+    assert EngineArgs(model=model_dir, disable_sliding_window=True).create_model_config().max_model_len > 48
+
+
+def test_whole_prompts_without_chunked_prefill_give_the_same_tokens(model_dir):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([90, 70, 120], seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    outs = []
+    for chunked in (True, False):
+        llm = LLM(model=model_dir, max_num_batched_tokens=32, enable_chunked_prefill=chunked, **TINY)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            if not chunked:
+                assert (
+                    llm.config.scheduler_config.max_num_batched_tokens == 256
+                    and not llm.config.scheduler_config.chunked_prefill
+                )
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_config_file_gives_defaults_the_command_line_overrides(tmp_path):
+    from pagedllm.entrypoints.cli import apply_config_file, build_parser, main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "port: 9001\nhost: 0.0.0.0\nserved_model_name: [a, b]\nallowed-origins: ['http://x']\n"
+        "enable-prefix-caching: false\nenable-request-id-headers: true\nspeculative-config: {method: ngram}\n"
+    )
+    argv = ["serve", "--config", str(path), "--port", "9002"]
+    parser = build_parser()
+    apply_config_file(parser, argv)
+    ns = parser.parse_args(argv)
+    assert (ns.port, ns.host, ns.allowed_origins) == (9002, "0.0.0.0", ["http://x"])
+    assert (ns.served_model_name, ns.served_model_name_rest) == ("a", ["b"])
+    assert ns.enable_prefix_caching is False and ns.enable_request_id_headers is True
+    assert ns.speculative_config == '{"method": "ngram"}'
+    path.write_text("no-such-flag: 1\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        apply_config_file(build_parser(), ["serve", "--config", str(path)])
+    with pytest.raises(ValueError, match="not a flag of `pagedllm serve`"):
+        path.write_text("no-such-flag: 1\n")
+        apply_config_file(build_parser(), ["serve", "--config", str(path)])

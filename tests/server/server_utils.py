@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 START_TIMEOUT_S = 300.0
 COMMON_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--disable-uvicorn-access-log"]
-_READY = re.compile(r"pagedllm server ready at http://([\d.]+):(\d+)")
+_READY = re.compile(r"pagedllm server ready at (https?)://([\d.]+):(\d+)")
 
 
 # The tool schemas the tool-calling tests share (tight: bounded strings, no extra keys, so a small model's
@@ -57,11 +58,15 @@ class RemoteServer:
         env: dict[str, str] | None = None,
         start: bool = True,
         new_session: bool = False,
+        ca_file: str | None = None,
     ) -> None:
         """`api_key`: the key clients send; passed as --api-key unless `env` sets $PAGEDLLM_API_KEY. `new_session`:
         the server leads a process group of its own (with its engine core), as a terminal's foreground job does, so
-        that a test can send a signal to the whole group as Ctrl-C does."""
+        that a test can send a signal to the whole group as Ctrl-C does. `ca_file`: the certificate an HTTPS server
+        (--ssl-certfile) is verified against."""
         self.api_key = api_key
+        self.ca_file = ca_file
+        self.scheme = "http"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *COMMON_ARGS, *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -90,7 +95,7 @@ class RemoteServer:
             if self.port is None:
                 m = _READY.search(self.log_text())
                 if m:
-                    self.host, self.port = m.group(1), int(m.group(2))
+                    self.scheme, self.host, self.port = m.group(1), m.group(2), int(m.group(3))
             if self.port is not None:
                 try:
                     if self.request("GET", "/health", timeout=5)[0] == 200:
@@ -115,7 +120,7 @@ class RemoteServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def headers(self, auth: bool = True) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -125,6 +130,9 @@ class RemoteServer:
 
     def connect(self, timeout: float = 60) -> http.client.HTTPConnection:
         assert self.port is not None
+        if self.scheme == "https":
+            context = ssl.create_default_context(cafile=self.ca_file)
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=context)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def request(

@@ -47,6 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
@@ -102,11 +103,12 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
     VersionResponse,
+    random_uuid,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, FrontendOptions, OpenAIServing
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -138,6 +140,13 @@ def _error_response(path: str, err: OpenAIError) -> JSONResponse:
     return error_response(err)
 
 
+def route_path(scope: Scope) -> str:
+    """The path a request names within the app: without the --root-path prefix, which uvicorn puts in front of it
+    (ASGI's `path` includes `root_path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 async def send_error(
     scope: Scope,
     send: Send,
@@ -147,7 +156,7 @@ async def send_error(
     param: str | None = None,
 ) -> None:
     """An error response from a plain ASGI middleware, in the shape of the path's API (OpenAI's or Anthropic's)."""
-    if is_anthropic_path(scope["path"]):
+    if is_anthropic_path(route_path(scope)):
         body = json.dumps(anthropic_error_body(message, status)).encode()
     else:
         body = error_bytes(message, status, param)
@@ -162,7 +171,7 @@ class ApiKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or route_path(scope) in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -189,13 +198,35 @@ class ServerLoad:
     limit: int | None = None
 
 
+class RequestIdHeaderMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given if given else random_uuid().encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class ServerLoadMiddleware:
     def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
         self.app = app
         self.load = load
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         if self.load.limit is not None and self.load.in_flight >= self.load.limit:
@@ -581,16 +612,18 @@ async def debug_kv_cache(raw_request: Request) -> JSONResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(request.url.path, exc)
+        if getattr(request.app.state.args, "log_error_stack", False):  # --log-error-stack
+            logger.error("%d on %s: %s", exc.status, request.url.path, exc.message, exc_info=exc)
+        return _error_response(route_path(request.scope), exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = format_validation_errors(exc.errors())
-        return _error_response(request.url.path, OpenAIError(message, 400, param))
+        return _error_response(route_path(request.scope), OpenAIError(message, 400, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = _error_response(request.url.path, OpenAIError(str(exc.detail), exc.status_code))
+        response = _error_response(route_path(request.scope), OpenAIError(str(exc.detail), exc.status_code))
         for k, v in (exc.headers or {}).items():
             response.headers[k] = v
         return response
@@ -600,7 +633,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = error_from_exception(exc)
         if err.status == 500:
             logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return _error_response(request.url.path, err)
+        return _error_response(route_path(request.scope), err)
 
 
 @contextlib.asynccontextmanager
@@ -702,26 +735,37 @@ def build_stack(engine: AsyncLLM, args: argparse.Namespace, names: list[str] | N
     """The serving objects of `engine`'s model, configured by the server flags `args`; `names` (default: the served
     name alone) are the names its requests may give it."""
     names = names or [engine.model_config.served_model_name]
-    trust_template = bool(getattr(args, "trust_request_chat_template", False))
-    template_kwargs = default_chat_template_kwargs(args)
-    chat = OpenAIServingChat(
-        engine,
-        names,
-        trust_template,
-        enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        response_role=getattr(args, "response_role", "assistant"),
-        default_chat_template_kwargs=template_kwargs,
-    )
+    options = frontend_options(args)
+    chat = OpenAIServingChat(engine, names, options)
     return ModelStack(
         engine=engine,
-        serving_completion=OpenAIServingCompletion(engine, names),
+        serving_completion=OpenAIServingCompletion(engine, names, options),
         serving_chat=chat,
         serving_messages=AnthropicServingMessages(chat),
         serving_responses=OpenAIServingResponses(chat),
-        serving_tokenization=OpenAIServingTokenization(engine, names, trust_template, template_kwargs),
-        serving_embedding=OpenAIServingEmbedding(engine, names),
-        serving_score=OpenAIServingScore(engine, names),
+        serving_tokenization=OpenAIServingTokenization(engine, names, options),
+        serving_embedding=OpenAIServingEmbedding(engine, names, options),
+        serving_score=OpenAIServingScore(engine, names, options),
+    )
+
+
+def frontend_options(args: argparse.Namespace) -> FrontendOptions:
+    """The request handlers' options from the server flags (a Namespace built in Python may lack some)."""
+
+    def flag(name: str, default: Any = False) -> Any:
+        return getattr(args, name, default)
+
+    return FrontendOptions(
+        trust_request_chat_template=bool(flag("trust_request_chat_template")),
+        default_chat_template_kwargs=default_chat_template_kwargs(args),
+        enable_auto_tool_choice=bool(flag("enable_auto_tool_choice")),
+        tool_call_parser=flag("tool_call_parser", None),
+        response_role=flag("response_role", "assistant"),
+        force_include_usage=bool(flag("enable_force_include_usage")),
+        prompt_tokens_details=bool(flag("enable_prompt_tokens_details")),
+        return_tokens_as_token_ids=bool(flag("return_tokens_as_token_ids")),
+        log_error_stack=bool(flag("log_error_stack")),
+        chat_template_content_format=flag("chat_template_content_format", "auto"),
     )
 
 
@@ -749,7 +793,10 @@ def make_app(
 ) -> FastAPI:
     """The app of either mode, without its model(s): `routers`, the error handlers and the middlewares (those that
     `inner_middleware` adds run after the others, just before the routes)."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan)
+    docs: dict[str, Any] = {}
+    if getattr(args, "disable_fastapi_docs", False):
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan, **docs)
     state = app.state
     state.args = args
     state.routers = routers
@@ -769,7 +816,18 @@ def make_app(
     api_key = getattr(args, "api_key", None)
     install_openapi(app, bool(api_key), state.server_load.limit is not None, GENERATION_PATHS)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # added last: runs first
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdHeaderMiddleware)
+    origins = getattr(args, "allowed_origins", None)
+    if origins:  # added last, so it runs first: a preflight is answered, and a 401 carries the CORS headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_credentials=bool(getattr(args, "allow_credentials", False)),
+            allow_methods=getattr(args, "allowed_methods", ["*"]),
+            allow_headers=getattr(args, "allowed_headers", ["*"]),
+        )
     return app
 
 
@@ -947,13 +1005,19 @@ def start_engine(
 
 def _serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, host: str, port: int) -> int:
     """Serve `app` on `sock` with uvicorn until it stops; the exit status."""
-    app.state.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    app.state.base_url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         timeout_keep_alive=5,
+        root_path=getattr(args, "root_path", None) or "",
+        ssl_keyfile=getattr(args, "ssl_keyfile", None),
+        ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+        ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
     )
     server = _Server(config)
     app.state.server = server

@@ -7,9 +7,21 @@ Flag names follow `vllm serve` where vLLM has the same flag.
 from __future__ import annotations
 
 import argparse
+import json
 
 DEFAULT_MAX_REQUEST_BYTES = "16MiB"
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def json_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (argparse turns the ValueError into a usage error naming the flag)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise ValueError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
 
 
 def router_mode(args: argparse.Namespace) -> bool:
@@ -19,6 +31,13 @@ def router_mode(args: argparse.Namespace) -> bool:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="YAML",
+        help="read flags from a YAML file of `flag-name: value` (vLLM's): true turns a switch on, a list gives "
+        "several values; flags on the command line win",
+    )
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument(
@@ -38,9 +57,77 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument(
         "--timeout-graceful-shutdown",
+        "--shutdown-timeout",
         type=float,
         default=5.0,
-        help="seconds open requests get to finish at shutdown before they are cancelled (default 5)",
+        help="seconds open requests get to finish at shutdown before they are cancelled (default 5; "
+        "--shutdown-timeout is vLLM's name)",
+    )
+    g.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a reverse proxy serves the API under (FastAPI's root_path; e.g. /llm)",
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="with HTTPS: the CA certificates file to verify clients")
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="with HTTPS: whether a client certificate is required (Python's ssl.CERT_*: 0 none, 1 optional, 2 "
+        "required; default 0)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=[],
+        metavar="JSON",
+        help="origins browsers may call the API from, a JSON list (e.g. '[\"http://localhost:3000\"]' or '[\"*\"]'); "
+        "default: none (no cross-origin access, as vLLM)",
+    )
+    g.add_argument(
+        "--allowed-methods", type=json_list, default=["*"], metavar="JSON", help="with --allowed-origins: methods"
+    )
+    g.add_argument(
+        "--allowed-headers", type=json_list, default=["*"], metavar="JSON", help="with --allowed-origins: headers"
+    )
+    g.add_argument(
+        "--allow-credentials", action="store_true", help="with --allowed-origins: let browsers send credentials"
+    )
+    g.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="no OpenAPI description (/openapi.json) and no /docs or /redoc pages",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries an X-Request-Id header: the request's own, else a new id",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, as if it asked for stream_options.include_usage",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage gives prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name each token "token_id:N" (for tokens whose text JSON cannot carry whole); a request\'s '
+        "return_tokens_as_token_ids overrides it",
+    )
+    g.add_argument("--log-error-stack", action="store_true", help="log the traceback behind each error response")
+    g.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=("auto", "string", "openai"),
+        help="how a message's content reaches the chat template: string (its text parts joined), openai (a list of "
+        '{"type": "text", "text"} parts, for templates that loop over them) or auto (string) (default: auto)',
     )
     g.add_argument(
         "--trust-request-chat-template",

@@ -90,10 +90,15 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # with --enable-prompt-tokens-details
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -129,6 +134,7 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server flag)
     allowed_token_ids: list[Int64] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output may not contain
     include_stop_str_in_output: bool = False

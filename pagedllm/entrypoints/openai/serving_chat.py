@@ -62,6 +62,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     MIN_LOGPROB,
     SSE_DONE,
     ClientDisconnected,
+    FrontendOptions,
     OpenAIServing,
     SSEResponse,
     clamp_logprob,
@@ -256,22 +257,15 @@ class OpenAIServingChat(OpenAIServing):
         self,
         engine: Any,
         served_model_names: list[str],
-        trust_request_chat_template: bool = False,
-        enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
-        response_role: str = "assistant",
-        default_chat_template_kwargs: dict[str, Any] | None = None,
+        options: FrontendOptions | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names, trust_request_chat_template, default_chat_template_kwargs)
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.tool_call_parser = tool_call_parser
-        self.response_role = response_role  # --response-role
+        super().__init__(engine, served_model_names, options)
 
     def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
         """The role of the reply (vLLM's rule): --response-role when a generation prompt opens a new message, else
         that of the last message, which the reply continues."""
         if request.add_generation_prompt and not request.continue_final_message:
-            return self.response_role
+            return self.options.response_role  # --response-role
         return request.messages[-1].role
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -287,7 +281,7 @@ class OpenAIServingChat(OpenAIServing):
         sent). The chat-shaped front of the other APIs too (Anthropic's Messages, OpenAI's Responses)."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
-        plan = plan_tools(request, self.enable_auto_tool_choice, self.tool_call_parser)
+        plan = plan_tools(request, self.options.enable_auto_tool_choice, self.options.tool_call_parser)
         text, ids, params = await self.off_loop(self._prepare, request, plan)
         self.check_engine()
         lora = self.lora_request(request.model)
@@ -378,6 +372,7 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=self.template_kwargs(
                 request.chat_template_kwargs, reasoning_effort=request.reasoning_effort
             ),
+            content_format=self.options.chat_template_content_format,
         )
         return text, self.engine.input_processor.tokenize(text, add_special_tokens=request.add_special_tokens)
 
@@ -430,7 +425,9 @@ class OpenAIServingChat(OpenAIServing):
             completion_tokens += len(c.token_ids)
             logprobs = None
             if request.logprobs:
-                logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+                logprobs = self.chat_logprobs(
+                    c.token_ids, c.logprobs or [], request.top_logprobs or 0, self.tokens_as_ids(request)
+                )
             message, finish_reason = self._message(plan, c.text, c.finish_reason)
             message.role = self.get_chat_request_role(request)
             choices.append(
@@ -446,28 +443,24 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.response_model(request.model),
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
             prompt_logprobs=self.prompt_logprobs_of(request, final),
         )
 
     def chat_logprobs(
-        self, token_ids: Sequence[int], steps: Sequence[dict[int, Logprob]], num_top: int
+        self, token_ids: Sequence[int], steps: Sequence[dict[int, Logprob]], num_top: int, as_ids: bool = False
     ) -> ChatCompletionLogProbs:
         content = []
         for tid, step in zip(token_ids, steps):
             lp = step.get(tid)
-            token = self.token_str(tid, lp)
+            token = self.token_str(tid, lp, as_ids)
             ranked = sorted(
                 (e for e in step.items() if e[1].rank is not None and e[1].rank <= num_top),
                 key=lambda kv: kv[1].rank,  # type: ignore[arg-type,return-value]
             )[:num_top]
             top = []
             for t, entry in ranked:
-                s = self.token_str(t, entry)
+                s = self.token_str(t, entry, as_ids)
                 top.append(ChatCompletionLogProb(token=s, logprob=clamp_logprob(entry.logprob), bytes=_utf8(s)))
             content.append(
                 ChatCompletionLogProbsContent(
@@ -515,18 +508,14 @@ class OpenAIServingChat(OpenAIServing):
         model = self.response_model(request.model)
         streams: dict[int, ChoiceStream] = {}
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = self.include_usage(request)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
         num_tokens: dict[int, int] = defaultdict(int)
+        cached_tokens = 0
+        as_ids = self.tokens_as_ids(request)
 
         def usage_for(index: int) -> UsageInfo | None:
-            if not continuous:
-                return None
-            return UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=num_tokens[index],
-                total_tokens=prompt_tokens + num_tokens[index],
-            )
+            return self.usage(prompt_tokens, num_tokens[index], cached_tokens) if continuous else None
 
         merged = merge_async_iterators(gen)
         try:
@@ -537,6 +526,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield self._chunk(request_id, model, created, role, usage_for(i), include_usage)
                 async for _, out in merged:
                     raise_if_failed(out)
+                    cached_tokens = out.num_cached_tokens
                     for c in out.outputs:
                         num_tokens[c.index] += len(c.token_ids)
                         want_logprobs = request.logprobs and bool(c.token_ids)
@@ -548,7 +538,9 @@ class OpenAIServingChat(OpenAIServing):
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
                         if request.logprobs:
-                            logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], request.top_logprobs or 0)
+                            logprobs = self.chat_logprobs(
+                                c.token_ids, c.logprobs or [], request.top_logprobs or 0, as_ids
+                            )
                         choice = ChatCompletionResponseStreamChoice(
                             index=c.index,
                             delta=DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
@@ -558,12 +550,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                         yield self._chunk(request_id, model, created, choice, usage_for(c.index), include_usage)
                 if include_usage:
-                    completion_tokens = sum(num_tokens.values())
-                    usage = UsageInfo(
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens,
-                    )
+                    usage = self.usage(prompt_tokens, sum(num_tokens.values()), cached_tokens)
                     yield self._chunk(request_id, model, created, None, usage, True)
             except Exception as e:
                 yield sse_error(self.error_for(e, request))

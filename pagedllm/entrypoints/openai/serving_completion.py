@@ -31,7 +31,6 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    UsageInfo,
     now_s,
     random_uuid,
 )
@@ -160,7 +159,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     steps = self._prompt_steps(p, out) + steps
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self.completion_logprobs(token_ids, steps, request.logprobs, 0)
+                    logprobs = self.completion_logprobs(
+                        token_ids, steps, request.logprobs, 0, self.tokens_as_ids(request)
+                    )
                 choices.append(
                     CompletionResponseChoice(
                         index=pi * request.n + c.index,
@@ -179,11 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id,
             model=self.response_model(request.model),
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=self.usage(prompt_tokens, completion_tokens, sum(out.num_cached_tokens for out in finals)),
         )
 
     def _prompt_steps(self, p: _Prompt, out: RequestOutput) -> list[dict[int, Logprob] | None]:
@@ -196,6 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
         steps: Sequence[dict[int, Logprob] | None],
         num_top: int,
         initial_offset: int,
+        as_ids: bool = False,
     ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: per token its text, logprob, top-N alternatives and text offset."""
         result = CompletionLogProbs()
@@ -203,7 +201,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, tid in enumerate(token_ids):
             step = steps[i] if i < len(steps) else None
             lp = step.get(tid) if step is not None else None
-            token = self.token_str(tid, lp)
+            token = self.token_str(tid, lp, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(token)
@@ -215,7 +213,7 @@ class OpenAIServingCompletion(OpenAIServing):
             top: dict[str, float] = {}
             for t, entry in sorted(step.items(), key=lambda kv: -kv[1].logprob):
                 if t == tid or (entry.rank is not None and entry.rank <= num_top):
-                    top.setdefault(self.token_str(t, entry), clamp_logprob(entry.logprob))  # type: ignore[arg-type]
+                    top.setdefault(self.token_str(t, entry, as_ids), clamp_logprob(entry.logprob))  # type: ignore[arg-type]
             result.top_logprobs.append(top)
         return result
 
@@ -226,8 +224,10 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         created = now_s()
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = self.include_usage(request)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        as_ids = self.tokens_as_ids(request)
+        cached: dict[int, int] = {}  # prompt index -> its prompt tokens the prefix cache held
         echoed: set[int] = set()
         offsets: dict[int, int] = defaultdict(int)
         num_tokens: dict[int, int] = defaultdict(int)
@@ -237,6 +237,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 async for pi, out in merged:
                     raise_if_failed(out)
                     p = prompts[pi]
+                    cached[pi] = out.num_cached_tokens
                     for c in out.outputs:
                         idx = pi * request.n + c.index
                         num_tokens[idx] += len(c.token_ids)
@@ -253,16 +254,14 @@ class OpenAIServingCompletion(OpenAIServing):
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
                         if request.logprobs is not None:
-                            logprobs = self.completion_logprobs(token_ids, steps, request.logprobs, offsets[idx])
+                            logprobs = self.completion_logprobs(
+                                token_ids, steps, request.logprobs, offsets[idx], as_ids
+                            )
                         offsets[idx] += len(text)
                         echoed.add(idx)
                         usage = None
                         if continuous:
-                            usage = UsageInfo(
-                                prompt_tokens=len(p.ids),
-                                completion_tokens=num_tokens[idx],
-                                total_tokens=len(p.ids) + num_tokens[idx],
-                            )
+                            usage = self.usage(len(p.ids), num_tokens[idx], cached[pi])
                         chunk = CompletionStreamResponse(
                             id=request_id,
                             created=created,
@@ -289,11 +288,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         created=created,
                         model=self.response_model(request.model),
                         choices=[],
-                        usage=UsageInfo(
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens,
-                        ),
+                        usage=self.usage(prompt_tokens, completion_tokens, sum(cached.values())),
                     )
                     yield sse(final.model_dump_json())
             except Exception as e:

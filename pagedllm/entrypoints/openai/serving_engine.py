@@ -24,6 +24,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -33,7 +34,14 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.input_processor import check_chat_template_kwargs
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, PromptLogprob, PromptLogprobs, SamplingFields
+from pagedllm.entrypoints.openai.protocol import (
+    OpenAIBaseModel,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokenUsageInfo,
+    SamplingFields,
+    UsageInfo,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -64,25 +72,34 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
 
 
+@dataclass(frozen=True)
+class FrontendOptions:
+    """The server flags (entrypoints/openai/cli_args.py) the request handlers follow; the defaults are the flags'."""
+
+    trust_request_chat_template: bool = False
+    # --default-chat-template-kwargs: template variables a request's chat_template_kwargs may override
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    response_role: str = "assistant"
+    force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    log_error_stack: bool = False  # an error response's traceback in the log
+    chat_template_content_format: str = "auto"  # a message's content as a string or a list of text parts
+
+
 class OpenAIServing:
     """Base of the completion and chat handlers: one engine, one served model."""
 
-    def __init__(
-        self,
-        engine: AsyncLLM,
-        served_model_names: list[str],
-        trust_request_chat_template: bool = False,
-        default_chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], options: FrontendOptions | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.model_config.max_model_len)
         self.served_model_names = served_model_names
-        self.trust_request_chat_template = trust_request_chat_template
+        self.options = options or FrontendOptions()
         # --generation-config: the values a request that leaves them unset takes (ModelConfig.sampling_defaults).
         self.default_sampling_params: dict[str, Any] = dict(getattr(engine.model_config, "sampling_defaults", {}))
-        # --default-chat-template-kwargs: template variables a request's chat_template_kwargs may override.
-        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
 
     @property
     def model_name(self) -> str:
@@ -118,7 +135,7 @@ class OpenAIServing:
 
     def check_chat_template(self, chat_template: str | None) -> None:
         # A template is code (sandboxed Jinja, but it can still loop for long): only the operator may allow it.
-        if chat_template is not None and not self.trust_request_chat_template:
+        if chat_template is not None and not self.options.trust_request_chat_template:
             raise OpenAIError(
                 "chat_template in a request is not allowed; start the server with --trust-request-chat-template",
                 400,
@@ -134,7 +151,7 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), 400, "chat_template_kwargs") from None
         set_fields = {k: v for k, v in fields.items() if v is not None}
-        return {**self.default_chat_template_kwargs, **set_fields, **given}
+        return {**self.options.default_chat_template_kwargs, **set_fields, **given}
 
     def warn_ignored_fields(self, request: OpenAIBaseModel) -> None:
         if request.model_extra:
@@ -328,7 +345,30 @@ class OpenAIServing:
         """The engine's own input checks, run before anything is sent (a multi-prompt request is all or none)."""
         self.engine.input_processor.validate(prompt_ids, params)
 
-    def token_str(self, token_id: int, lp: Logprob | None = None) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """A response's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache held."""
+        details = PromptTokenUsageInfo(cached_tokens=cached_tokens) if self.options.prompt_tokens_details else None
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+        )
+
+    def include_usage(self, request: SamplingFields) -> bool:
+        """Whether a stream ends with a usage chunk: stream_options.include_usage, or --enable-force-include-usage."""
+        opts = request.stream_options
+        return bool(opts and opts.include_usage) or self.options.force_include_usage
+
+    def tokens_as_ids(self, request: SamplingFields) -> bool:
+        """Whether logprobs name tokens "token_id:N": the request's return_tokens_as_token_ids, else the flag's."""
+        given = request.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if given is None else given
+
+    def token_str(self, token_id: int, lp: Logprob | None = None, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" (`as_id`: text that JSON may not carry whole)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([token_id])

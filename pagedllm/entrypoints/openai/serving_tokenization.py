@@ -43,6 +43,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     tools=request.tools or None,
                     documents=request.documents,
                     chat_template_kwargs=self.template_kwargs(request.chat_template_kwargs),
+                    content_format=self.options.chat_template_content_format,
                 )
                 add_special = bool(request.add_special_tokens)
             else:

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.api_server import (
     debug_kv_cache,
     log_requests,
     make_app,
+    route_path,
     router,
     send_error,
 )
@@ -127,7 +128,7 @@ class ModelRoutingMiddleware:
         self.manager = manager
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTED_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in ROUTED_PATHS:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
@@ -142,7 +143,7 @@ class ModelRoutingMiddleware:
             names = ", ".join(self.manager.entries)
             await send_error(scope, send, 400, f"`model` is required: one of {names}.", param="model")
             return
-        compute = scope["path"] not in FRONT_END_PATHS
+        compute = route_path(scope) not in FRONT_END_PATHS
         try:
             stack = self.manager.try_acquire(name, compute) or await self._wait_for(name, receive, compute)
         except UnknownModel as e:
