@@ -115,6 +115,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # it end the output. The engine fills bad_words_token_ids from them with the model's tokenizer.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Keep only the last N prompt tokens (-1: the last max_model_len), as vLLM's truncate_prompt_tokens
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -181,6 +183,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < -1
+            or self.truncate_prompt_tokens == 0
+        ):  # fmt: skip
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (the context) or at least 1")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or not all(isinstance(t, int) for t in self.allowed_token_ids)
         ):

@@ -173,6 +173,9 @@ class InputProcessor:
         text, ids = parse_prompt(prompt)
         if ids is None:
             ids = self.tokenize(text, add_special_tokens)  # type: ignore[arg-type]
+        if params.truncate_prompt_tokens is not None:
+            kept = self.truncate_prompt(ids, params.truncate_prompt_tokens)
+            text, ids = (text if len(kept) == len(ids) else None), kept
         self.validate(ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
@@ -186,6 +189,12 @@ class InputProcessor:
             lora_request=lora_request,
         )
         return text, req
+
+    def truncate_prompt(self, ids: list[int], keep: int) -> list[int]:
+        """The last `keep` prompt tokens (-1: the last max_model_len), as vLLM's truncate_prompt_tokens: a prompt
+        longer than the context keeps its end, where the question usually is."""
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token sequences of `bad_words`: each word as it would open the text and, where that differs, as it

@@ -247,6 +247,17 @@ def test_bad_words_and_allowed_token_ids(llm):
         SamplingParams(allowed_token_ids=[])
 
 
+def test_truncate_prompt_tokens_keeps_the_end(llm):
+    prompt = "one two three four five six seven eight nine ten"
+    ids = llm.get_tokenizer().encode(prompt)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids[-4:] and out[0].prompt is None
+    same = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == same[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_min_tokens_and_ignore_eos(llm):
     msgs = [{"role": "user", "content": "Say OK."}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]

@@ -109,6 +109,17 @@ def test_reasoning_content_behind_the_server(thinking_model: str) -> None:
                     reasoning += getattr(delta, "reasoning_content", None) or ""
                     content += delta.content or ""
             assert (reasoning, content) == (message.reasoning_content, message.content)
+            # include_reasoning false (vLLM's): the same answer without its thinking, streamed or not
+            quiet = client.chat.completions.create(
+                **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}
+            )
+            assert quiet.choices[0].message.content == "t5" and quiet.choices[0].message.reasoning_content is None
+            streamed = client.chat.completions.create(
+                stream=True, **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}
+            )
+            deltas = [c.choices[0].delta for c in streamed if c.choices]
+            assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+            assert "".join(d.content or "" for d in deltas) == "t5"
             with_thinking += 1
             break
         assert with_thinking == 1

@@ -252,3 +252,37 @@ def test_messages_breaking_openai_role_rules_are_400(server, model_name, message
 )
 def test_messages_following_openai_role_rules_are_accepted(client, model_name, messages):
     assert chat(client, model_name, messages, max_tokens=2).choices[0].message.role == "assistant"
+
+
+def test_return_token_ids_echo_and_truncation(server, client, model_name):
+    status, tok = server.request("POST", "/tokenize", {"messages": MESSAGES})
+    resp = chat(client, model_name, max_tokens=4, extra_body={"return_token_ids": True})
+    assert resp.model_extra["prompt_token_ids"] == tok["tokens"]
+    [choice] = resp.choices
+    said = server.request("POST", "/detokenize", {"tokens": choice.model_extra["token_ids"]})[1]["prompt"]
+    assert len(choice.model_extra["token_ids"]) == resp.usage.completion_tokens and said == choice.message.content
+    chunks = list(chat(client, model_name, max_tokens=4, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == tok["tokens"]
+    assert [t for c in chunks[1:] for t in c.choices[0].model_extra.get("token_ids") or []] == choice.model_extra[
+        "token_ids"
+    ]
+    assert "prompt_token_ids" not in chunks[1].model_extra  # only in the first chunk
+    # echo: a reply that continues the last message starts with it (vLLM's); a new reply does not
+    start = [*MESSAGES, {"role": "assistant", "content": "The color"}]
+    kw = dict(max_tokens=3, extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    echoed = chat(client, model_name, messages=start, **kw).choices[0].message.content
+    plain = chat(client, model_name, messages=start, max_tokens=3, extra_body=kw["extra_body"] | {"echo": False})
+    assert echoed == "The color" + plain.choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in chat(client, model_name, messages=start, stream=True, **kw)
+    )
+    assert streamed == echoed
+    assert (
+        chat(client, model_name, extra_body={"echo": True}).choices[0].message.content
+        == chat(client, model_name).choices[0].message.content
+    )
+    # truncate_prompt_tokens keeps the prompt's last N tokens
+    cut = chat(client, model_name, max_tokens=2, extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
+    assert cut.usage.prompt_tokens == 5 and cut.model_extra["prompt_token_ids"] == tok["tokens"][-5:]
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        chat(client, model_name, extra_body={"truncate_prompt_tokens": 0})

@@ -239,6 +239,17 @@ def test_allowed_token_ids_and_bad_words(server, client, model_name):
     assert status == 400 and "bad_words" in body["error"]["message"], body
 
 
+def test_truncate_prompt_tokens_keeps_the_end(server, client, model_name):
+    long = "one two three four five six seven eight nine ten " * 3
+    _, tok = server.request("POST", "/tokenize", {"prompt": long})
+    resp = greedy(client, model_name, prompt=long, max_tokens=2, echo=True, extra_body={"truncate_prompt_tokens": 6})
+    assert resp.usage.prompt_tokens == 6
+    head = server.request("POST", "/detokenize", {"tokens": tok["tokens"][-6:]})[1]["prompt"]
+    assert resp.choices[0].text.startswith(head)
+    whole = greedy(client, model_name, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == tok["count"]  # -1: up to the context, and it fits
+
+
 def test_seed_makes_sampling_reproducible(client, model_name):
     def sample():
         return (

@@ -135,6 +135,7 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server flag)
+    truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None  # keep the prompt's last N tokens (-1: max)
     allowed_token_ids: list[Int64] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output may not contain
     include_stop_str_in_output: bool = False
@@ -277,6 +278,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     add_special_tokens: bool = False
+    echo: bool = False  # the reply starts with the last message's content when it continues that message
+    include_reasoning: bool = True  # false: no reasoning_content (with --reasoning-parser)
+    return_token_ids: bool = False  # vLLM's: the prompt's token ids, and each choice's
     # The template's own variables (e.g. Qwen3's enable_thinking), over --default-chat-template-kwargs
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents (RAG)
@@ -311,6 +315,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -321,6 +326,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (of the prompt all choices share)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -337,6 +343,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -346,6 +353,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------------------------

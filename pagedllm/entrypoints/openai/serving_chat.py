@@ -271,7 +271,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         run = await self.start(request, f"chatcmpl-{random_uuid()}")
         if request.stream:
-            return SSEResponse(self._stream(request, run.request_id, run.prompt_tokens, run.gen, run.plan))
+            return SSEResponse(self._stream(request, run))
         final = await self.collect(run, request, raw_request)
         body = self._response(request, run.request_id, run.prompt_tokens, final, run.plan)
         return Response(body.model_dump_json(), media_type="application/json")
@@ -290,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             prompt = {"prompt": text, "prompt_token_ids": ids}
             gen = self.engine.generate(prompt, params, request_id, priority=request.priority, lora_request=lora)
-        return ChatRun(request_id, len(ids), gen, plan)
+        return ChatRun(request_id, len(ids), gen, plan, ids)
 
     async def collect(self, run: ChatRun, request: ChatCompletionRequest, raw_request: Request) -> RequestOutput:
         """The final output of a non-streamed run (aborted if the client goes away)."""
@@ -324,7 +324,7 @@ class OpenAIServingChat(OpenAIServing):
                 "top_logprobs",
             )
         try:
-            text, ids = self.render(request)
+            text, ids = self.truncated(*self.render(request), request)
             requested = request.max_completion_tokens
             if requested is None:
                 requested = request.max_tokens
@@ -430,6 +430,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
             message, finish_reason = self._message(plan, c.text, c.finish_reason)
             message.role = self.get_chat_request_role(request)
+            if not request.include_reasoning:
+                message.reasoning_content = None
+            echo = self.echo_text(request)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
@@ -437,6 +442,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs=logprobs,
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
@@ -445,7 +451,21 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
             prompt_logprobs=self.prompt_logprobs_of(request, final),
+            prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
         )
+
+    def echo_text(self, request: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the last message's content (its text), when the reply continues that message (its
+        role is the reply's); else nothing."""
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        if last.role != self.get_chat_request_role(request):
+            return ""
+        content = last.content
+        if isinstance(content, list):
+            return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return content or ""
 
     def chat_logprobs(
         self, token_ids: Sequence[int], steps: Sequence[dict[int, Logprob]], num_top: int, as_ids: bool = False
@@ -482,6 +502,7 @@ class OpenAIServingChat(OpenAIServing):
         choice: ChatCompletionResponseStreamChoice | None,
         usage: UsageInfo | None,
         include_usage: bool,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
         chunk = ChatCompletionStreamResponse(
             id=request_id,
@@ -489,21 +510,20 @@ class OpenAIServingChat(OpenAIServing):
             model=model,
             choices=[choice] if choice is not None else [],
             usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
         data = chunk.model_dump(mode="json", exclude=None if include_usage else {"usage"})
+        if prompt_token_ids is None:
+            del data["prompt_token_ids"]  # vLLM's return_token_ids only: not a null in every chunk otherwise
         for ch in data["choices"]:
             # A delta names only what it carries: the role once, then content.
             ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+            if ch["token_ids"] is None:
+                del ch["token_ids"]
         return sse(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        prompt_tokens: int,
-        gen: AsyncIterator[RequestOutput],
-        plan: ToolPlan,
-    ) -> AsyncGenerator[str, None]:
+    async def _stream(self, request: ChatCompletionRequest, run: ChatRun) -> AsyncGenerator[str, None]:
+        request_id, prompt_tokens, plan = run.request_id, run.prompt_tokens, run.plan
         created = now_s()
         model = self.response_model(request.model)
         streams: dict[int, ChoiceStream] = {}
@@ -517,13 +537,18 @@ class OpenAIServingChat(OpenAIServing):
         def usage_for(index: int) -> UsageInfo | None:
             return self.usage(prompt_tokens, num_tokens[index], cached_tokens) if continuous else None
 
-        merged = merge_async_iterators(gen)
+        merged = merge_async_iterators(run.gen)
         try:
             try:
                 reply_role = self.get_chat_request_role(request)
+                echo = self.echo_text(request)
                 for i in range(request.n):
                     role = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=reply_role, content=""))
-                    yield self._chunk(request_id, model, created, role, usage_for(i), include_usage)
+                    prompt_ids = run.prompt_ids if request.return_token_ids and i == 0 else None
+                    yield self._chunk(request_id, model, created, role, usage_for(i), include_usage, prompt_ids)
+                    if echo:
+                        said = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo))
+                        yield self._chunk(request_id, model, created, said, usage_for(i), include_usage)
                 async for _, out in merged:
                     raise_if_failed(out)
                     cached_tokens = out.num_cached_tokens
@@ -534,6 +559,8 @@ class OpenAIServingChat(OpenAIServing):
                         if cstream is None:
                             cstream = streams[c.index] = self.choice_stream(plan)
                         reasoning, content, tool_calls, finish_reason = cstream.step(c.text, c.finish_reason)
+                        if not request.include_reasoning:
+                            reasoning = None
                         if not (content or reasoning or tool_calls) and finish_reason is None and not want_logprobs:
                             continue  # nothing to say yet (text held back for a possible stop string)
                         logprobs = None
@@ -547,6 +574,7 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs=logprobs,
                             finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
+                            token_ids=list(c.token_ids) if request.return_token_ids else None,
                         )
                         yield self._chunk(request_id, model, created, choice, usage_for(c.index), include_usage)
                 if include_usage:
@@ -567,6 +595,7 @@ class ChatRun:
     prompt_tokens: int
     gen: AsyncIterator[RequestOutput]
     plan: ToolPlan
+    prompt_ids: list[int]
 
 
 class ChoiceStream:

@@ -111,6 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 # OpenAI's default of 16, lowered by the generation config's max_new_tokens (as vLLM takes the least)
                 requested = min(requested, self.default_sampling_params.get("max_tokens", requested))
             for text, ids in self._parse_prompts(request):
+                text, ids = self.truncated(text, ids, request)
                 max_tokens = self.resolve_max_tokens(requested, len(ids), "prompt")
                 prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
                 params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)

@@ -179,6 +179,14 @@ class OpenAIServing:
             )
         return None
 
+    def truncated(self, text: str | None, ids: list[int], request: SamplingFields) -> tuple[str | None, list[int]]:
+        """The prompt as the request's truncate_prompt_tokens keeps it: its last N tokens (-1: the context), and no
+        text once some are dropped (it no longer says what the ids say)."""
+        if request.truncate_prompt_tokens is None:
+            return text, ids
+        kept = self.engine.input_processor.truncate_prompt(ids, request.truncate_prompt_tokens)
+        return (text if len(kept) == len(ids) else None), kept
+
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, what: str) -> int:
         """The request's max_tokens, checked against the context; unset (None): what is left of the context, at
         most the generation config's max_new_tokens (as vLLM)."""
@@ -335,6 +343,7 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=bias,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
             structured_outputs=structured_outputs_of(request),
