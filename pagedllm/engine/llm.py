@@ -9,6 +9,7 @@ and the core's workers (the client's finalizer; nothing in it refers back to the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -170,6 +171,13 @@ class LLM:
         self._counter = itertools.count()
         self.loras = LoRARegistry()  # the adapters the engines hold
         self._sleep_level = 0
+        self._enqueued: list[str] = []  # enqueue's request ids, not yet collected by wait_for_completion
+        self._finished: dict[str, Any] = {}  # their outputs that came while another call ran the engine
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, engine_client: str | None = None) -> LLM:
+        """The LLM of `engine_args` (vLLM's)."""
+        return cls(engine_client=engine_client, **dataclasses.asdict(engine_args))
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -226,10 +234,30 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style function
         definitions, given to the template as in vLLM; `chat_template_kwargs`, the template's own variables such as
         Qwen3's `enable_thinking`), then generate."""
+        prompts = self._chat_prompts(
+            messages, chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+            chat_template_content_format,
+        )  # fmt: skip
+        params_list = self._as_params_list(sampling_params, len(prompts))
+        loras = self._as_lora_list(lora_request, len(prompts))
+        # The template already holds the special tokens (BOS etc.); do not add them twice.
+        return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False, loras=loras)
+
+    def _chat_prompts(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        content_format: str,
+    ) -> list[PromptType]:
+        """The prompt text of one conversation or of each of a list of them, through the chat template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [
+        return [
             self.input_processor.apply_chat_template(
                 conv,
                 add_generation_prompt,
@@ -237,14 +265,10 @@ class LLM:
                 continue_final_message,
                 tools,
                 chat_template_kwargs=chat_template_kwargs,
-                content_format=chat_template_content_format,
+                content_format=content_format,
             )
             for conv in conversations
         ]
-        params_list = self._as_params_list(sampling_params, len(prompts))
-        loras = self._as_lora_list(lora_request, len(prompts))
-        # The template already holds the special tokens (BOS etc.); do not add them twice.
-        return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False, loras=loras)
 
     # ---- pooling models (--runner pooling) ---------------------------------------------------------------
 
@@ -400,6 +424,19 @@ class LLM:
         add_special_tokens: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[Any]:
+        ids = self._submit(prompts, params_list, priority, add_special_tokens, loras)
+        done = self._drain(set(ids), use_tqdm)
+        return [done.pop(i) for i in ids]
+
+    def _submit(
+        self,
+        prompts: list[PromptType],
+        params_list: Sequence[SamplingParams | PoolingParams],
+        priority: list[int] | None,
+        add_special_tokens: bool,
+        loras: list[LoRARequest | None] | None = None,
+    ) -> list[str]:
+        """Check every prompt, then hand them all to the engine; their request ids, in order."""
         if self._sleep_level:
             raise EngineSleepingError(f"the engine is asleep (level {self._sleep_level}): call LLM.wake_up() first")
         # Validate everything first: a bad prompt rejects the call before any request enters the engine.
@@ -416,29 +453,99 @@ class LLM:
             staged.append((text, req))
         for lora in {lr.lora_int_id: lr for lr in loras or () if lr is not None}.values():
             self.add_lora(lora)  # loaded in the engines before its first request
-        order = {req.request_id: i for i, (_, req) in enumerate(staged)}
         for text, req in staged:
             self._add(text, req)
-        results: list[Any] = [None] * len(staged)
-        bar = tqdm(total=len(staged), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        return [req.request_id for _, req in staged]
+
+    def _drain(self, want: set[str], use_tqdm: bool) -> dict[str, Any]:
+        """Run the engine until every request in `want` has finished; their outputs by request id. Requests of
+        `enqueue` that finish meanwhile keep their outputs for `wait_for_completion`."""
+        results = {i: self._finished.pop(i) for i in list(want) if i in self._finished}
+        bar = tqdm(total=len(want), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
         try:
-            while self.output_processor.has_unfinished_requests():
+            while len(results) < len(want) and self.output_processor.has_unfinished_requests():
                 outputs = self.engine_core.get_output()
                 processed = self.output_processor.process_outputs(outputs.outputs)
                 self.engine_core.abort_requests(processed.reqs_to_abort)
                 for ro in processed.request_outputs:
-                    if ro.finished:
-                        results[order[ro.request_id]] = ro
+                    if not ro.finished:
+                        continue
+                    if ro.request_id in want:
+                        results[ro.request_id] = ro
                         bar.update(1)
+                    else:
+                        self._finished[ro.request_id] = ro
         except BaseException:
-            # Leave the engine clean for the next call: nothing of this batch keeps running.
+            # Leave the engine clean for the next call: nothing of this batch, nor of what was enqueued, keeps running.
             self.engine_core.abort_requests(
                 self.output_processor.abort_requests(list(self.output_processor.request_states))
             )
+            self._enqueued.clear()
+            self._finished.clear()
             raise
         finally:
             bar.close()
-        return results  # type: ignore[return-value]
+        return results
+
+    # ---- requests queued now, collected later (vLLM's enqueue API) --------------------------------------
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[str]:
+        """Hand prompts to the engine without waiting for them (as `generate` takes them); their request ids.
+        `wait_for_completion` collects the outputs; a `generate` call meanwhile runs them too."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        loras = self._as_lora_list(lora_request, len(prompt_list))
+        ids = self._submit(prompt_list, params_list, priority, True, loras)
+        self._enqueued += ids
+        return ids
+
+    def enqueue_chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> list[str]:
+        """`chat`'s conversations handed to the engine without waiting; their request ids (`wait_for_completion`)."""
+        prompts = self._chat_prompts(
+            messages, chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+            chat_template_content_format,
+        )  # fmt: skip
+        params_list = self._as_params_list(sampling_params, len(prompts))
+        loras = self._as_lora_list(lora_request, len(prompts))
+        ids = self._submit(prompts, params_list, None, False, loras)
+        self._enqueued += ids
+        return ids
+
+    def wait_for_completion(
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True
+    ) -> list[Any]:
+        """Run the engine until every enqueued request has finished; their outputs in the order they were enqueued
+        (then forgotten). `output_type`: the class(es) every output must be (a TypeError otherwise)."""
+        ids, self._enqueued = self._enqueued, []
+        done = self._drain(set(ids), use_tqdm)
+        outputs = [done.pop(i) for i in ids]
+        if output_type is not None:
+            wrong = [type(o).__name__ for o in outputs if not isinstance(o, output_type)]
+            if wrong:
+                raise TypeError(f"wait_for_completion: expected {output_type}, got {wrong[0]}")
+        return outputs
 
     def _add(self, prompt_text: str | None, req: EngineCoreRequest) -> None:
         engine = None  # the n children of a request share an engine (and its prefix cache)

@@ -373,3 +373,12 @@ def test_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     with pytest.raises(ValueError, match="not a flag of `pagedllm serve`"):
         path.write_text("no-such-flag: 1\n")
         apply_config_file(build_parser(), ["serve", "--config", str(path)])
+
+
+def test_llm_from_engine_args(model_dir):
+    llm = LLM.from_engine_args(EngineArgs(model=model_dir, **TINY))
+    try:
+        assert llm.config.model_config.max_model_len == 256
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()

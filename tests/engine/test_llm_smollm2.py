@@ -258,6 +258,26 @@ def test_truncate_prompt_tokens_keeps_the_end(llm):
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_enqueue_then_wait_for_completion(llm):
+    params = SamplingParams(temperature=0, max_tokens=5)
+    prompts = ["The capital of France is", "One, two, three,"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ids = llm.enqueue(prompts, params, use_tqdm=False)
+    chat_ids = llm.enqueue_chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    assert len(set(ids + chat_ids)) == 3
+    # a generate call meanwhile runs the queued requests too, and leaves their outputs for wait_for_completion
+    other = llm.generate("Hello", params, use_tqdm=False)
+    assert len(other) == 1 and other[0].prompt == "Hello"
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids + chat_ids
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    assert outs[2].prompt.startswith("<|im_start|>")
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    llm.enqueue("Hi", params, use_tqdm=False)
+    with pytest.raises(TypeError, match="expected"):
+        llm.wait_for_completion(int, use_tqdm=False)
+
+
 def test_min_tokens_and_ignore_eos(llm):
     msgs = [{"role": "user", "content": "Say OK."}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
