@@ -89,7 +89,7 @@ class Request:
         self.num_preemptions = 0
         # Hashes of this request's full blocks, in order; extended by the KV cache manager.
         self.block_hashes: list[bytes] = []
-        # Extra keys mixed into every block hash (e.g. a LoRA adapter id); None when there are none.
+        # Mixed into every block hash (with a LoRA adapter id): prefix-cache hits only among the same salt.
         self.cache_salt: str | None = None
         # Events not yet sent to the front end (see take_events).
         self.events: list[EngineCoreEvent] = []
@@ -102,7 +102,7 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
-        return cls(
+        request = cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -113,6 +113,8 @@ class Request:
             pooling_params=req.pooling_params,
             lora_request=req.lora_request,
         )
+        request.cache_salt = req.cache_salt
+        return request
 
     @property
     def num_tokens(self) -> int:

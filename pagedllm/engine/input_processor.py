@@ -171,6 +171,9 @@ class InputProcessor:
                 "not generate text; use embeddings, classification or scores"
             )
         text, ids = parse_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.80}")
         if ids is None:
             ids = self.tokenize(text, add_special_tokens)  # type: ignore[arg-type]
         if params.truncate_prompt_tokens is not None:
@@ -187,6 +190,7 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=int(priority),
             lora_request=lora_request,
+            cache_salt=salt,
         )
         return text, req
 

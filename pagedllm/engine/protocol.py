@@ -58,6 +58,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (--enable-lora; the engine has loaded it: EngineCore.add_lora).
     lora_request: LoRARequest | None = None
+    # Mixed into its block hashes: it shares prefix-cache blocks only with requests of the same salt (vLLM's)
+    cache_salt: str | None = None
 
 
 class PooledData(msgspec.Struct, array_like=True, gc=False):

@@ -136,6 +136,30 @@ def test_every_stream_ends_with_usage_and_cached_tokens(srv):
 
 
 @pytest.mark.timeout(600)
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(srv):
+    prompt = "In the beginning the universe was created. This has made a lot of people very angry and been widely"
+
+    def cached(**extra) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, **extra}
+        status, out = srv.request("POST", "/v1/completions", body)
+        assert status == 200, out
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 16
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0  # no salt: not the salted blocks either
+    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+    chat = {"messages": messages, "max_tokens": 1, "cache_salt": "tenant-c"}
+    for want_cached in (False, True):
+        status, out = srv.request("POST", "/v1/chat/completions", chat)
+        assert status == 200, out
+        assert (out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16) == want_cached, out["usage"]
+    status, err = srv.request("POST", "/v1/completions", {"prompt": prompt, "cache_salt": ""})
+    assert status == 400 and err["error"]["param"] == "cache_salt", err
+
+
+@pytest.mark.timeout(600)
 def test_logprobs_name_tokens_by_id_unless_the_request_says(srv):
     body = {"prompt": "Hello", "max_tokens": 2, "logprobs": 1, "temperature": 0}
     status, out = srv.request("POST", "/v1/completions", body)

@@ -136,6 +136,7 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[Int64] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server flag)
     truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None  # keep the prompt's last N tokens (-1: max)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # prefix-cache hits only among the same salt
     allowed_token_ids: list[Int64] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output may not contain
     include_stop_str_in_output: bool = False

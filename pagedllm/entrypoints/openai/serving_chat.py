@@ -288,7 +288,7 @@ class OpenAIServingChat(OpenAIServing):
         if getattr(request, "use_beam_search", False):
             gen = self.beam_generate(text, ids, params, request, request_id, lora)
         else:
-            prompt = {"prompt": text, "prompt_token_ids": ids}
+            prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
             gen = self.engine.generate(prompt, params, request_id, priority=request.priority, lora_request=lora)
         return ChatRun(request_id, len(ids), gen, plan, ids)
 

@@ -76,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             gens = [
                 self.engine.generate(
-                    {"prompt_token_ids": p.ids} if p.text is None else {"prompt": p.text, "prompt_token_ids": p.ids},
+                    {"prompt": p.text, "prompt_token_ids": p.ids, "cache_salt": request.cache_salt},
                     p.params,
                     f"{request_id}-{i}",
                     priority=request.priority,

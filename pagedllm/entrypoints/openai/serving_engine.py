@@ -233,7 +233,7 @@ class OpenAIServing:
         while batch := search.pending():
             gens = [
                 self.engine.generate(
-                    {"prompt_token_ids": tokens},
+                    {"prompt_token_ids": tokens, "cache_salt": getattr(request, "cache_salt", None)},
                     step_params,
                     f"{request_id}-beam{step}-{j}",
                     priority=request.priority,
