@@ -91,6 +91,8 @@ def test_request_id_headers_docs_and_root_path(srv):
         assert srv.request("GET", path)[0] == 404, path
     status, models = srv.request("GET", "/v1/models")
     assert [m["id"] for m in models["data"]] == ["smol", "smol-alias"]
+    status, card = srv.request("GET", "/v1/models/smol-alias")
+    assert status == 200 and card["id"] == "smol-alias" and card["root"] == models["data"][0]["root"]
     assert srv.port != 9  # the command line's port, not the file's
     log = srv.log_text()
     assert log.count("--download-dir, --revision: accepted for vLLM compatibility") == 1, log[-3000:]

@@ -103,6 +103,11 @@ def test_served_model_name_env_key_and_sigterm(servers):
     root = client.models.list().data[0].root  # with a chosen name, the model's path is no name of it
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=root, prompt=PROMPT, max_tokens=1)
+    # OpenAI's retrieval: the card of a listed name; the path (no name here) is a 404 in OpenAI's shape
+    assert client.models.retrieve("other-name").id == "other-name"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve(root)
+    assert missing.value.body["param"] == "model" and "does not exist" in missing.value.body["message"]
     assert srv.request("GET", "/v1/models", headers={})[0] == 401  # the key came from $PAGEDLLM_API_KEY
     # --trust-request-chat-template: a request's own template is used; one that raises is the client's fault
     messages = [{"role": "user", "content": "Say yes."}]

@@ -171,6 +171,10 @@ def test_models_are_listed_unloaded_until_first_used(router):
     assert states(router) == {"broken": "unloaded", "minilm": "unloaded", "smollm": "unloaded", "tiny": "unloaded"}
     assert set(health(router)) == {"broken", "minilm", "smollm", "tiny"}
     assert router.request("GET", "/health", headers={})[0] == 200  # no key needed, as with one model
+    status, card = router.request("GET", "/v1/models/tiny")
+    assert status == 200 and (card["id"], card["status"]) == ("tiny", "unloaded"), card
+    status, err = router.request("GET", "/v1/models/nope")
+    assert status == 404 and err["error"]["param"] == "model", err
 
 
 def test_interleaved_requests_over_three_models_answer_as_each_model_alone(router, references):

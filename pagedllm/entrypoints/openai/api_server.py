@@ -375,15 +375,40 @@ async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-@single_router.get("/v1/models", response_model=ModelList)
-async def show_models(raw_request: Request) -> Response:
-    state = raw_request.app.state
+def _model_cards(state: Any) -> list[ModelCard]:
     mc = state.engine.model_config
     cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len) for name in state.served_model_names]
     for lora in state.engine.loras.by_id.values():  # adapters: their parent is the base model
         parent = lora.base_model_name or state.served_model_names[0]
         cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path, parent=parent, max_model_len=mc.max_model_len))
-    return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+    return cards
+
+
+@single_router.get("/v1/models", response_model=ModelList)
+async def show_models(raw_request: Request) -> Response:
+    return Response(
+        ModelList(data=_model_cards(raw_request.app.state)).model_dump_json(), media_type="application/json"
+    )
+
+
+@single_router.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(404))
+async def retrieve_model(model: str, raw_request: Request) -> Response:
+    """OpenAI's model retrieval: the card of `model` (a served name, an adapter's, or a name requests may give the
+    base model, such as its path)."""
+    state = raw_request.app.state
+    cards = _model_cards(state)
+    listed = {card.id for card in cards}
+    if model not in listed and model in state.stack.serving_chat.served_model_names:  # e.g. the model's path
+        return Response(cards[0].model_dump_json(), media_type="application/json")
+    return model_card_response(cards, model)
+
+
+def model_card_response(cards: list[ModelCard], model: str) -> Response:
+    """The card named `model`, or OpenAI's 404 for a model that does not exist."""
+    for card in cards:
+        if card.id == model:
+            return Response(card.model_dump_json(), media_type="application/json")
+    raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
 
 @lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400))

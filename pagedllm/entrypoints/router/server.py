@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.api_server import (
     debug_kv_cache,
     log_requests,
     make_app,
+    model_card_response,
     route_path,
     router,
     send_error,
@@ -213,17 +214,27 @@ async def ping(raw_request: Request) -> JSONResponse:
     return JSONResponse(_health_body(_manager(raw_request)))
 
 
-@routed_router.get("/v1/models", response_model=ModelList)
-async def show_models(raw_request: Request) -> Response:
-    """Every model, with its `status` (unloaded, loading, loaded, sleeping, failed) and, when failed, `error`."""
-    manager = _manager(raw_request)
+def _model_cards(manager: ModelManager) -> list[ModelCard]:
     cards = []
     for entry in manager.entries.values():
         extra = {"status": entry.state.value}
         if entry.error is not None and entry.state.value == "failed":
             extra["error"] = entry.error
         cards.append(ModelCard(id=entry.name, root=entry.spec.path, max_model_len=entry.max_model_len, **extra))
+    return cards
+
+
+@routed_router.get("/v1/models", response_model=ModelList)
+async def show_models(raw_request: Request) -> Response:
+    """Every model, with its `status` (unloaded, loading, loaded, sleeping, failed) and, when failed, `error`."""
+    cards = _model_cards(_manager(raw_request))
     return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+
+@routed_router.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(404))
+async def retrieve_model(model: str, raw_request: Request) -> Response:
+    """One model's card, with its status, as /v1/models lists it."""
+    return model_card_response(_model_cards(_manager(raw_request)), model)
 
 
 class ModelRequest(OpenAIBaseModel):
