@@ -365,6 +365,17 @@ class EngineArgs:
         # --no-enable-chunked-prefill: the budget holds the longest one.
         chunked = not model_config.is_encoder and self.enable_chunked_prefill is not False
         if not chunked:
+            if self.long_prefill_token_threshold:
+                raise ValueError(
+                    f"long_prefill_token_threshold {self.long_prefill_token_threshold} splits prompts into chunks, "
+                    "but this engine computes each prompt whole (an encoder, or --no-enable-chunked-prefill)"
+                )
+            if self.enable_chunked_prefill is False and batched < model_config.max_model_len:
+                if self.max_num_batched_tokens is not None:  # as vLLM: a prompt must fit one step
+                    raise ValueError(
+                        f"max_num_batched_tokens {batched} is below max_model_len {model_config.max_model_len}: "
+                        "without chunked prefill a prompt runs whole in one step; raise it or lower max_model_len"
+                    )
             batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),

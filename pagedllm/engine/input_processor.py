@@ -179,9 +179,9 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             kept = self.truncate_prompt(ids, params.truncate_prompt_tokens)
             text, ids = (text if len(kept) == len(ids) else None), kept
-        self.validate(ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        self.validate(ids, params)  # also the bad words' ids: an added token may lie past the model's vocabulary
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterable
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
@@ -197,14 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_path(argv: list[str]) -> tuple[str | None, str | None]:
-    """(the subcommand, the --config file) of a command line; Nones where absent."""
-    command = next((a for a in argv if not a.startswith("-")), None)
+def _config_path(argv: list[str], commands: Iterable[str]) -> tuple[str | None, str | None]:
+    """(the subcommand, the --config file) of a command line; Nones where absent. As argparse, a prefix of
+    --config (at least --conf) names it too."""
+    command = next((a for a in argv if a in commands), None)
     for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return command, argv[i + 1]
-        if arg.startswith("--config="):
-            return command, arg.split("=", 1)[1]
+        name, eq, value = arg.partition("=")
+        if len(name) >= len("--conf") and "--config".startswith(name):
+            if eq:
+                return command, value
+            if i + 1 < len(argv):
+                return command, argv[i + 1]
     return command, None
 
 
@@ -213,10 +217,10 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     that flags on the command line win. A value is what the flag would take: true for a switch (false: its --no-
     form, or nothing), a list for a flag of several values (as JSON text for a flag of one), a mapping as JSON text.
     ValueError naming an unknown key."""
-    command, path = _config_path(argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command, path = _config_path(argv, subparsers.choices)
     if path is None:
         return
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub = subparsers.choices.get(command or "")
     if sub is None or "--config" not in sub._option_string_actions:
         raise ValueError(f"--config is a flag of `pagedllm serve` and `pagedllm run-batch`, not of {command!r}")
@@ -249,7 +253,14 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             config_argv += [flag, json.dumps(value)]
         elif value is not None:
             config_argv += [flag, str(value)]
-    given = sub.parse_args(config_argv)
+    required = [a for a in sub._actions if a.required]  # e.g. run-batch's -i/-o: on the command line, not here
+    for action in required:
+        action.required = False
+    try:
+        given = sub.parse_args(config_argv)
+    finally:
+        for action in required:
+            action.required = True
     sub.set_defaults(**{k: v for k, v in vars(given).items() if v != sub.get_default(k)})
 
 

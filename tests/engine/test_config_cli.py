@@ -298,7 +298,7 @@ def test_more_vllm_engine_flags_parse_and_act(model_dir, tiny_model_dir, tmp_pat
     from pagedllm.entrypoints.cli import build_parser
 
     line = [
-        "serve", model_dir, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", "-pp", "1",
+        "serve", model_dir, "--no-enable-chunked-prefill", "-pp", "1",
         "--download-dir", "/nowhere", "--revision", "main", "--hf-token", "--load-format", "safetensors",
         "--tokenizer-mode", "hf", "--override-generation-config", '{"temperature": 1.0, "max_new_tokens": 7}',
         "--max-model-len", "128",
@@ -306,7 +306,7 @@ def test_more_vllm_engine_flags_parse_and_act(model_dir, tiny_model_dir, tmp_pat
     args = EngineArgs.from_cli_args(build_parser().parse_args(line))
     config = args.create_engine_config()
     sched = config.scheduler_config
-    assert not sched.chunked_prefill and sched.max_num_batched_tokens == 128  # raised to max_model_len
+    assert not sched.chunked_prefill and sched.max_num_batched_tokens == 2048  # holds max_model_len (128)
     # an override keeps even transformers' default (the operator chose it)
     assert config.model_config.sampling_defaults == {"temperature": 1.0, "max_tokens": 7}
     assert EngineArgs(model=model_dir).create_engine_config().scheduler_config.chunked_prefill
@@ -318,6 +318,9 @@ def test_more_vllm_engine_flags_parse_and_act(model_dir, tiny_model_dir, tmp_pat
         (dict(override_generation_config='{"do_sample": true}'), "unknown key 'do_sample'"),
         (dict(override_generation_config="[1]"), "must be a JSON object"),
         (dict(override_generation_config='{"top_k": 1.5}'), "top_k must be an integer"),
+        # without chunked prefill a prompt runs whole: a step must hold the longest (vLLM's rule), and nothing splits
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "below max_model_len"),
+        (dict(enable_chunked_prefill=False, long_prefill_token_threshold=32), "splits prompts into chunks"),
     ]
     for kwargs, fragment in bad:
         with pytest.raises(ValueError, match=fragment):
@@ -336,14 +339,11 @@ def test_whole_prompts_without_chunked_prefill_give_the_same_tokens(model_dir):
     params = SamplingParams(temperature=0, max_tokens=6)
     outs = []
     for chunked in (True, False):
-        llm = LLM(model=model_dir, max_num_batched_tokens=32, enable_chunked_prefill=chunked, **TINY)
+        budget = {"max_num_batched_tokens": 32} if chunked else {}  # chunks of 32, or whole prompts
+        llm = LLM(model=model_dir, enable_chunked_prefill=chunked, **budget, **TINY)
         try:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            if not chunked:
-                assert (
-                    llm.config.scheduler_config.max_num_batched_tokens == 256
-                    and not llm.config.scheduler_config.chunked_prefill
-                )
+            assert llm.config.scheduler_config.chunked_prefill == chunked
         finally:
             llm.shutdown()
     assert outs[0] == outs[1]
@@ -367,6 +367,17 @@ def test_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     assert ns.speculative_config == '{"method": "ngram"}'
     path.write_text("no-such-flag: 1\n")
     assert main(["serve", "--config", str(path)]) == 2
+    # a flag before the subcommand, an abbreviation of --config, and run-batch with its required -i/-o
+    path.write_text("port: 9003\nmax-model-len: 64\n")
+    for argv in (["--log-level", "INFO", "serve", "--conf", str(path)], ["serve", f"--config={path}"]):
+        parser = build_parser()
+        apply_config_file(parser, argv)
+        assert parser.parse_args(argv).port == 9003
+    argv = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--config", str(path)]
+    parser = build_parser()
+    apply_config_file(parser, argv)
+    ns = parser.parse_args(argv)
+    assert (ns.max_model_len, ns.input_file) == (64, "in.jsonl")
     path.write_text("- a list\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         apply_config_file(build_parser(), ["serve", "--config", str(path)])
@@ -382,3 +393,12 @@ def test_llm_from_engine_args(model_dir):
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+def test_ssl_key_without_its_certificate_is_refused():
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.openai.api_server import check_server_args
+
+    ns = build_parser().parse_args(["serve", "--ssl-keyfile", "key.pem"])
+    with pytest.raises(ValueError, match="--ssl-keyfile needs --ssl-certfile"):
+        check_server_args(ns, EngineArgs.from_cli_args(ns))

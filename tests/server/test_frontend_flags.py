@@ -35,6 +35,7 @@ CONFIG = {
     "root-path": "/llm",
     "chat-template-content-format": "openai",
     "trust-request-chat-template": True,
+    "log-error-stack": True,
     "enable-chunked-prefill": False,
     "override-generation-config": {"max_new_tokens": 5},
     "download-dir": "/nowhere",
@@ -112,6 +113,7 @@ def test_content_as_parts_and_the_overridden_default_length(srv):
     bad = {"messages": MESSAGES, "chat_template": "{{ messages[0].content + '!' }}"}
     status, err = srv.request("POST", "/tokenize", bad)
     assert status == 400 and "list of parts" in err["error"]["message"], err
+    assert "Traceback" in srv.log_text()  # --log-error-stack: a 400's traceback too
 
 
 @pytest.mark.timeout(600)

@@ -658,6 +658,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = error_from_exception(exc)
         if err.status == 500:
             logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        elif getattr(request.app.state.args, "log_error_stack", False):
+            logger.error("%d on %s: %s", err.status, request.url.path, err.message, exc_info=exc)
         return _error_response(route_path(request.scope), err)
 
 
@@ -979,6 +981,8 @@ def check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None
         parse_lora_modules(args.lora_modules)  # a ValueError naming a malformed entry, before the model loads
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
+        raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
     default_chat_template_kwargs(args)  # a ValueError naming a malformed --default-chat-template-kwargs

@@ -386,6 +386,8 @@ class OpenAIServing:
         err = error_from_exception(exc, type(request).model_fields)
         if err.status >= 500 and err.status != 503:
             logger.error("request failed", exc_info=exc)
+        elif self.options.log_error_stack:  # --log-error-stack: every error answered, with its traceback
+            logger.error("%d: %s", err.status, err.message, exc_info=exc)
         return err
 
 
