@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -29,6 +30,20 @@ API_KEY = "test-key-123"
 START_TIMEOUT_S = 300.0
 COMMON_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--disable-uvicorn-access-log"]
 _READY = re.compile(r"pagedllm server ready at (https?)://([\d.]+):(\d+)")
+_READY_UDS = re.compile(r"pagedllm server ready at unix:\S+ \((https?)\)")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix domain socket (a server started with --uds)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
 
 
 # The tool schemas the tool-calling tests share (tight: bounded strings, no extra keys, so a small model's
@@ -59,12 +74,14 @@ class RemoteServer:
         start: bool = True,
         new_session: bool = False,
         ca_file: str | None = None,
+        uds: str | None = None,
     ) -> None:
         """`api_key`: the key clients send; passed as --api-key unless `env` sets $PAGEDLLM_API_KEY. `new_session`:
         the server leads a process group of its own (with its engine core), as a terminal's foreground job does, so
         that a test can send a signal to the whole group as Ctrl-C does. `ca_file`: the certificate an HTTPS server
-        (--ssl-certfile) is verified against."""
+        (--ssl-certfile) is verified against. `uds`: the server listens on this Unix socket (--uds)."""
         self.api_key = api_key
+        self.uds = uds
         self.ca_file = ca_file
         self.scheme = "http"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-server-", suffix=".log", delete=False)
@@ -74,6 +91,8 @@ class RemoteServer:
         full_env.update(env or {})
         if api_key and "PAGEDLLM_API_KEY" not in full_env:
             cmd += ["--api-key", api_key]
+        if uds:
+            cmd += ["--uds", uds]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session
         )
@@ -96,6 +115,9 @@ class RemoteServer:
                 m = _READY.search(self.log_text())
                 if m:
                     self.scheme, self.host, self.port = m.group(1), m.group(2), int(m.group(3))
+                m = _READY_UDS.search(self.log_text()) if self.uds else None
+                if m:
+                    self.scheme, self.port = m.group(1), 0
             if self.port is not None:
                 try:
                     if self.request("GET", "/health", timeout=5)[0] == 200:
@@ -130,6 +152,8 @@ class RemoteServer:
 
     def connect(self, timeout: float = 60) -> http.client.HTTPConnection:
         assert self.port is not None
+        if self.uds:
+            return UnixHTTPConnection(self.uds, timeout)
         if self.scheme == "https":
             context = ssl.create_default_context(cafile=self.ca_file)
             return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=context)

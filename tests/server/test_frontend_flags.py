@@ -193,3 +193,23 @@ def test_https_with_the_given_certificate():
         assert status == 200 and out["usage"]["completion_tokens"] == 2, out
     finally:
         server.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+def test_unix_domain_socket(tmp_path):
+    path = tmp_path / "pagedllm.sock"
+    path.write_bytes(b"")  # a file that is not a socket is not replaced
+    server = RemoteServer("--uds", str(path), start=False)
+    try:
+        assert server.proc.wait(timeout=120) == 2 and "the file exists and is not a socket" in server.log_text()
+    finally:
+        server.stop(signal.SIGKILL)
+    path.unlink()
+    server = RemoteServer(uds=str(path))
+    try:
+        status, out = server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+        assert server.stop() == 0
+        assert not path.exists()  # the socket file goes with the server
+    finally:
+        server.stop(signal.SIGKILL)

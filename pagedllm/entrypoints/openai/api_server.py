@@ -33,9 +33,11 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -874,6 +876,28 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _listen(args: argparse.Namespace) -> tuple[socket.socket, str]:
+    """The listening socket of the server flags, and where it listens: `host:port` (the port the OS chose for 0),
+    or `unix:PATH` with --uds (vLLM's: host and port are then ignored; a socket file left by an earlier run is
+    replaced, any other file is an error)."""
+    path = getattr(args, "uds", None)
+    if not path:
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        return sock, f"{f'[{host}]' if ':' in host else host}:{port}"
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ValueError(f"--uds {path}: the file exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {path}: {e.strerror or e}") from None
+    return sock, f"unix:{path}"
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the (slow) engine start: a taken port fails at once. Its protocol is named
     (IPPROTO_TCP), so that asyncio sets TCP_NODELAY on every connection it accepts (it does only for sockets whose
@@ -921,8 +945,7 @@ def run_server(
         check_server_args(args, engine_args)
         if router_mode(args) and router_app is None:
             raise ValueError("--models and --models-dir need the router: run_server(..., router_app=build_router_app)")
-        sock = _bind(args.host, args.port)
-        host, port = sock.getsockname()[:2]
+        sock, where = _listen(args)
         # Outside uvicorn's own signal handling (the engine start, the shutdown), SIGTERM interrupts like Ctrl-C,
         # so that the engine-core child is terminated by its client rather than left behind.
         previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -932,14 +955,13 @@ def run_server(
         if router_app is not None:
             app = router_app(args, engine_args, stats_interval)
             manager = app.state.manager
-            logger.info("router: %d models on %s:%d, each started on its first request", len(manager.entries),
-                        host, port)  # fmt: skip
+            logger.info("router: %d models on %s, each started on its first request", len(manager.entries), where)
         else:
-            logger.info("starting the engine for the API server on %s:%d", host, port)
+            logger.info("starting the engine for the API server on %s", where)
             engine = start_engine(args, engine_args, core, stats_interval)
             core = None  # the engine owns it now
             app = build_app(engine, args)
-        return _serve(app, args, sock, host, port)
+        return _serve(app, args, sock, where)
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 0
@@ -947,6 +969,9 @@ def run_server(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         _stop(engine, manager, core, sock)
+        if sock is not None and getattr(args, "uds", None):
+            with contextlib.suppress(OSError):
+                os.unlink(args.uds)  # the socket file goes with the server
 
 
 def _stop(engine: AsyncLLM | None, manager: Any, core: CoreProcess | None, sock: socket.socket | None) -> None:
@@ -1032,10 +1057,10 @@ def start_engine(
     return engine
 
 
-def _serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, host: str, port: int) -> int:
-    """Serve `app` on `sock` with uvicorn until it stops; the exit status."""
+def _serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, where: str) -> int:
+    """Serve `app` on `sock` (listening at `where`) with uvicorn until it stops; the exit status."""
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
-    app.state.base_url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    app.state.base_url = f"{where} ({scheme})" if where.startswith("unix:") else f"{scheme}://{where}"
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,

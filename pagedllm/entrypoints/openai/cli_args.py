@@ -64,6 +64,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout is vLLM's name)",
     )
     g.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix domain socket instead of --host and --port (vLLM's)",
+    )
+    g.add_argument(
         "--root-path",
         default=None,
         help="the path prefix a reverse proxy serves the API under (FastAPI's root_path; e.g. /llm)",
