@@ -160,6 +160,12 @@ class EngineArgs:
         "reads its generation_config.json",
         metavar="auto|vllm|FOLDER",
     )
+    hf_overrides: dict[str, Any] | str | None = _arg(
+        None,
+        "model config fields set over the model's own, as JSON (vLLM's; e.g. '{\"max_position_embeddings\": 16384}')",
+        type=str,
+        metavar="JSON",
+    )
     override_generation_config: dict[str, Any] | str | None = _arg(
         None,
         "generation-config values over --generation-config's, as JSON (e.g. '{\"temperature\": 0.5}'; keys as in "
@@ -435,6 +441,7 @@ class EngineArgs:
             runner=self.runner,
             convert=self.convert,
             pooler_config=self.pooler_config,
+            hf_overrides=self.hf_overrides,
         )
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
 

@@ -275,10 +275,13 @@ def load_model_config(
     runner: str = "auto",
     convert: str = "auto",
     pooler_config: str | dict[str, Any] | None = None,
+    hf_overrides: str | dict[str, Any] | None = None,
 ) -> ModelConfig:
     """The ModelConfig of an HF folder or .gguf file. `quantization`: None (a GGUF runs as stored), "gguf" (the
     same, and the model must be a GGUF file) or "none" (a GGUF is de-quantized at load to `dtype`). `runner`,
-    `convert` and `pooler_config` as vLLM's flags (model/registry.py resolve_runner, pooling_params.py)."""
+    `convert` and `pooler_config` as vLLM's flags (model/registry.py resolve_runner, pooling_params.py).
+    `hf_overrides` (vLLM's --hf-overrides, a dict or its JSON): config fields set over the model's own, before
+    anything is derived from them (e.g. max_position_embeddings, rope_scaling)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of gguf, none")
     path = os.path.abspath(os.path.expanduser(model))
@@ -295,6 +298,7 @@ def load_model_config(
             runner,
             convert,
             pooler_config,
+            hf_overrides,
         )
     if os.path.isfile(path) and path.endswith(".gguf"):
         hf_config = gguf_to_hf_config(gguf_config_metadata(path))
@@ -315,6 +319,7 @@ def load_model_config(
                     runner,
                     convert,
                     pooler_config,
+                    hf_overrides,
                 )
             raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf file)")
         from transformers import AutoConfig
@@ -329,6 +334,8 @@ def load_model_config(
             f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors), "
             f"a .gguf file or a packaged model's name ({', '.join(PACKAGED_MODELS)}; models are never downloaded)"
         )
+    for key, value in parse_hf_overrides(hf_overrides).items():
+        setattr(hf_config, key, value)
     arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     runner, kind, arch = resolve_runner(arch, runner, convert)
     pooling: dict[str, Any] = {}
@@ -355,6 +362,20 @@ def load_model_config(
         runner=runner,
         **pooling,
     )
+
+
+def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """--hf-overrides as a dict of config fields (ValueError for what is not a JSON object of them)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"hf_overrides must be a JSON object of config fields, got {value!r:.100}: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"hf_overrides must be an object of config fields, got {value!r:.100}")
+    return value
 
 
 def _pooling_settings(

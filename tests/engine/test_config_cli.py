@@ -402,3 +402,19 @@ def test_ssl_key_without_its_certificate_is_refused():
     ns = build_parser().parse_args(["serve", "--ssl-keyfile", "key.pem"])
     with pytest.raises(ValueError, match="--ssl-keyfile needs --ssl-certfile"):
         check_server_args(ns, EngineArgs.from_cli_args(ns))
+
+
+def test_hf_overrides_reach_the_config_and_the_model(model_dir):
+    assert EngineArgs(model=model_dir).create_model_config().max_model_len > 100
+    mc = EngineArgs(model=model_dir, hf_overrides='{"max_position_embeddings": 100}').create_model_config()
+    assert mc.max_model_len == 100 and mc.hf_config.max_position_embeddings == 100
+    with pytest.raises(ValueError, match="hf_overrides must be"):
+        EngineArgs(model=model_dir, hf_overrides="[1]").create_model_config()
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
+    logprobs = []
+    for overrides in (None, {"rms_norm_eps": 10.0}):  # the engine core's model takes the override too
+        with LLM(model=model_dir, hf_overrides=overrides, **TINY) as llm:
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            logprobs.append(out.cumulative_logprob)
+    assert logprobs[0] != logprobs[1]
