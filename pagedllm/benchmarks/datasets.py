@@ -129,20 +129,31 @@ def length_range(length: int, range_ratio: float) -> tuple[int, int]:
 
 
 def sample_random(
-    tokenizer: Any, num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+    tokenizer: Any,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    prefix_len: int = 0,
 ) -> list[SampleRequest]:
+    """Random prompts of `input_len` tokens (within the range ratio), each after the same random prefix of
+    `prefix_len` tokens (vLLM's --random-prefix-len: a prefix the server may cache), and their output lengths."""
     _check_positive(num_requests=num_requests, input_len=input_len, output_len=output_len)
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"random range ratio must be in [0, 1), got {range_ratio}")
+    if prefix_len < 0:
+        raise ValueError(f"random prefix length must be >= 0, got {prefix_len}")
     rng = np.random.default_rng(seed)
+    allowed = regular_token_ids(tokenizer)
+    prefix = rng.choice(allowed, size=prefix_len).tolist() if prefix_len else []  # no draw: seeds keep their prompts
     in_lo, in_hi = length_range(input_len, range_ratio)
     out_lo, out_hi = length_range(output_len, range_ratio)
     in_lens = rng.integers(in_lo, in_hi + 1, size=num_requests)
     out_lens = rng.integers(out_lo, out_hi + 1, size=num_requests)
-    allowed = regular_token_ids(tokenizer)
     requests = []
     for n, out in zip(in_lens, out_lens):
-        text, ids = fit_to_length(tokenizer, int(n), rng, allowed)
+        text, ids = fit_to_length(tokenizer, prefix_len + int(n), rng, allowed, head_ids=prefix)
         requests.append(SampleRequest(text, ids, len(ids), int(out)))
     return requests
 
@@ -303,8 +314,12 @@ def add_dataset_args(parser: argparse.ArgumentParser, random_flags: bool = True)
     add("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random", help="workload")
     add("--dataset-path", default=None, help="sharegpt: path of a ShareGPT-format JSON file")
     if random_flags:
-        add("--random-input-len", type=int, default=1024, help="random: mean prompt length in tokens (1024)")
-        add("--random-output-len", type=int, default=128, help="random: mean output length in tokens (128)")
+        add("--random-input-len", "--input-len", dest="random_input_len", type=int, default=1024,
+            help="random: mean prompt length in tokens (1024; --input-len is vLLM's newer name)")  # fmt: skip
+        add("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128,
+            help="random: mean output length in tokens (128; --output-len is vLLM's newer name)")  # fmt: skip
+        add("--random-prefix-len", type=int, default=0,
+            help="random: tokens of one random prefix that every prompt starts with (default 0)")  # fmt: skip
         add(
             "--random-range-ratio",
             type=float,
@@ -326,7 +341,13 @@ def sample_requests(
     name = args.dataset_name
     if name == "random":
         return sample_random(
-            tokenizer, num_requests, args.random_input_len, args.random_output_len, args.random_range_ratio, seed
+            tokenizer,
+            num_requests,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            seed,
+            getattr(args, "random_prefix_len", 0),
         )
     if name == "sharegpt":
         if not args.dataset_path:

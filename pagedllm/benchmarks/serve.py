@@ -57,6 +57,9 @@ LATENCY_METRICS = (  # (key, label, title of the block)
     ("itl", "ITL", "Inter-token Latency"),
     ("e2el", "E2EL", "End-to-end Latency"),
 )
+# vLLM bench serve's sampling flags, sent in each body when given
+SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+BACKENDS = ("openai", "vllm", "openai-chat", "vllm-chat")  # vLLM's names of the OpenAI-compatible request shapes
 HTTP_TIMEOUT_S = 6 * 3600.0  # a request may legitimately wait long in a saturated server's queue
 
 
@@ -183,9 +186,25 @@ def build_payload(args: argparse.Namespace, model: str, req: SampleRequest) -> d
     else:
         body["prompt"] = req.prompt
         body["max_tokens"] = req.expected_output_len
-    body.update({"temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}})
+    stream = not getattr(args, "no_stream", False)
+    body["temperature"] = args.temperature
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if args.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension; plain OpenAI servers ignore or reject it
+    for name in SAMPLING_FLAGS:  # vLLM's bench sends these when given
+        value = getattr(args, name, None)
+        if value is not None:
+            body[name] = value
+    if getattr(args, "logprobs", None) is not None:
+        if is_chat(args.endpoint):
+            body.update(logprobs=True, top_logprobs=args.logprobs)
+        else:
+            body["logprobs"] = args.logprobs
+    if getattr(args, "use_beam_search", False):
+        body["use_beam_search"] = True
+    body.update(getattr(args, "extra_body", None) or {})
     return body
 
 
@@ -213,47 +232,71 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return text or ""
 
 
+def _choice_text(choice: dict[str, Any]) -> str:
+    """A non-streamed choice's text: a completion's, or a chat message's content."""
+    text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+    return text or ""
+
+
+async def _post_once(
+    client: Any, url: str, headers: dict[str, str], payload: dict[str, Any], result: RequestResult
+) -> int | None:
+    """--no-stream: one request, one answer (its first choice's text into `result`); its usage's output tokens."""
+    resp = await client.post(url, json=payload, headers=headers)
+    if resp.status_code != 200:
+        result.error = f"HTTP {resp.status_code}: {_error_message(resp.content)}"
+        return None
+    answer = resp.json()
+    result.generated_text = "".join(_choice_text(c) for c in (answer.get("choices") or [])[:1])
+    result.success = True
+    return (answer.get("usage") or {}).get("completion_tokens")
+
+
 async def send_request(
     client: Any, url: str, headers: dict[str, str], payload: dict[str, Any], req: SampleRequest, t0: float
 ) -> RequestResult:
-    """Stream one request and time it; never raises for a failed request (`success=False`, `error` set)."""
+    """Stream one request and time it (with "stream": false, wait for its one answer: TTFT is then its whole
+    time); never raises for a failed request (`success=False`, `error` set)."""
     result = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
     usage_tokens: int | None = None
     sent = last = time.perf_counter()
     result.start = sent - t0
     first = True
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
-            else:
-                async for line in resp.aiter_lines():
-                    data = line.strip().removeprefix("data:").strip() if line.startswith("data:") else ""
-                    if not data:
-                        continue
-                    if data == "[DONE]":
-                        break
-                    now = time.perf_counter()
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        result.error = f"error in stream: {_error_message(data)}"
-                        break
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
-                    text = _chunk_text(chunk)
-                    if text:
-                        if first:
-                            result.ttft, first = now - sent, False
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        result.generated_text += text
-                result.success = not result.error
+        if not payload.get("stream", True):
+            usage_tokens = await _post_once(client, url, headers, payload, result)
+        else:
+            async with client.stream("POST", url, json=payload, headers=headers) as resp:
+                if resp.status_code != 200:
+                    result.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
+                else:
+                    async for line in resp.aiter_lines():
+                        data = line.strip().removeprefix("data:").strip() if line.startswith("data:") else ""
+                        if not data:
+                            continue
+                        if data == "[DONE]":
+                            break
+                        now = time.perf_counter()
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            result.error = f"error in stream: {_error_message(data)}"
+                            break
+                        if chunk.get("usage"):
+                            usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
+                        text = _chunk_text(chunk)
+                        if text:
+                            if first:
+                                result.ttft, first = now - sent, False
+                            else:
+                                result.itl.append(now - last)
+                            last = now
+                            result.generated_text += text
+                    result.success = not result.error
     except Exception as e:  # a dropped connection or a malformed stream fails this request, not the run
         result.error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     result.e2el, result.end = end - sent, end - t0
-    if result.success and first:  # no text at all (e.g. an immediate eos): the first answer was the last
+    if result.success and first:  # no text streamed (an immediate eos, or not streamed): the first answer was the last
         result.ttft = result.e2el
     result.output_tokens = usage_tokens if usage_tokens is not None else -1
     return result
@@ -305,16 +348,23 @@ async def run_requests(
         # block the event loop inside the first timed request and delay every other request's start.
         with contextlib.suppress(httpx.HTTPError):
             await client.get(models_url, headers=headers)
+        for i, req in enumerate(requests[: args.num_warmups]):  # untimed, uncounted: the server's first steps
+            await send_request(
+                client, url, headers, build_payload(args, model_of(i, models, args.switch_every), req), req, 0.0
+            )
         t0 = time.perf_counter()
 
         async def one(index: int, req: SampleRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             payload = build_payload(args, model_of(index, models, args.switch_every), req)
+            sent = (
+                {**headers, "X-Request-Id": f"{args.request_id_prefix}{index}"} if args.request_id_prefix else headers
+            )
             if semaphore is None:
-                result = await send_request(client, url, headers, payload, req, t0)
+                result = await send_request(client, url, sent, payload, req, t0)
             else:
                 async with semaphore:
-                    result = await send_request(client, url, headers, payload, req, t0)
+                    result = await send_request(client, url, sent, payload, req, t0)
             bar.update(1)
             return result
 
@@ -332,13 +382,19 @@ def server_urls(args: argparse.Namespace) -> tuple[str, str]:
     return base + args.endpoint, base + "/v1/models"
 
 
-def fetch_models(models_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+def fetch_models(models_url: str, headers: dict[str, str], wait_s: float = 0.0) -> list[dict[str, Any]]:
+    """The cards of GET /v1/models; `wait_s`: how long to keep trying while the server does not answer yet."""
     import httpx
 
-    try:
-        resp = httpx.get(models_url, headers=headers, timeout=30.0)
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach the server at {models_url}: {e}") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resp = httpx.get(models_url, headers=headers, timeout=30.0)
+            break
+        except httpx.HTTPError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"cannot reach the server at {models_url}: {e}") from None
+            time.sleep(1.0)
     if resp.status_code != 200:
         raise ValueError(f"GET {models_url} failed: HTTP {resp.status_code}: {_error_message(resp.content)}")
     data = resp.json().get("data") or []
@@ -414,7 +470,10 @@ def print_summary(metrics: dict[str, Any], args: argparse.Namespace, percentiles
     row("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"])
     row("Peak concurrent requests:", metrics["max_concurrent_requests"])
     row("Total token throughput (tok/s):", metrics["total_token_throughput"])
+    shown = getattr(args, "percentile_metrics", None) or [k for k, _, _ in LATENCY_METRICS]
     for key, label, title in LATENCY_METRICS:
+        if key not in shown:
+            continue
         print(f"{title:-^50}")
         row(f"Mean {label} (ms):", metrics[f"mean_{key}_ms"])
         row(f"Median {label} (ms):", metrics[f"median_{key}_ms"])
@@ -456,6 +515,8 @@ def build_record(
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
             "goodput_slos_ms": args.goodput,
+            "label": getattr(args, "label", None),
+            **(getattr(args, "metadata", None) or {}),
             "args": {k: v for k, v in vars(args).items() if k != "api_key"},
             **metrics,
             "input_lens": [r.prompt_len for r in results],
@@ -481,7 +542,8 @@ def result_path(args: argparse.Namespace, model: str) -> str:
         rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
         conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = f"serve-{os.path.basename(model)}-{rate}qps{conc}-{stamp}.json"
+        label = getattr(args, "label", None) or "serve"
+        name = f"{label}-{os.path.basename(model)}-{rate}qps{conc}-{stamp}.json"
     return os.path.join(args.result_dir or ".", name)
 
 
@@ -588,7 +650,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--result-filename", default=None, help="file name of the saved JSON (implies --save-result)")
     add("--plot", default=None, metavar="PATH", help="write a PNG of latency distributions (needs matplotlib)")
     add("--disable-tqdm", action="store_true", help="no progress bar")
+    # vLLM's bench serve flags, so that its command lines run
+    add(
+        "--backend",
+        choices=BACKENDS,
+        default="openai",
+        help="request shape: openai/vllm (completions) or openai-chat/vllm-chat (chat; the endpoint follows)",
+    )
+    add("--served-model-name", default=None, help="the model name sent (default: --model's, else the first listed)")
+    for name in SAMPLING_FLAGS:
+        kind = int if name == "top_k" else float
+        add(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"{name} sent with each request")
+    add("--logprobs", type=int, default=None, help="logprobs asked of each request (chat: top_logprobs)")
+    add("--use-beam-search", action="store_true", help="send use_beam_search=true (vLLM's)")
+    add("--extra-body", type=json_object, default=None, metavar="JSON", help="fields merged into every request body")
+    add("--header", nargs="+", default=None, metavar="KEY=VALUE", help="HTTP headers sent with every request")
+    add("--request-id-prefix", default=None, help="send X-Request-Id: PREFIX<index> with each request")
+    add("--no-stream", action="store_true", help="ask for whole answers: TTFT is then the whole request time")
+    add("--num-warmups", type=int, default=0, help="untimed requests sent first, one after another (default 0)")
+    add(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        help="wait up to this long for the server to answer GET /v1/models before starting (default 0: no wait)",
+    )
+    add(
+        "--percentile-metrics",
+        default=",".join(k for k, _, _ in LATENCY_METRICS),
+        help="which latencies the report shows, comma-separated of ttft,tpot,itl,e2el (default: all)",
+    )
+    add("--label", default=None, help="a label for the result (its file name's prefix, and a field)")
+    add("--metadata", nargs="+", default=None, metavar="KEY=VALUE", help="fields added to the saved result")
+    add("--append-result", action="store_true", help="append the result to --result-filename as one more JSON line")
+    add("--save-detailed", action="store_true", help="accepted: the saved result always has per-request details")
+    add("--trust-remote-code", action="store_true", help="accepted: no remote code runs")
+    add("--tokenizer-mode", default="auto", choices=("auto", "hf"), help="accepted: the Hugging Face tokenizer")
     return parser
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (argparse turns the ValueError into a usage error naming the flag)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def key_values(items: Sequence[str] | None, flag: str) -> dict[str, str]:
+    """KEY=VALUE items as a dict (ValueError naming `flag` for an item without `=`)."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE items, got {item!r}")
+        out[key] = value
+    return out
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -606,8 +722,26 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--model and --models are exclusive")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.backend.endswith("-chat") and args.endpoint == "/v1/completions":
+        args.endpoint = "/v1/chat/completions"  # vLLM's openai-chat backend speaks the chat route
     if not args.endpoint.startswith("/") or not args.endpoint.rstrip("/").endswith("/completions"):
         parser.error(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}")
+    if args.backend.endswith("-chat") != is_chat(args.endpoint):
+        parser.error(f"--backend {args.backend} does not send to --endpoint {args.endpoint}")
+    if args.num_warmups < 0:
+        parser.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    shown = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    known = [k for k, _, _ in LATENCY_METRICS]
+    if not shown or any(m not in known for m in shown):
+        parser.error(f"--percentile-metrics takes a comma-separated list of {', '.join(known)}, got {shown}")
+    args.percentile_metrics = shown
+    try:
+        args.header = key_values(args.header, "--header")
+        args.metadata = key_values(args.metadata, "--metadata")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.append_result and not args.result_filename:
+        parser.error("--append-result needs --result-filename (the file it appends to)")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -621,15 +755,17 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed, validated `args`; returns the exit status."""
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers.update(args.header or {})
     url, models_url = server_urls(args)
+    named = args.served_model_name or args.model
     try:
-        cards = fetch_models(models_url, headers)
+        cards = fetch_models(models_url, headers, args.ready_check_timeout_sec)
     except ValueError:
-        if args.model is None:
+        if named is None:
             raise
         cards = []
-        print(f"WARNING: could not list models at {models_url}; using --model {args.model!r}", file=sys.stderr)
-    models = args.models or [args.model or cards[0]["id"]]
+        print(f"WARNING: could not list models at {models_url}; using the model name {named!r}", file=sys.stderr)
+    models = args.models or [named or cards[0]["id"]]
     model = models[0]
     card = next((c for c in cards if c.get("id") == model), {})
     tokenizer_path, tokenizer = choose_tokenizer(args, card, cards)
@@ -651,8 +787,11 @@ def run(args: argparse.Namespace) -> int:
     if args.save_result:
         path = result_path(args, model)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
+        appending = args.append_result and os.path.exists(path) and os.path.getsize(path) > 0
+        with open(path, "a" if appending else "w", encoding="utf-8") as f:
+            if appending:
+                f.write("\n")  # one JSON document a line after the first (vLLM's --append-result)
+            json.dump(record, f, indent=None if args.append_result else 1)
         print(f"saved the result to {path}")
     if args.plot:
         save_plot(args.plot, results, duration)

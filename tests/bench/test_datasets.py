@@ -57,6 +57,15 @@ def test_random_fixed_lengths_and_seeded(tiny_tokenizer):
     assert [r.prompt for r in a] != [r.prompt for r in c]
 
 
+def test_random_prefix_is_shared_and_leaves_the_seeds_prompts_alone(tiny_tokenizer):
+    plain = ds.sample_random(tiny_tokenizer, 4, input_len=16, output_len=4, seed=1)
+    assert plain == ds.sample_random(tiny_tokenizer, 4, input_len=16, output_len=4, seed=1, prefix_len=0)
+    shared = ds.sample_random(tiny_tokenizer, 4, input_len=16, output_len=4, seed=1, prefix_len=24)
+    assert [r.prompt_len for r in shared] == [40] * 4
+    heads = {tuple(r.prompt_token_ids[:24]) for r in shared}
+    assert len(heads) == 1 and len({tuple(r.prompt_token_ids[24:]) for r in shared}) == 4
+
+
 def test_random_bpe_tokenizer_hits_the_wanted_length():
     """Random ids decoded by a byte-level BPE re-encode to other ids and counts; the adjust loop fixes that."""
     tok = ds.load_tokenizer(None)  # the default model's GGUF

@@ -8,6 +8,7 @@ server's own tokenizer counts them, failures, and the plot.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from pagedllm.benchmarks import serve
-from pagedllm.benchmarks.datasets import sample_prefix_repetition, sample_random
+from pagedllm.benchmarks.datasets import load_tokenizer, sample_prefix_repetition, sample_random
 from tests.bench.conftest import SHAREGPT_PAIRS
 from tests.server.server_utils import RemoteServer
 
@@ -232,3 +233,34 @@ def test_without_tokenizer_the_served_models_root_counts_tokens(server, tiny_cha
 
     sent = sample_random(load_tokenizer(tiny_chat_llama), 3, 12, 2, 0.0, seed=5)
     assert _server_token_counts(server, rec["model_id"], [r.prompt for r in sent]) == rec["input_lens"]
+
+
+def test_a_vllm_bench_serve_command_line(server, tiny_chat_llama, tmp_path, capsys):
+    """vLLM's flags: --backend openai-chat (the chat route), --served-model-name, sampling flags and --extra-body in
+    the bodies, --no-stream, warm-ups, request ids, --percentile-metrics, --label/--metadata, --append-result."""
+    name = Path(tiny_chat_llama).name
+    argv = [
+        *("--backend", "openai-chat", "--served-model-name", name, "--model", tiny_chat_llama, "--no-stream"),
+        *("--num-prompts", "3", "--input-len", "20", "--output-len", "4", "--ignore-eos", "--top-k", "5"),
+        *("--top-p", "0.9", "--extra-body", '{"min_tokens": 4}', "--num-warmups", "2", "--request-id-prefix", "b-"),
+        *("--percentile-metrics", "ttft,e2el", "--label", "mybench", "--metadata", "run=1", "hw=cpu"),
+        *("--trust-remote-code", "--save-detailed", "--append-result", "--ready-check-timeout-sec", "5"),
+    ]
+    first = _run(server, tiny_chat_llama, tmp_path, *argv)
+    assert first["exit_code"] == 0 and first["endpoint"] == "/v1/chat/completions" and first["model_id"] == name
+    assert first["completed"] == 3 and first["output_lens"] == [4, 4, 4]
+    assert first["ttfts"] == first["e2els"] and not any(first["itls"])  # whole answers: no stream to time
+    assert (first["label"], first["run"], first["hw"]) == ("mybench", "1", "cpu")
+    parser = serve.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([*argv, "--result-filename", "r.json"])
+    serve._validate(parser, args)
+    body = serve.build_payload(args, name, sample_random(load_tokenizer(tiny_chat_llama), 1, 20, 4)[0])
+    assert (body["top_k"], body["top_p"], body["min_tokens"], body["stream"]) == (5, 0.9, 4, False)
+    assert "messages" in body and "stream_options" not in body
+    out = capsys.readouterr().out
+    assert "Time to First Token" in out and "End-to-end Latency" in out and "Inter-token Latency" not in out
+    # --append-result: a second run is one more JSON line in the same file
+    base = ["--base-url", server.url, "--api-key", API_KEY, "--tokenizer", tiny_chat_llama, "--disable-tqdm"]
+    assert serve.main([*base, "--result-dir", str(tmp_path), "--result-filename", "result.json", *argv]) == 0
+    lines = (tmp_path / "result.json").read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["completed"] == 3 for line in lines)

@@ -160,6 +160,13 @@ def test_parsers():
         (["--metric-percentiles", "50,200"], "percentiles must be in (0, 100], got '50,200'"),
         (["--models", "a", "b", "--switch-every", "0"], "--switch-every must be at least 1, got 0"),
         (["--models", "a", "b", "--model", "a"], "--model and --models are exclusive"),
+        (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "--backend openai does not send to"),
+        (["--backend", "tgi"], "invalid choice: 'tgi'"),
+        (["--percentile-metrics", "ttft,goodput"], "--percentile-metrics takes a comma-separated list"),
+        (["--header", "novalue"], "--header takes KEY=VALUE items, got 'novalue'"),
+        (["--extra-body", "[1]"], "argument --extra-body: invalid json_object value"),
+        (["--append-result"], "--append-result needs --result-filename"),
+        (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
     ],
 )
 def test_bad_cli_input_names_the_value(argv, message, capsys):
