@@ -326,6 +326,18 @@ class InputProcessor:
         for seq in params.bad_words_token_ids or ():
             if not all(0 <= tok < self.vocab_size for tok in seq):
                 raise ValueError(f"bad_words_token_ids {seq!r:.80} has a token id out of the vocabulary")
+        if params.allowed_token_ids:
+            # Every step must leave some id to sample: not all of them banned outright (one-token bad words), nor,
+            # before min_tokens, all of them ends the request may not take yet.
+            allowed = set(params.allowed_token_ids)
+            banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
+            if allowed <= banned:
+                raise ValueError("allowed_token_ids: every allowed id is a bad word (bad_words)")
+            ends = set(params.stop_token_ids or ())
+            if self.eos_token_id is not None and not params.ignore_eos:
+                ends.add(self.eos_token_id)
+            if params.min_tokens > 0 and allowed <= ends:
+                raise ValueError("allowed_token_ids: every allowed id ends the request, which min_tokens forbids")
         if params.structured_outputs is not None:
             # The constraint's syntax, checked here without a tokenizer: a bad schema is the caller's error
             # (a 400), found before the request reaches an engine.

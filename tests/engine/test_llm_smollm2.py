@@ -245,6 +245,13 @@ def test_bad_words_and_allowed_token_ids(llm):
         llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+    # a step with nothing left to sample is refused up front
+    eos = llm.get_tokenizer().eos_token_id
+    with pytest.raises(ValueError, match="every allowed id ends the request"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    one = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)
+    with pytest.raises(ValueError, match="every allowed id is a bad word"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=one, bad_words=[" Paris"]), use_tqdm=False)
 
 
 def test_truncate_prompt_tokens_keeps_the_end(llm):
