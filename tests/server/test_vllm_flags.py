@@ -25,7 +25,8 @@ TEMPLATE = (
     "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
     "{% for d in documents or [] %}[doc: {{ d.title }}]\n{% endfor %}"
     "{% if add_generation_prompt %}<<reply{% if mood %} {{ mood }}{% endif %}"
-    "{% if reasoning_effort %} effort={{ reasoning_effort }}{% endif %}>>{% endif %}"
+    "{% if reasoning_effort %} effort={{ reasoning_effort }}{% endif %}"
+    "{% if enable_thinking is defined %} think={{ enable_thinking }}{% endif %}>>{% endif %}"
 )
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 RENDERED = "<<system>> Be brief.\n<<user>> Name a colour.\n<<reply calm>>"  # with --default-chat-template-kwargs
@@ -124,6 +125,17 @@ def test_chat_template_kwargs_over_the_servers_default(servers):
         "POST", "/v1/responses", {"input": MESSAGES, "reasoning": {"effort": "high"}, "max_output_tokens": 2}
     )
     assert status == 200 and resp["usage"]["input_tokens"] == count, resp
+    # Anthropic's `thinking` is the template's enable_thinking
+    text, count = _rendered(srv, chat_template_kwargs={"enable_thinking": False})
+    assert text == RENDERED.replace("calm", "calm think=False")
+    model = srv.request("GET", "/v1/models")[1]["data"][0]["id"]
+    anthropic = {"model": model, "system": "Be brief.", "messages": [{"role": "user", "content": "Name a colour."}]}
+    status, plain = srv.request("POST", "/v1/messages/count_tokens", anthropic)
+    assert status == 200 and plain["input_tokens"] == _rendered(srv)[1], plain
+    status, off = srv.request("POST", "/v1/messages/count_tokens", {**anthropic, "thinking": {"type": "disabled"}})
+    assert status == 200 and off["input_tokens"] == count, off
+    status, err = srv.request("POST", "/v1/messages/count_tokens", {**anthropic, "thinking": {"type": "maybe"}})
+    assert status == 400 and "thinking.type" in err["error"]["message"], err
     # the renderer's own arguments have their own fields
     for route, body in [("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})]:
         bad = {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}, **body}

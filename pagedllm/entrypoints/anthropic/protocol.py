@@ -70,6 +70,8 @@ class MessagesRequestBase(OpenAIBaseModel):
     tools: list[dict[str, Any]] | None = None
     # {"type": "auto" | "any" | "tool" | "none", "name"?: ..., "disable_parallel_tool_use"?: bool}
     tool_choice: dict[str, Any] | None = None
+    # {"type": "enabled", "budget_tokens"?} or {"type": "disabled"}: the chat template's `enable_thinking`
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(MessagesRequestBase):

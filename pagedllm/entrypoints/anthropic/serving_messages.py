@@ -206,6 +206,7 @@ def to_chat_request(request: MessagesRequestBase) -> ChatCompletionRequest:
         "tool_choice": choice,
         "add_generation_prompt": not prefill,
         "continue_final_message": prefill,
+        "chat_template_kwargs": _thinking_kwargs(request.thinking),
     }
     if not parallel:
         fields["parallel_tool_calls"] = False
@@ -220,6 +221,17 @@ def to_chat_request(request: MessagesRequestBase) -> ChatCompletionRequest:
             "response_format": _response_format(request.output_config),
         }
     return ChatCompletionRequest(**fields)
+
+
+def _thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Anthropic's `thinking` as the chat template's `enable_thinking` (what Qwen3-style templates read to open or
+    skip the model's thinking); `budget_tokens` is not enforced."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise _invalid(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}", "thinking")
+    return {"enable_thinking": kind != "disabled"}
 
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
