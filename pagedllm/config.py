@@ -230,6 +230,8 @@ class ModelConfig:
     # and the generation_config.json they came from (None: none).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sampling_defaults_source: str | None = None
+    # --hf-overrides: config fields set over the model's own (already applied to hf_config)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -330,10 +330,14 @@ def model_of(index: int, models: Sequence[str], switch_every: int) -> str:
 
 
 async def run_requests(
-    args: argparse.Namespace, models: Sequence[str], requests: list[SampleRequest], headers: dict[str, str]
+    args: argparse.Namespace,
+    models: Sequence[str],
+    requests: list[SampleRequest],
+    headers: dict[str, str],
+    warmups: Sequence[SampleRequest] = (),
 ) -> tuple[list[RequestResult], float]:
-    """Send every request on schedule (to the models in turn, see model_of); returns the results in dataset order
-    and the wall time (s)."""
+    """Send `warmups` one after another, untimed (to each model in turn), then every request on schedule (to the
+    models in turn, see model_of); returns the results in dataset order and the wall time (s)."""
     import httpx
     from tqdm import tqdm
 
@@ -348,10 +352,10 @@ async def run_requests(
         # block the event loop inside the first timed request and delay every other request's start.
         with contextlib.suppress(httpx.HTTPError):
             await client.get(models_url, headers=headers)
-        for i, req in enumerate(requests[: args.num_warmups]):  # untimed, uncounted: the server's first steps
-            await send_request(
-                client, url, headers, build_payload(args, model_of(i, models, args.switch_every), req), req, 0.0
-            )
+        for i, req in enumerate(warmups):  # untimed, uncounted: the server's first steps
+            result = await send_request(client, url, headers, build_payload(args, model_of(i, models, 1), req), req, 0)
+            if not result.success:
+                print(f"WARNING: warm-up request {i} failed: {result.error}", file=sys.stderr)
         t0 = time.perf_counter()
 
         async def one(index: int, req: SampleRequest, offset: float) -> RequestResult:
@@ -517,7 +521,7 @@ def build_record(
             "goodput_slos_ms": args.goodput,
             "label": getattr(args, "label", None),
             **(getattr(args, "metadata", None) or {}),
-            "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+            "args": {k: v for k, v in vars(args).items() if k not in ("api_key", "header")},  # no credentials
             **metrics,
             "input_lens": [r.prompt_len for r in results],
             "output_lens": [r.output_tokens for r in results],
@@ -654,8 +658,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(
         "--backend",
         choices=BACKENDS,
-        default="openai",
-        help="request shape: openai/vllm (completions) or openai-chat/vllm-chat (chat; the endpoint follows)",
+        default=None,
+        help="request shape: openai/vllm (completions) or openai-chat/vllm-chat (chat; the endpoint follows) "
+        "(default: the endpoint's)",
     )
     add("--served-model-name", default=None, help="the model name sent (default: --model's, else the first listed)")
     for name in SAMPLING_FLAGS:
@@ -722,11 +727,11 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--model and --models are exclusive")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if args.backend.endswith("-chat") and args.endpoint == "/v1/completions":
+    if args.backend is not None and args.backend.endswith("-chat") and args.endpoint == "/v1/completions":
         args.endpoint = "/v1/chat/completions"  # vLLM's openai-chat backend speaks the chat route
     if not args.endpoint.startswith("/") or not args.endpoint.rstrip("/").endswith("/completions"):
         parser.error(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}")
-    if args.backend.endswith("-chat") != is_chat(args.endpoint):
+    if args.backend is not None and args.backend.endswith("-chat") != is_chat(args.endpoint):
         parser.error(f"--backend {args.backend} does not send to --endpoint {args.endpoint}")
     if args.num_warmups < 0:
         parser.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
@@ -778,7 +783,11 @@ def run(args: argparse.Namespace) -> int:
         f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'unlimited'}",
         flush=True,
     )
-    results, duration = asyncio.run(run_requests(args, models, requests, headers))
+    # Warm-ups are prompts of their own (another seed): reusing timed prompts would make those hit the prefix cache.
+    warmups = []
+    if args.num_warmups:
+        warmups = sample_requests(args, tokenizer, args.num_warmups, args.seed + 1, card.get("max_model_len"))
+    results, duration = asyncio.run(run_requests(args, models, requests, headers, warmups))
     fill_output_tokens(results, tokenizer)
     metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
     print_summary(metrics, args, args.metric_percentiles)

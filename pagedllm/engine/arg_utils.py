@@ -371,10 +371,10 @@ class EngineArgs:
         # --no-enable-chunked-prefill: the budget holds the longest one.
         chunked = not model_config.is_encoder and self.enable_chunked_prefill is not False
         if not chunked:
-            if self.long_prefill_token_threshold:
+            if self.long_prefill_token_threshold and self.enable_chunked_prefill is False:
                 raise ValueError(
                     f"long_prefill_token_threshold {self.long_prefill_token_threshold} splits prompts into chunks, "
-                    "but this engine computes each prompt whole (an encoder, or --no-enable-chunked-prefill)"
+                    "but --no-enable-chunked-prefill computes each prompt whole"
                 )
             if self.enable_chunked_prefill is False and batched < model_config.max_model_len:
                 if self.max_num_batched_tokens is not None:  # as vLLM: a prompt must fit one step
@@ -400,7 +400,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=model_config.max_model_len,
                 policy=self.scheduling_policy or ("shortest" if model_config.runner == "pooling" else "fcfs"),
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                # an encoder's prompts run whole: a threshold (shared by a router's models) does not apply to them
+                long_prefill_token_threshold=self.long_prefill_token_threshold if chunked else 0,
                 chunked_prefill=chunked,
             ),
             parallel_config=ParallelConfig(

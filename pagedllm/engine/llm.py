@@ -461,6 +461,7 @@ class LLM:
         """Run the engine until every request in `want` has finished; their outputs by request id. Requests of
         `enqueue` that finish meanwhile keep their outputs for `wait_for_completion`."""
         results = {i: self._finished.pop(i) for i in list(want) if i in self._finished}
+        queued = set(self._enqueued)
         bar = tqdm(total=len(want), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         bar.update(len(results))
         try:
@@ -474,13 +475,15 @@ class LLM:
                     if ro.request_id in want:
                         results[ro.request_id] = ro
                         bar.update(1)
-                    else:
+                    elif ro.request_id in queued:
                         self._finished[ro.request_id] = ro
         except BaseException:
             # Leave the engine clean for the next call: nothing of this batch, nor of what was enqueued, keeps running.
             self.engine_core.abort_requests(
                 self.output_processor.abort_requests(list(self.output_processor.request_states))
             )
+            if self._enqueued:
+                logger.warning("%d enqueued requests were aborted with this call", len(self._enqueued))
             self._enqueued.clear()
             self._finished.clear()
             raise
@@ -538,13 +541,15 @@ class LLM:
     ) -> list[Any]:
         """Run the engine until every enqueued request has finished; their outputs in the order they were enqueued
         (then forgotten). `output_type`: the class(es) every output must be (a TypeError otherwise)."""
-        ids, self._enqueued = self._enqueued, []
+        ids = list(self._enqueued)
         done = self._drain(set(ids), use_tqdm)
         outputs = [done.pop(i) for i in ids]
         if output_type is not None:
             wrong = [type(o).__name__ for o in outputs if not isinstance(o, output_type)]
-            if wrong:
+            if wrong:  # the outputs stay for a call that asks for their type
+                self._finished.update(zip(ids, outputs))
                 raise TypeError(f"wait_for_completion: expected {output_type}, got {wrong[0]}")
+        self._enqueued = [i for i in self._enqueued if i not in set(ids)]
         return outputs
 
     def _add(self, prompt_text: str | None, req: EngineCoreRequest) -> None:

@@ -253,14 +253,17 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             config_argv += [flag, json.dumps(value)]
         elif value is not None:
             config_argv += [flag, str(value)]
-    required = [a for a in sub._actions if a.required]  # e.g. run-batch's -i/-o: on the command line, not here
+    required = [a for a in sub._actions if a.required]  # e.g. run-batch's -i/-o: the file may give them or not
     for action in required:
         action.required = False
     try:
         given = sub.parse_args(config_argv)
-    finally:
+    except BaseException:
         for action in required:
             action.required = True
+        raise
+    for action in required:  # still required on the command line unless the file gave them
+        action.required = getattr(given, action.dest, None) is None
     sub.set_defaults(**{k: v for k, v in vars(given).items() if v != sub.get_default(k)})
 
 

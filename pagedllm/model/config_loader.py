@@ -334,8 +334,8 @@ def load_model_config(
             f"model path {model!r} does not exist; give an HF model folder (config.json + *.safetensors), "
             f"a .gguf file or a packaged model's name ({', '.join(PACKAGED_MODELS)}; models are never downloaded)"
         )
-    for key, value in parse_hf_overrides(hf_overrides).items():
-        setattr(hf_config, key, value)
+    overrides = parse_hf_overrides(hf_overrides)
+    apply_hf_overrides(hf_config, overrides)
     arch = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     runner, kind, arch = resolve_runner(arch, runner, convert)
     pooling: dict[str, Any] = {}
@@ -360,6 +360,7 @@ def load_model_config(
         seed=seed,
         quantization=None if gguf_file is None or quantization == "none" else "gguf",
         runner=runner,
+        hf_overrides=overrides,
         **pooling,
     )
 
@@ -376,6 +377,39 @@ def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
         raise ValueError(f"hf_overrides must be an object of config fields, got {value!r:.100}")
     return value
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Set `overrides` on the config. The rope keys merge into `rope_parameters`, which the models read (vLLM's
+    rope patching): a `rope_scaling` replaces the scaling and keeps the model's `rope_theta` (transformers 5 would
+    drop it when `rope_scaling` is set as is), a `rope_theta` replaces the base, `rope_parameters` entries update."""
+    for key, value in overrides.items():
+        if key not in ROPE_KEYS:
+            setattr(hf_config, key, value)
+    if not any(key in overrides for key in ROPE_KEYS):
+        return
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = getattr(hf_config, "rope_theta", None)
+    if params and all(isinstance(v, dict) for v in params.values()):  # one rope per layer type (Gemma 3)
+        hf_config.rope_parameters = {kind: _merged_rope(p, overrides, theta) for kind, p in params.items()}
+        return
+    hf_config.rope_parameters = merged = _merged_rope(params, overrides, theta)
+    if getattr(hf_config, "rope_theta", None) is not None:
+        hf_config.rope_theta = merged["rope_theta"]
+
+
+def _merged_rope(params: dict[str, Any], overrides: dict[str, Any], theta: float | None) -> dict[str, Any]:
+    theta = params.get("rope_theta") or theta
+    params = dict(overrides["rope_scaling"] or {}) if "rope_scaling" in overrides else dict(params)
+    params.update(overrides.get("rope_parameters") or {})
+    theta = overrides.get("rope_theta", params.get("rope_theta") or theta)
+    if theta is not None:
+        params["rope_theta"] = float(theta)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
 
 
 def _pooling_settings(

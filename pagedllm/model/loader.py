@@ -260,6 +260,9 @@ def load_model(
         if keep:
             logger.info("weight cache: off (the GGUF's quantized tensors run as stored)")
             weights = iterate_gguf(path, model_config.hf_config, keep_quantized=True)
+        elif model_config.hf_overrides:  # the conversion reads the config (head counts): cached for it, not the file
+            logger.info("weight cache: off (--hf-overrides)")
+            weights = iterate_gguf(path, model_config.hf_config)
         else:
             weights = gguf_weights(path, lambda: iterate_gguf(path, model_config.hf_config))
     else:

@@ -251,6 +251,7 @@ def test_a_vllm_bench_serve_command_line(server, tiny_chat_llama, tmp_path, caps
     assert first["completed"] == 3 and first["output_lens"] == [4, 4, 4]
     assert first["ttfts"] == first["e2els"] and not any(first["itls"])  # whole answers: no stream to time
     assert (first["label"], first["run"], first["hw"]) == ("mybench", "1", "cpu")
+    assert "header" not in first["args"] and "api_key" not in first["args"]  # no credentials in the saved file
     parser = serve.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([*argv, "--result-filename", "r.json"])
     serve._validate(parser, args)

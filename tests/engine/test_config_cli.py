@@ -378,6 +378,11 @@ def test_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     apply_config_file(parser, argv)
     ns = parser.parse_args(argv)
     assert (ns.max_model_len, ns.input_file) == (64, "in.jsonl")
+    path.write_text("input-file: from-file.jsonl\n")  # run-batch's required -i may come from the file too
+    argv = ["run-batch", "-o", "out.jsonl", "--config", str(path)]
+    parser = build_parser()
+    apply_config_file(parser, argv)
+    assert parser.parse_args(argv).input_file == "from-file.jsonl"
     path.write_text("- a list\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         apply_config_file(build_parser(), ["serve", "--config", str(path)])
@@ -418,3 +423,25 @@ def test_hf_overrides_reach_the_config_and_the_model(model_dir):
             out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
             logprobs.append(out.cumulative_logprob)
     assert logprobs[0] != logprobs[1]
+
+
+def test_rope_overrides_merge_into_rope_parameters():
+    from transformers import Qwen2Config
+
+    from pagedllm.model.config_loader import apply_hf_overrides
+    from pagedllm.model.models.llama import rope_settings
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    config = Qwen2Config(rope_theta=1e6)
+    apply_hf_overrides(config, {"rope_scaling": yarn, "max_position_embeddings": 131072})
+    assert rope_settings(config) == (1e6, {**yarn, "rope_theta": 1e6})  # the model's base kept
+    assert config.max_position_embeddings == 131072
+    config = Qwen2Config(rope_theta=1e6)
+    apply_hf_overrides(config, {"rope_theta": 5e5})
+    assert rope_settings(config) == (5e5, None)
+    per_layer = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type":
+                 "default", "rope_theta": 1e4}}  # fmt: skip
+    config = Qwen2Config()
+    config.rope_parameters = per_layer
+    apply_hf_overrides(config, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert config.rope_parameters["sliding_attention"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}

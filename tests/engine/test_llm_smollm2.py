@@ -283,6 +283,8 @@ def test_enqueue_then_wait_for_completion(llm):
     llm.enqueue("Hi", params, use_tqdm=False)
     with pytest.raises(TypeError, match="expected"):
         llm.wait_for_completion(int, use_tqdm=False)
+    [kept] = llm.wait_for_completion(use_tqdm=False)  # a wrong type asked for loses nothing
+    assert kept.prompt == "Hi" and kept.finished
 
 
 def test_min_tokens_and_ignore_eos(llm):

@@ -159,6 +159,11 @@ def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(srv):
         status, out = srv.request("POST", "/v1/chat/completions", chat)
         assert status == 200, out
         assert (out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16) == want_cached, out["usage"]
+    body = {"input": [{"role": "user", "content": prompt}], "max_output_tokens": 1, "cache_salt": "tenant-d"}
+    for want_cached in (False, True):  # the Responses route takes vLLM's cache_salt too
+        status, out = srv.request("POST", "/v1/responses", body)
+        assert status == 200, out
+        assert (out["usage"]["input_tokens_details"]["cached_tokens"] >= 16) == want_cached, out["usage"]
     status, err = srv.request("POST", "/v1/completions", {"prompt": prompt, "cache_salt": ""})
     assert status == 400 and err["error"]["param"] == "cache_salt", err
 

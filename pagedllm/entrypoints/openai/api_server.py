@@ -639,7 +639,7 @@ async def debug_kv_cache(raw_request: Request) -> JSONResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        if getattr(request.app.state.args, "log_error_stack", False):  # --log-error-stack
+        if getattr(request.app.state.args, "log_error_stack", False) and not getattr(exc, "stack_logged", False):
             logger.error("%d on %s: %s", exc.status, request.url.path, exc.message, exc_info=exc)
         return _error_response(route_path(request.scope), exc)
 

@@ -621,6 +621,7 @@ class ResponsesRequest(OpenAIBaseModel):
     # {"format": {"type": "text" | "json_object" | "json_schema", "name"?, "schema"?}}
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat template's `reasoning_effort`
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's, as in a chat request
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, as in a chat request
     stream: bool = False
     store: bool = True

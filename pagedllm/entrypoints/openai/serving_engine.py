@@ -388,6 +388,7 @@ class OpenAIServing:
             logger.error("request failed", exc_info=exc)
         elif self.options.log_error_stack:  # --log-error-stack: every error answered, with its traceback
             logger.error("%d: %s", err.status, err.message, exc_info=exc)
+            err.stack_logged = True  # the server's error handler need not log it again
         return err
 
 

@@ -200,6 +200,7 @@ class OpenAIServingResponses:
             "stream": request.stream,
             "priority": request.priority,
             "chat_template_kwargs": request.chat_template_kwargs,
+            "cache_salt": request.cache_salt,
             "reasoning_effort": (request.reasoning or {}).get("effort"),
         }
         if not request.parallel_tool_calls:
