@@ -9,6 +9,7 @@ naming the value. It imports no other pagedllm module, so that any module may im
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -469,3 +470,18 @@ class EngineConfig:
     # The EngineArgs this was built from, as plain data: a worker process or Ray actor builds the same config
     # from them (the model's config object does not cross a process boundary).
     engine_args: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+
+def json_object(value: str | dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """A flag's JSON object (its text, or a dict given in Python) as a dict of string keys; {} for None; a ValueError
+    naming `name` for anything else."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} must be a JSON object, got {value!r:.100}: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"{name} must be a JSON object, got {value!r:.100}")
+    return value

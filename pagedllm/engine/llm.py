@@ -238,10 +238,15 @@ class LLM:
             messages, chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
             chat_template_content_format,
         )  # fmt: skip
-        params_list = self._as_params_list(sampling_params, len(prompts))
-        loras = self._as_lora_list(lora_request, len(prompts))
         # The template already holds the special tokens (BOS etc.); do not add them twice.
+        params_list, loras = self._chat_params(prompts, sampling_params, lora_request)
         return self._run(prompts, params_list, None, use_tqdm, add_special_tokens=False, loras=loras)
+
+    def _chat_params(
+        self, prompts: list[PromptType], sampling_params: Any, lora_request: Any
+    ) -> tuple[list[SamplingParams], list[LoRARequest | None] | None]:
+        """A chat call's (params per prompt, adapters per prompt)."""
+        return self._as_params_list(sampling_params, len(prompts)), self._as_lora_list(lora_request, len(prompts))
 
     def _chat_prompts(
         self,
@@ -530,8 +535,7 @@ class LLM:
             messages, chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
             chat_template_content_format,
         )  # fmt: skip
-        params_list = self._as_params_list(sampling_params, len(prompts))
-        loras = self._as_lora_list(lora_request, len(prompts))
+        params_list, loras = self._chat_params(prompts, sampling_params, lora_request)
         ids = self._submit(prompts, params_list, None, False, loras)
         self._enqueued += ids
         return ids

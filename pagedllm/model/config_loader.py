@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from pagedllm.config import ModelConfig, cache_dir, dtype_name
+from pagedllm.config import ModelConfig, cache_dir, dtype_name, json_object
 from pagedllm.model.gguf_arch import ARCH_FIELDS, phi3_rope
 from pagedllm.model.gguf_file import open_gguf
 from pagedllm.model.packaged import PACKAGED_MODELS, packaged_model
@@ -367,16 +367,7 @@ def load_model_config(
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
     """--hf-overrides as a dict of config fields (ValueError for what is not a JSON object of them)."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"hf_overrides must be a JSON object of config fields, got {value!r:.100}: {e}") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
-        raise ValueError(f"hf_overrides must be an object of config fields, got {value!r:.100}")
-    return value
+    return json_object(value, "hf_overrides")
 
 
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")

@@ -22,6 +22,8 @@ import json
 import os
 from typing import Any
 
+from pagedllm.config import json_object
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers' GenerationConfig defaults of the keys read here: equal values are not the model creator's choice.
 HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
@@ -100,15 +102,7 @@ def generation_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
     """--override-generation-config as SamplingParams defaults: a JSON object (its text, or a dict) of
     generation_config.json keys, laid over --generation-config's values (vLLM's). Every value given counts, even one
     equal to transformers' default: the operator chose it. An unknown key or a bad value is a ValueError."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"override_generation_config must be a JSON object, got {value!r:.100}: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {value!r:.100}")
+    value = json_object(value, "override_generation_config")
     unknown = sorted(k for k in value if k not in SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"override_generation_config: unknown key {unknown[0]!r} (known: {', '.join(SAMPLING_KEYS)})")

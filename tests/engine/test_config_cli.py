@@ -288,7 +288,11 @@ def test_default_chat_template_kwargs_flag_is_a_checked_json_object():
 
     assert parsed() == {}
     assert parsed("--default-chat-template-kwargs", '{"enable_thinking": false}') == {"enable_thinking": False}
-    for bad, fragment in [("{nope", "must be a JSON object"), ("[1]", "an object"), ('{"tokenize": 1}', "'tokenize'")]:
+    for bad, fragment in [
+        ("{nope", "must be a JSON object"),
+        ("[1]", "JSON object"),
+        ('{"tokenize": 1}', "'tokenize'"),
+    ]:
         with pytest.raises(ValueError, match="--default-chat-template-kwargs") as exc:
             parsed("--default-chat-template-kwargs", bad)
         assert fragment in str(exc.value)

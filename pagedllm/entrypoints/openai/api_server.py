@@ -53,7 +53,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.config import api_key_from_env, parse_size, runtime_lora_updating_allowed
+from pagedllm.config import api_key_from_env, json_object, parse_size, runtime_lora_updating_allowed
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_process import CoreProcess
@@ -1016,12 +1016,7 @@ def check_server_args(args: argparse.Namespace, engine_args: EngineArgs) -> None
 def default_chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """--default-chat-template-kwargs as a dict (JSON object text on the command line; a dict when built in
     Python), its keys checked as a request's chat_template_kwargs are."""
-    value = getattr(args, "default_chat_template_kwargs", None)
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got {value!r:.120}: {e}") from None
+    value = json_object(getattr(args, "default_chat_template_kwargs", None), "--default-chat-template-kwargs")
     try:
         return check_chat_template_kwargs(value)
     except ValueError as e:
