@@ -1,11 +1,12 @@
-"""One parsed GGUFReader per file per process: parsing the metadata of a GGUF file takes seconds (its token
-list alone has tens of thousands of strings), and the config, the weights and the tokenizer all need it.
+"""One parsed GGUFReader per file per process: the config and the weights both need it. Parsing a file's metadata
+with gguf's reader takes seconds for a large vocabulary (5.5 s for Gemma 3's 262k tokens: a numpy view per string);
+arrays of more than LAZY_ARRAY_MIN_ITEMS items are skipped over instead (their lengths walked), which takes ~0.1 s.
 
 The reader parses over a plain ndarray view of the file's mapping rather than gguf's np.memmap: it slices the
 mapping once or twice per metadata item (~250k slices for a 49k-token vocabulary), and each memmap slice runs
 numpy's Python-level memmap hooks; on the plain view the same parse takes about a third of the time.
 
-A parsed reader is large (~250 MB for a 152k-token vocabulary) and keeps the whole file mapped: once the weights are
+A parsed reader keeps the whole file mapped (and, for the arrays it parses, many small objects): once the weights are
 loaded, `release_gguf_readers()` drops them and hands the freed heap back to the system.
 """
 
@@ -14,9 +15,16 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import struct
 from typing import Any
 
 from pagedllm.model.heap import trim_heap
+
+# An array of metadata with more items than this (a vocabulary's tokens, scores, types, merges) is skipped over
+# rather than parsed: its field keeps its length (`len(field.data)`) but not its values, which neither the config
+# nor the weights read (the tokenizer is converted by transformers, from the file).
+LAZY_ARRAY_MIN_ITEMS = 4096
+_STRING, _ARRAY = 8, 9  # GGUFValueType
 
 
 @functools.lru_cache(maxsize=4)
@@ -30,7 +38,36 @@ def _open(path: str, mtime: float, size: int) -> Any:
                 value = value.view(np.ndarray)  # same pages; the view keeps the mapping alive through .base
             super().__setattr__(name, value)
 
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+            if int(raw_type) == _ARRAY and self.byte_order == "I":
+                view = memoryview(self.data)
+                item_type, count = struct.unpack_from("<IQ", view, orig_offs)
+                end = None
+                if count > LAZY_ARRAY_MIN_ITEMS:
+                    end = _skip_items(view, orig_offs + 12, item_type, count, self.gguf_scalar_to_np)
+                if end is not None:
+                    parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+                    types = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item_type)]
+                    return end - orig_offs, parts, list(range(count)), types
+            return super()._get_field_parts(orig_offs, raw_type)
+
     return _Reader(path)
+
+
+def _skip_items(view: memoryview, offs: int, item_type: int, count: int, scalars: dict[Any, Any]) -> int | None:
+    """The offset past `count` items of `item_type` from `offs` (strings: their little-endian lengths walked); None
+    for nested arrays, which the reader parses itself."""
+    if item_type == _STRING:
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            offs += 8 + unpack(view, offs)[0]
+        return offs
+    for value_type, np_type in scalars.items():
+        if int(value_type) == item_type:
+            import numpy as np
+
+            return offs + count * np.dtype(np_type).itemsize
+    return None
 
 
 def open_gguf(path: str) -> Any:
