@@ -1,7 +1,8 @@
 """The GGUF reader the config and the weights share (model/gguf_file.py) against gguf's own reader, on a file written
 here: a vocabulary of more tokens than LAZY_ARRAY_MIN_ITEMS (strings of varied lengths, non-ASCII too), its scores and
 types, short arrays, scalars, an alignment, and tensors. The large arrays are skipped over (their lengths kept), every
-other field and every tensor is read as gguf reads it. And rotary tables computed from the same values are one
+other field and every tensor is read as gguf reads it; the full reader (for transformers' tokenizer conversion) gives
+every field's parts as gguf does. And rotary tables computed from the same values are one
 tensor (model/layers/rotary.py)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.model.gguf_file import LAZY_ARRAY_MIN_ITEMS, open_gguf, release_gguf_readers
+from pagedllm.model.gguf_file import LAZY_ARRAY_MIN_ITEMS, fast_full_reader, open_gguf, release_gguf_readers
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
 
@@ -60,6 +61,23 @@ def test_fields_and_tensors_as_gguf_reads_them(gguf_path):
             assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
     finally:
         release_gguf_readers()
+
+
+def test_the_full_reader_gives_the_parts_gguf_gives(gguf_path):
+    original = gguf.GGUFReader
+    with fast_full_reader():
+        ours = gguf.GGUFReader(gguf_path)  # as transformers builds it
+    assert gguf.GGUFReader is original
+    theirs = gguf.GGUFReader(gguf_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.data, mine.types, mine.offset) == (field.data, field.types, field.offset), key
+        assert len(mine.parts) == len(field.parts) and all(
+            np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(mine.parts, field.parts)
+        ), key
+        assert mine.contents() == field.contents(), key
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
 
 
 def test_equal_rotary_tables_are_computed_once():
