@@ -23,9 +23,8 @@ from torch import nn
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.description import LayerDescription
 from pagedllm.model.layers.linear import RowKinds
-from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.gemma import GemmaForCausalLM, GemmaModel
-from pagedllm.model.models.llama import LlamaAttention, layer_window, served_len
+from pagedllm.model.models.llama import LlamaAttention, layer_window
 
 
 def gemma3_layer_types(config: Any) -> list[str]:
@@ -73,16 +72,8 @@ class Gemma3Model(GemmaModel):
     def build_attention(
         self, config: Any, dtype: torch.dtype, bias: bool, desc: LayerDescription, kernels: KernelDispatch, index: int
     ) -> nn.Module:
-        attn = LlamaAttention(config, dtype, False, desc.qk_norm, kernels, layer_window(config, index))
-        theta, scaling = self.rope(config, self.kinds[index])
-        attn.rotary_emb = RotaryEmbedding(
-            attn.head_dim,
-            config.max_position_embeddings,
-            theta,
-            scaling,
-            ops=kernels.cpu_for(dtype),
-            max_model_len=served_len(config),
-        )
+        rope = self.rope(config, self.kinds[index])  # the layer kind's (built once: not the config's, then this)
+        attn = LlamaAttention(config, dtype, False, desc.qk_norm, kernels, layer_window(config, index), rope=rope)
         attn.attn.scale = float(getattr(config, "query_pre_attn_scalar", None) or attn.head_dim) ** -0.5
         return attn
 

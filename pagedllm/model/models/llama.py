@@ -82,10 +82,11 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None = None,
         o_bias: bool | None = None,
         rotary_dim: int | None = None,
+        rope: tuple[float, dict[str, Any] | None] | None = None,
     ) -> None:
         """`qk_norm`: RMSNorm of queries and keys before rotary, per head ("head") or over the whole projection
         ("full", OLMo 2), or none. `rotary_dim`: rotary embedding over the first rotary_dim of each head (None: all
-        of it)."""
+        of it). `rope`: (base, scaling) of this layer's rotary embedding (None: the config's, `rope_settings`)."""
         super().__init__()
         ops, tp = kernels.cpu_for(dtype), kernels.tp
         hidden = config.hidden_size
@@ -101,7 +102,7 @@ class LlamaAttention(nn.Module):
             o_bias = bool(getattr(config, "attention_bias", False))
         o_rows = Shard(heads.first_head * self.head_dim, heads.num_heads * self.head_dim)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, dtype, ops, tp, o_rows)
-        theta, scaling = rope_settings(config)
+        theta, scaling = rope_settings(config) if rope is None else rope
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, theta, scaling, rotary_dim, ops, served_len(config)
         )
