@@ -78,14 +78,14 @@ def _convert_gguf_tokenizer(folder: str, gguf_file: str) -> Any:
     from pagedllm.model.gguf_file import fast_full_reader
 
     try:
-        with fast_full_reader():  # gguf's reader took 10 s over Gemma 3's 262k tokens; this one ~1 s
+        # transformers reads the file's config with gguf's reader first (10 s over Gemma 3's 262k tokens; ~1 s here)
+        with fast_full_reader():
             return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
     except (ValueError, TypeError, KeyError) as exc:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
-        with fast_full_reader():
-            arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(os.path.join(folder, gguf_file))
+        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(os.path.join(folder, gguf_file))
         logger.info("GGUF tokenizer of architecture %r converted without its model class (%s)", arch, exc)
         backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -17,6 +17,8 @@ import functools
 import gc
 import os
 import struct
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +29,8 @@ from pagedllm.model.heap import trim_heap
 # nor the weights read (the tokenizer is converted by transformers, from the file).
 LAZY_ARRAY_MIN_ITEMS = 4096
 _STRING, _ARRAY = 8, 9  # GGUFValueType
+_PATCH_LOCK = threading.Lock()
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"  # the fast paths read lengths as little-endian
 
 
 @functools.cache
@@ -45,7 +49,7 @@ def reader_classes() -> tuple[type, type]:
             super().__setattr__(name, value)
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
-            if int(raw_type) == _ARRAY and self.byte_order == "I":
+            if int(raw_type) == _ARRAY and self.byte_order == "I" and _LITTLE_ENDIAN_HOST:
                 view = memoryview(self.data)
                 item_type, count = struct.unpack_from("<IQ", view, orig_offs)
                 if count > LAZY_ARRAY_MIN_ITEMS:
@@ -90,16 +94,17 @@ def reader_classes() -> tuple[type, type]:
 @contextlib.contextmanager
 def fast_full_reader() -> Iterator[None]:
     """Within it, gguf.GGUFReader is the full reader of `reader_classes` (the same fields and tensors, ~10x faster on
-    a large vocabulary): for code that builds its own reader, such as transformers' GGUF tokenizer conversion. Not
-    for threads that may build a reader meanwhile."""
+    a large vocabulary): for code that builds its own reader, such as transformers' GGUF tokenizer conversion. Another
+    thread building a reader meanwhile gets the full reader too (the same fields and tensors)."""
     import gguf
 
-    original = gguf.GGUFReader
-    gguf.GGUFReader = reader_classes()[1]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+    with _PATCH_LOCK:  # one thread at a time: each restores what it replaced
+        original, full = gguf.GGUFReader, reader_classes()[1]
+        gguf.GGUFReader = full
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 @functools.lru_cache(maxsize=4)

@@ -29,6 +29,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.model.gguf_file import open_gguf, release_gguf_readers
 from pagedllm.model.kernels import KernelDispatch
 from pagedllm.model.layers.linear import prepare_for_inference
+from pagedllm.model.layers.rotary import forget_tables
 from pagedllm.model.quant import F16, F32, HALF_TYPES, NATIVE_TYPES, QuantTensor, type_name
 from pagedllm.model.registry import get_model_class
 from pagedllm.model.weight_cache import gguf_weights
@@ -245,7 +246,10 @@ def load_model(
     hf_config = copy.copy(model_config.hf_config)
     hf_config.max_model_len = model_config.max_model_len
     with torch.device(device):
-        model = cls(hf_config, dtype=model_config.torch_dtype, kernels=kernels)
+        try:
+            model = cls(hf_config, dtype=model_config.torch_dtype, kernels=kernels)
+        finally:
+            forget_tables()  # its layers shared their rotary tables; the next model computes its own
     path = model_config.model
     if path.endswith(".gguf"):
         native = kernels is not None and kernels.cpu_for(model_config.torch_dtype) is not None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm.model.gguf_file import LAZY_ARRAY_MIN_ITEMS, fast_full_reader, open_gguf, release_gguf_readers
-from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.model.layers.rotary import RotaryEmbedding, forget_tables
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,6 @@ def test_equal_rotary_tables_are_computed_once():
     c = RotaryEmbedding(64, 4096, 500000.0, {"rope_type": "linear", "factor": 2.0}, max_model_len=1024)
     assert a.cos_sin_cache is b.cos_sin_cache
     assert c.cos_sin_cache is not a.cos_sin_cache and not torch.equal(c.cos_sin_cache, a.cos_sin_cache)
+    forget_tables()  # as the loader does once a model is built: the next model's tables are its own
+    d = RotaryEmbedding(64, 4096, 10000.0, {"rope_type": "linear", "factor": 2.0}, max_model_len=1024)
+    assert d.cos_sin_cache is not a.cos_sin_cache and torch.equal(d.cos_sin_cache, a.cos_sin_cache)

@@ -146,10 +146,15 @@ def rope_inv_freq(
     return inv_freq, attention_factor
 
 
-# The tables in use, by what they are computed from: the layers of a model (18 of Gemma 3's, with a 32k context:
-# 64 MiB and ~0.1 s a table) share one computed table instead of each computing its own. Weak: a table goes with the
-# last model that holds it.
+# The tables computed while a model is built, by what they are computed from: its layers (18 of Gemma 3's, with a 32k
+# context: 64 MiB and ~0.1 s a table) share one table instead of each computing its own. Forgotten once the model is
+# built (`forget_tables`): two models never share one (sleep mode pages a model's tensors out, the table with them).
 _TABLES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def forget_tables() -> None:
+    """End the sharing of rotary tables: those computed from now on are a new model's."""
+    _TABLES.clear()
 
 
 class RotaryEmbedding(nn.Module):
@@ -169,8 +174,8 @@ class RotaryEmbedding(nn.Module):
         self.ops = ops  # the native CPU ops (rotate_heads_ in place), or None
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        key = (self.rotary_dim, float(base), json.dumps(rope_scaling, sort_keys=True, default=str), max_position,
-               max_model_len)  # fmt: skip
+        scaling_key = json.dumps(rope_scaling, sort_keys=True, default=repr)  # numpy values by their exact repr
+        key = (self.rotary_dim, float(base), scaling_key, max_position, max_model_len)
         cache = _TABLES.get(key)
         if cache is None:
             inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, base, rope_scaling, max_position, max_model_len)
