@@ -6,9 +6,9 @@
 Every engine embeds the same corpus (`pagedllm bench embed`: 2,000 sentences of 6-100 random vocabulary words,
 about 8-128 tokens): the servers (`pagedllm serve FOLDER`, vLLM's `--runner pooling` server on the same folder)
 through /v1/embeddings, requests of 32 inputs with 4 in flight, and a lone short query sent again and again
-meanwhile, one at most every 0.25 s (its latency under that load); sentence-transformers in-process, `encode` in batches of 32 on two
-threads. Every engine's embeddings are compared with sentence-transformers' (cosine). The engines run one after
-the other, each on an idle machine (the checks of run.py), with two threads each (vLLM:
+meanwhile, one at most every 0.25 s (its latency under that load); sentence-transformers in-process, `encode` in
+batches of 32 on two threads. Every engine's embeddings are compared with sentence-transformers' (cosine). The
+engines run one after the other, each on an idle machine (the checks of run.py), with two threads each (vLLM:
 VLLM_CPU_OMP_THREADS_BIND=0-1). With --rounds N the engines alternate (A B, B A, ...) and each row is its best
 round. Prints the table and the command; never part of CI.
 """
