@@ -112,6 +112,38 @@ def test_a_broken_call_is_skipped_whole_and_streamed() -> None:
     assert [c["arguments"] for _, c in sorted(calls.items()) if c["name"] == "a"] == ['{"x": 1}']
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+BARE = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        (BARE, ["get_weather"]),  # what Qwen2.5-Coder-0.5B writes with tool_choice auto
+        ('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather"}]', ["get_weather"] * 2),
+        ('{"name": "other", "arguments": {}}', []),  # not one of the request's tools: content
+        ('{"name": "get_weather", "arguments": {}, "why": 1}', []),  # not only a call
+        ('{"city": "Paris"}', []),
+        ("The answer is {1, 2}", []),
+        (BARE[:-2], []),  # cut short: not JSON
+    ],
+)
+def test_hermes_untagged_call_json_whole_and_streamed(text: str, names: list[str]) -> None:
+    whole = HermesToolParser(None, tools=WEATHER).extract_tool_calls(text)
+    assert [c.function.name for c in whole.tool_calls] == names and whole.tools_called == bool(names)
+    assert whole.content == (None if names else text)
+    for seed in range(5):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        content, calls = _stream(HermesToolParser(None, tools=WEATHER), pieces)
+        assert content == (whole.content or "")
+        assert [calls[i]["name"] for i in sorted(calls)] == names
+        assert [calls[i]["arguments"] for i in sorted(calls)] == [c.function.arguments for c in whole.tool_calls]
+    # without tools (or with the tags) the old rules hold
+    assert not HermesToolParser(None).extract_tool_calls(BARE).tools_called
+
+
 def test_registry() -> None:
     assert ToolParserManager.get("hermes") is HermesToolParser
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):

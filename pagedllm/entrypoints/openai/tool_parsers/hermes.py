@@ -1,5 +1,10 @@
 """The Hermes tool-call format (Hermes, Qwen 2/2.5/3 families): each call is
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the output, content may come before the calls."""
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the output, content may come before the calls.
+
+Small Qwen models (Qwen2.5-Coder-0.5B) often write a call without its tags: the whole output one JSON object, or a
+list of them, `{"name": ..., "arguments": {...}}`. Such an output is taken as the calls when every name is one of
+the request's tools (vLLM's parser returns it as content). Streamed, an output that opens with `{` or `[` (after
+spaces) is held back until it ends, then sent as those calls, else as content: streamed and whole agree."""
 
 from __future__ import annotations
 
@@ -55,7 +60,8 @@ class HermesToolParser(ToolParser):
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         start = text.find(OPEN)
         if start < 0:
-            return ExtractedToolCalls(False, [], text)
+            bare = self._bare_calls(text)
+            return ExtractedToolCalls(True, bare, None) if bare else ExtractedToolCalls(False, [], text)
         calls = []
         for body in _CALL.findall(text[start:]):
             try:
@@ -68,9 +74,40 @@ class HermesToolParser(ToolParser):
 
     # ---- streaming ------------------------------------------------------------------------------------------
 
+    def _bare_calls(self, text: str) -> list[ToolCall]:
+        """The calls of an output that is nothing but untagged call JSON naming the request's tools; [] otherwise."""
+        names = {t.get("function", {}).get("name") for t in self.tools if isinstance(t, dict)}
+        body = text.strip()
+        if not names or not body.startswith(("{", "[")):
+            return []
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return []
+        items = items if isinstance(items, list) else [items]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or item.get("name") not in names or not set(item) <= {"name", "arguments"}:
+                return []
+            arguments = item.get("arguments", {})
+            if not isinstance(arguments, dict):
+                return []
+            calls.append(ToolCall(FunctionCall(item["name"], json.dumps(arguments, ensure_ascii=False))))
+        return calls
+
+    def _holding_bare(self) -> bool:
+        """Whether the stream holds its text back: nothing sent yet, no tag, and all of it so far spaces or the
+        opening of untagged call JSON."""
+        if self._index >= 0 or self._pos > 0 or not self.tools or OPEN in self._text:
+            return False
+        head = self._text.lstrip()
+        return not head or head.startswith(("{", "["))
+
     def extract_tool_calls_streaming(self, delta_text: str) -> StreamDelta:
         self._text += delta_text
         out = StreamDelta()
+        if self._holding_bare():
+            return out
         while True:
             if not self._in_call:
                 start = self._text.find(OPEN, self._pos)
@@ -95,6 +132,14 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> StreamDelta:
         out = StreamDelta()
+        if self._holding_bare():
+            calls = self._bare_calls(self._text)
+            for i, call in enumerate(calls):
+                out.tool_calls.append(StreamedToolCallDelta(i, new_tool_call_id(), call.function.name))
+                out.tool_calls.append(StreamedToolCallDelta(i, arguments=call.function.arguments))
+            if calls:
+                self._index, self._pos = len(calls) - 1, len(self._text)
+                return out
         if self._in_call:  # the output ended inside a call (max_tokens): close it if its JSON is complete
             self._close_call(out, self._text[self._pos :])
             self._in_call = False
