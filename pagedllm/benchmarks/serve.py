@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.benchmarks.datasets import SampleRequest, add_dataset_args, encode, load_tokenizer, sample_requests
+from pagedllm.config import json_object as parse_json_object
 
 DEFAULT_PROG = "pagedllm bench serve"
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -694,11 +695,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object (argparse turns the ValueError into a usage error naming the flag)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    return value
+    """--extra-body's JSON object (argparse turns the ValueError into a usage error naming the flag)."""
+    return parse_json_object(text, "--extra-body")
 
 
 def key_values(items: Sequence[str] | None, flag: str) -> dict[str, str]:

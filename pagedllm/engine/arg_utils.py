@@ -376,12 +376,12 @@ class EngineArgs:
                     f"long_prefill_token_threshold {self.long_prefill_token_threshold} splits prompts into chunks, "
                     "but --no-enable-chunked-prefill computes each prompt whole"
                 )
-            if self.enable_chunked_prefill is False and batched < model_config.max_model_len:
-                if self.max_num_batched_tokens is not None:  # as vLLM: a prompt must fit one step
-                    raise ValueError(
-                        f"max_num_batched_tokens {batched} is below max_model_len {model_config.max_model_len}: "
-                        "without chunked prefill a prompt runs whole in one step; raise it or lower max_model_len"
-                    )
+            explicit_budget = self.max_num_batched_tokens is not None
+            if self.enable_chunked_prefill is False and explicit_budget and batched < model_config.max_model_len:
+                raise ValueError(  # as vLLM: a prompt must fit one step
+                    f"max_num_batched_tokens {batched} is below max_model_len {model_config.max_model_len}: "
+                    "without chunked prefill a prompt runs whole in one step; raise it or lower max_model_len"
+                )
             batched = max(batched, model_config.max_model_len)
         return EngineConfig(
             engine_args=dataclasses.asdict(self),

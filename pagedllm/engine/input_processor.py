@@ -177,8 +177,7 @@ class InputProcessor:
         if ids is None:
             ids = self.tokenize(text, add_special_tokens)  # type: ignore[arg-type]
         if params.truncate_prompt_tokens is not None:
-            kept = self.truncate_prompt(ids, params.truncate_prompt_tokens)
-            text, ids = (text if len(kept) == len(ids) else None), kept
+            text, ids = self.truncate_prompt(text, ids, params.truncate_prompt_tokens)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.validate(ids, params)  # also the bad words' ids: an added token may lie past the model's vocabulary
@@ -194,11 +193,12 @@ class InputProcessor:
         )
         return text, req
 
-    def truncate_prompt(self, ids: list[int], keep: int) -> list[int]:
-        """The last `keep` prompt tokens (-1: the last max_model_len), as vLLM's truncate_prompt_tokens: a prompt
-        longer than the context keeps its end, where the question usually is."""
+    def truncate_prompt(self, text: str | None, ids: list[int], keep: int) -> tuple[str | None, list[int]]:
+        """The prompt's last `keep` tokens (-1: the last max_model_len), as vLLM's truncate_prompt_tokens: a prompt
+        longer than the context keeps its end, where the question usually is. The text goes once tokens are
+        dropped (it no longer says what the ids say)."""
         keep = self.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+        return (text, ids) if len(ids) <= keep else (None, ids[-keep:])
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token sequences of `bad_words`: each word as it would open the text and, where that differs, as it

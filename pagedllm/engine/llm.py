@@ -199,12 +199,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list: strings, token-id lists or {"prompt_token_ids": [...]} dicts.
         `lora_request`: the adapter of every prompt, or one per prompt (None: the base model)."""
+        prompt_list, params_list, loras = self._generate_inputs(prompts, sampling_params, priority, lora_request)
+        return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True, loras=loras)
+
+    def _generate_inputs(
+        self, prompts: Any, sampling_params: Any, priority: list[int] | None, lora_request: Any
+    ) -> tuple[list[PromptType], list[SamplingParams], list[LoRARequest | None] | None]:
+        """`generate`'s (and `enqueue`'s) arguments as one prompt, params and adapter per prompt."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        loras = self._as_lora_list(lora_request, len(prompt_list))
-        return self._run(prompt_list, params_list, priority, use_tqdm, add_special_tokens=True, loras=loras)
+        return prompt_list, params_list, self._as_lora_list(lora_request, len(prompt_list))
 
     def beam_search(
         self,
@@ -508,11 +514,7 @@ class LLM:
     ) -> list[str]:
         """Hand prompts to the engine without waiting for them (as `generate` takes them); their request ids.
         `wait_for_completion` collects the outputs; a `generate` call meanwhile runs them too."""
-        prompt_list = self._as_prompt_list(prompts)
-        params_list = self._as_params_list(sampling_params, len(prompt_list))
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        loras = self._as_lora_list(lora_request, len(prompt_list))
+        prompt_list, params_list, loras = self._generate_inputs(prompts, sampling_params, priority, lora_request)
         ids = self._submit(prompt_list, params_list, priority, True, loras)
         self._enqueued += ids
         return ids
@@ -553,7 +555,7 @@ class LLM:
             if wrong:  # the outputs stay for a call that asks for their type
                 self._finished.update(zip(ids, outputs))
                 raise TypeError(f"wait_for_completion: expected {output_type}, got {wrong[0]}")
-        self._enqueued = [i for i in self._enqueued if i not in set(ids)]
+        self._enqueued = []  # all of them collected (nothing enqueues while this call runs the engine)
         return outputs
 
     def _add(self, prompt_text: str | None, req: EngineCoreRequest) -> None:

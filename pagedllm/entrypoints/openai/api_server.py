@@ -636,11 +636,16 @@ async def debug_kv_cache(raw_request: Request) -> JSONResponse:
 # ---- the app ---------------------------------------------------------------------------------------------
 
 
+def _log_error_stack(request: Request, err: OpenAIError, exc: BaseException) -> None:
+    """--log-error-stack: an error answered, with the traceback behind it (once: `error_for` may have logged it)."""
+    if getattr(request.app.state.args, "log_error_stack", False) and not getattr(exc, "stack_logged", False):
+        logger.error("%d on %s: %s", err.status, request.url.path, err.message, exc_info=exc)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        if getattr(request.app.state.args, "log_error_stack", False) and not getattr(exc, "stack_logged", False):
-            logger.error("%d on %s: %s", exc.status, request.url.path, exc.message, exc_info=exc)
+        _log_error_stack(request, exc, exc)
         return _error_response(route_path(request.scope), exc)
 
     @app.exception_handler(RequestValidationError)
@@ -660,8 +665,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = error_from_exception(exc)
         if err.status == 500:
             logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-        elif getattr(request.app.state.args, "log_error_stack", False):
-            logger.error("%d on %s: %s", err.status, request.url.path, err.message, exc_info=exc)
+        else:
+            _log_error_stack(request, err, exc)
         return _error_response(route_path(request.scope), err)
 
 

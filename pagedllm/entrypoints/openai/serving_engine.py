@@ -180,12 +180,11 @@ class OpenAIServing:
         return None
 
     def truncated(self, text: str | None, ids: list[int], request: SamplingFields) -> tuple[str | None, list[int]]:
-        """The prompt as the request's truncate_prompt_tokens keeps it: its last N tokens (-1: the context), and no
-        text once some are dropped (it no longer says what the ids say)."""
+        """The prompt as the request's truncate_prompt_tokens keeps it (InputProcessor.truncate_prompt), before the
+        context is checked."""
         if request.truncate_prompt_tokens is None:
             return text, ids
-        kept = self.engine.input_processor.truncate_prompt(ids, request.truncate_prompt_tokens)
-        return (text if len(kept) == len(ids) else None), kept
+        return self.engine.input_processor.truncate_prompt(text, ids, request.truncate_prompt_tokens)
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, what: str) -> int:
         """The request's max_tokens, checked against the context; unset (None): what is left of the context, at
