@@ -176,6 +176,16 @@ def cpu_isa() -> str:
     return value
 
 
+def prompt_int8_enabled() -> bool:
+    """$PAGEDLLM_PROMPT_INT8: "1" gives prompt tokens' rows int8 inputs on quantized weights, as generated tokens'
+    rows have (llama.cpp's arithmetic for every row: faster prompts on CPUs without AMX tiles, less precise); "0"
+    (the default) keeps them on the de-quantized panels (model/layers/linear.py)."""
+    raw = os.environ.get("PAGEDLLM_PROMPT_INT8", "0")
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"PAGEDLLM_PROMPT_INT8 must be 0 or 1, got {raw!r}")
+    return raw.strip() == "1"
+
+
 DTYPE_NAMES = tuple(_DTYPES)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
@@ -433,6 +443,7 @@ class DeviceConfig:
     # detected one): environment only, not engine arguments.
     cpu_kernels: bool = True
     cpu_isa: str = "auto"
+    prompt_int8: bool = False  # $PAGEDLLM_PROMPT_INT8: prompt rows take int8 inputs on quantized weights
 
 
 @dataclass(frozen=True)

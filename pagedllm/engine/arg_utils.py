@@ -47,6 +47,7 @@ from pagedllm.config import (
     normalise_attention_backend,
     num_threads_default,
     parse_size,
+    prompt_int8_enabled,
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
@@ -420,6 +421,7 @@ class EngineArgs:
                 attention_backend=self._attention_backend(),
                 cpu_kernels=cpu_kernels_enabled(),
                 cpu_isa=cpu_isa(),
+                prompt_int8=prompt_int8_enabled(),
             ),
         )
 

@@ -75,24 +75,30 @@ def _get(module: nn.Module, path: str) -> Any:
 
 
 class CpuDecodeRunner:
-    def __init__(self, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None, prompt_int8: bool = False
+    ) -> None:
         self.model = model
         self.ops = ops
         self.tp = tp or TensorParallelGroup()
+        self.prompt_int8 = prompt_int8  # prompt rows take int8 inputs, as the layer path's (kernels.prompt_rows_int8)
         self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
         self.max_rows = MAX_ROWS
 
     @classmethod
-    def create(cls, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None) -> CpuDecodeRunner | None:
+    def create(
+        cls, model: nn.Module, ops: Any, tp: TensorParallelGroup | None = None, prompt_int8: bool = False
+    ) -> CpuDecodeRunner | None:
         """A runner for `model`, or None where the fused path does not apply. With tensor parallelism (`tp` above
         one rank) it applies when the ranks share a native all-reduce (the shared-memory one), whose C hook the
-        decoder calls after the output and down projections."""
+        decoder calls after the output and down projections. `prompt_int8`: the model runner gives prompt rows int8
+        inputs on quantized weights (model/kernels.py prompt_rows_int8), which the prompt chunks here then do too."""
         tp = tp or TensorParallelGroup()
         if ops is None or not cls._applies(model, tp.world_size):
             return None
         if tp.world_size > 1 and tp.shm is None:
             return None
-        return cls(model, ops, tp)
+        return cls(model, ops, tp, prompt_int8)
 
     @staticmethod
     def _applies(model: nn.Module, world_size: int = 1) -> bool:
@@ -139,12 +145,13 @@ class CpuDecodeRunner:
 
     def runs_prompts(self) -> bool:
         """Whether a request's short prompt chunk may run here (`prompt=True`) as the layer path would compute it:
-        one rank, every linear quantized and wholly packed, and a CPU with AVX512-BF16 (the de-quantized bf16 panels
-        prompt rows take in the layer path, here without its dozen dispatches a layer). Not where the layer path's
+        one rank, every linear quantized and wholly packed, and prompt rows on int8 inputs (`prompt_int8`) or a CPU with
+        AVX512-BF16 (the de-quantized bf16 panels prompt rows take in the layer path), here without the layer path's
+        dozen dispatches a layer. Not where the layer path's
         arithmetic differs from the decoder's: a bias on the output or down projection (added after the products
         there, inside them here). Limited to the layers checked bit for bit against the layer path on prompt rows
         (tests/engine/test_quantized.py): RMSNorm, gated and sequential, without q/k norms."""
-        if self.tp.world_size != 1 or not self.ops.bf16_native():
+        if self.tp.world_size != 1 or not (self.prompt_int8 or self.ops.bf16_native()):
             return False
         desc = self.model.description
         if desc != LayerDescription(norms=desc.norms, act=desc.act, qk_norm=desc.qk_norm):
@@ -259,7 +266,7 @@ class CpuDecodeRunner:
         none; lora/manager.py), or None."""
         decoder = self._decoder()
         x = self.model.model.embed(input_ids).contiguous()  # as the model's forward (Gemma's scale included)
-        decoder(x, positions, slot_mapping, block_table, table_rows, prompt, lora_slots)
+        decoder(x, positions, slot_mapping, block_table, table_rows, prompt, lora_slots, self.prompt_int8)
         if self.tp.world_size > 1:
             self.tp.shm.check()  # a failed sum inside the decoder (a peer gone) cannot raise there
         return x

@@ -34,7 +34,7 @@ from pagedllm.model import hugepages
 from pagedllm.model.attention.backends.base import CommonAttentionMetadata
 from pagedllm.model.attention.selector import native_applies, select_attention_backend
 from pagedllm.model.kernels import KernelDispatch, KernelsUnavailable, load_cpu_ops
-from pagedllm.model.layers.linear import PROMPT_ROWS, RowKinds
+from pagedllm.model.layers.linear import GENERATED_ROWS, PROMPT_ROWS, RowKinds
 from pagedllm.model.loader import load_model
 from pagedllm.model.step_plan import StepPlan
 from pagedllm.sample.grammar_mask import apply_token_bitmask
@@ -87,6 +87,13 @@ class ModelRunner:
             "attention backend %s, native CPU ops %s", self.attn_backend.name, cpu_ops.isa if cpu_ops else "off"
         )
         kernels = KernelDispatch(attention=self.attn_backend, cpu=cpu_ops, tp=self.tp, bf16_weights=self.bf16_weights)
+        # Prompt tokens' rows on quantized weights: the more precise de-quantized panels (model/layers/linear.py), or
+        # with PAGEDLLM_PROMPT_INT8=1 int8 inputs as generated tokens' rows (llama.cpp's arithmetic; the faster
+        # without AMX tiles: docs/quantization.md).
+        quantized = model_config.quantization == "gguf" and cpu_ops is not None
+        self.prompt_int8 = quantized and config.device_config.prompt_int8
+        if self.prompt_int8:
+            logger.info("prompt rows on quantized weights: int8 inputs, as generated rows (PAGEDLLM_PROMPT_INT8=1)")
         self.model = load_model(model_config, device, kernels)
         self.kv_layout = self._kv_layout(config.cache_config.hybrid_kv_cache)
         # A pooling model (worker/pooler_runner.py) pools its prompts' hidden states and never decodes; an encoder
@@ -95,7 +102,9 @@ class ModelRunner:
         # --enable-lora: every decoder linear gets adapter slots (lora/manager.py), which the layer path and the fused
         # decoder read (a prompt chunk of a request with an adapter runs layer by layer).
         self.lora_manager = LoRAManager(self.model, config.lora_config) if config.lora_config is not None else None
-        self.decode_runner = None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp)
+        self.decode_runner = (
+            None if self.pooler else CpuDecodeRunner.create(self.model, cpu_ops, self.tp, self.prompt_int8)
+        )
         # A request verifying its drafts in the fused decoder computes its logits in chunks of this many rows, each
         # row then bit for bit what plain decoding computes: a quantized LM head runs up to quant_dot_max_rows rows
         # on the int8 products of one row, any number of generated tokens where it is packed; a float32 head's one-row
@@ -265,8 +274,11 @@ class ModelRunner:
             positions % self.block_size
         )
         # Generated tokens' rows (decode tokens, drafts, recomputed output) run quantized weights on int8 inputs;
-        # prompt tokens' rows on the more precise panels (model/layers/linear.py).
-        generated = torch.from_numpy(positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok))
+        # prompt tokens' rows on the more precise panels (model/layers/linear.py), or int8 too (prompt_int8).
+        if self.prompt_int8:
+            generated = torch.ones(total, dtype=torch.bool)
+        else:
+            generated = torch.from_numpy(positions >= np.repeat(batch.num_prompt_tokens[rows], n_tok))
         k = len(fused_reqs)
         lone_verify = k == 1 and len(order) == 1 and order[0] in spec
         parts = []
@@ -556,7 +568,8 @@ class ModelRunner:
             offset = int(cu[i]) + first - int(starts[i])
             idx = torch.arange(offset, offset + end - first, device=self.device)
             s.num_prompt_logprobs_done = end
-            logits = self.model.compute_logits(hidden.index_select(0, idx), PROMPT_ROWS).float()
+            kinds = GENERATED_ROWS if self.prompt_int8 else PROMPT_ROWS
+            logits = self.model.compute_logits(hidden.index_select(0, idx), kinds).float()
             targets = torch.tensor(s.prompt_token_ids[first + 1 : end + 1], device=self.device)
             result[s.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return result

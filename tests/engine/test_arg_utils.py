@@ -187,6 +187,14 @@ def test_cpu_kernel_settings_come_from_the_environment(model_dir, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "sse2")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA.*sse2"):
         cpu_isa()
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA")
+    monkeypatch.delenv("PAGEDLLM_PROMPT_INT8", raising=False)
+    assert not EngineArgs(model=model_dir).create_engine_config().device_config.prompt_int8
+    monkeypatch.setenv("PAGEDLLM_PROMPT_INT8", "1")
+    assert EngineArgs(model=model_dir).create_engine_config().device_config.prompt_int8
+    monkeypatch.setenv("PAGEDLLM_PROMPT_INT8", "yes")
+    with pytest.raises(ValueError, match="PAGEDLLM_PROMPT_INT8 must be 0 or 1, got 'yes'"):
+        EngineArgs(model=model_dir).create_engine_config()
 
 
 def test_the_engine_core_gets_the_budget_sized_in_the_front_end(model_dir, monkeypatch):

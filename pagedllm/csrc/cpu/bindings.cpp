@@ -850,10 +850,11 @@ class DecodeModel {
   // 0 .. positions[r], whose keys and values are cached or written by the step's rows (a decode token and its
   // drafts). Consecutive rows of one request read their context together.
   // prompt: the rows are consecutive prompt tokens of one request, computed as the layer-by-layer path computes
-  // prompt tokens (builds with AVX512-BF16).
+  // prompt tokens: on bf16 panels (builds with AVX512-BF16), or with prompt_int8 on int8 inputs as generated rows.
   // lora_slots: int32 [R], each row's LoRA slot (-1: none), or None.
   void operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_table,
-                  torch::Tensor table_rows, bool prompt, std::optional<torch::Tensor> lora_slots) const {
+                  torch::Tensor table_rows, bool prompt, std::optional<torch::Tensor> lora_slots,
+                  bool prompt_int8) const {
     check_float(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == spec_.hidden, "x must be [R, H]");
     for (auto* t : {&positions, &slot_mapping, &block_table, &table_rows}) {
@@ -884,7 +885,8 @@ class DecodeModel {
       }
     }
     if (prompt) {
-      TORCH_CHECK(t_->bf16_native() != 0, "prompt rows run in the fused decoder only where the CPU has AVX512-BF16");
+      TORCH_CHECK(prompt_int8 || t_->bf16_native() != 0,
+                  "prompt rows on bf16 panels run in the fused decoder only where the CPU has AVX512-BF16");
       for (int64_t r = 1; r < rows; ++r)
         TORCH_CHECK(pp[r] == pp[0] + r && of[r] == of[0], "prompt rows must be consecutive tokens of one request");
     }
@@ -897,7 +899,7 @@ class DecodeModel {
       for (int64_t r = 0; r < rows; ++r)
         TORCH_CHECK(lora[r] >= -1 && lora[r] < lora_slots_, "LoRA slot ", lora[r], " of row ", r, " out of range");
     }
-    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, prompt ? 1 : 0,
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, prompt ? (prompt_int8 ? 2 : 1) : 0,
                     at::get_num_threads(), lora);
   }
 
@@ -1135,7 +1137,8 @@ PYBIND11_MODULE(_C, m) {
                              "rows the kernels hold in their interleaved layout (quant_pack), the rest as stored");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def("__call__", &DecodeModel::operator(), py::arg("x"), py::arg("positions"), py::arg("slot_mapping"),
-           py::arg("block_table"), py::arg("table_rows"), py::arg("prompt") = false, py::arg("lora_slots") = py::none());
+           py::arg("block_table"), py::arg("table_rows"), py::arg("prompt") = false, py::arg("lora_slots") = py::none(),
+           py::arg("prompt_int8") = false);
 #ifdef PAGEDLLM_SOURCE_HASH
   m.attr("source_hash") = PAGEDLLM_SOURCE_HASH;  // of the sources this module was built from (setup.py)
 #endif

@@ -35,8 +35,9 @@
 // Prompt tokens (`prompt`: rows that are consecutive prompt tokens of one request, a short prompt chunk such as the
 // uncached tail of a prefix-cache hit): what the layer-by-layer path computes for them, bit for bit, without its
 // dozen dispatches a layer. Their quantized weights run on bf16 copies of the input against the de-quantized bf16
-// panels (quant_panel_rows_range: builds with AVX512-BF16; the bindings refuse it elsewhere), and their attention
-// is paged_prefill's (prefill_rows_any), tiles of rows x query heads shared between the threads.
+// panels (prompt 1; quant_panel_rows_range: builds with AVX512-BF16; the bindings refuse it elsewhere), or on int8
+// copies as generated rows do (prompt 2: PAGEDLLM_PROMPT_INT8=1, the model runner gives prompt rows int8 inputs), and
+// their attention is paged_prefill's (prefill_rows_any), tiles of rows x query heads shared between the threads.
 //
 // Mixture-of-experts layers (DecoderLayer::moe) run their experts through moe_rows in the same region.
 //
@@ -259,6 +260,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
   const int64_t up_out = s.plain_mlp ? inter : 2 * inter;  // gate_up's outputs
   const AllReduceFn reduce = s.all_reduce;
   const int nt = std::max(1, threads);
+  const bool prompt_bf16 = prompt == 1;  // prompt rows whose quantized weights take bf16 inputs (2: int8)
   // Shared between the threads, per token: q|k|v, the attention output, SiLU-and-mul's output, gate|up, and every
   // thread's partial attention (max, sum, accumulator per head).
   // With parallel attention and MLP, the attention output waits in `ao` while the MLP runs.
@@ -324,16 +326,16 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         any_16 = any_16 || (qw->nseg == 0 && w16 != nullptr);
         any_32 = any_32 || (qw->nseg == 0 && w16 == nullptr);
       }
-    Q8Rows8 xq(any_q && !prompt ? R : 0, widest);
-    Bf16Rows xb(any_16 || (any_q && prompt) ? R : 0, widest);
+    Q8Rows8 xq(any_q && !prompt_bf16 ? R : 0, widest);
+    Bf16Rows xb(any_16 || (any_q && prompt_bf16) ? R : 0, widest);
     std::vector<float> xt(any_32 && R > 1 ? R * widest : 0);  // this thread's transposed copy, for float32 panels
     auto quantize = [&](const QMatrix& qw, const uint32_t* w16, const float* x, int64_t len) {
-      if (qw.nseg > 0 && !prompt) xq.set(x, R, len);
+      if (qw.nseg > 0 && !prompt_bf16) xq.set(x, R, len);
       else if (qw.nseg > 0 || w16 != nullptr) xb.set(x, R, len);
     };
     auto linear = [&](const float* panels, const QMatrix& qw, const uint32_t* w16, const float* x, int64_t in,
                       const float* bias, float* y, int64_t ys, int64_t o0, int64_t o1) {
-      linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in, prompt != 0);
+      linear_rows(panels, qw, w16, x, R, xq, xb, xt, bias, y, ys, o0, o1, in, prompt_bf16);
     };
     // LoRA adapters of the step's rows (lora_slot): the rows' shrunk inputs of the current linear. Up to
     // kLoraShareRows rows every thread shrinks every row into its own copy (cheaper than a barrier); more rows share
@@ -465,7 +467,7 @@ void decoder_run(const void* decoder, float* xp, int64_t rows, const int64_t* po
         for (int64_t r = 0; r < R; ++r)
           add_norm(h + r * hidden, res + r * hidden, joining(xp + r * hidden, w.post_attn_norm), w.norm2, w.norm2_b);
       if (w.moe != nullptr) {  // the experts (moe.cpp): their own barriers, this thread's columns of xp at the end
-        moe_rows(*w.moe, h, R, nullptr, prompt ? 0 : 1, xp, moe_shared, t, n);
+        moe_rows(*w.moe, h, R, nullptr, prompt_bf16 ? 0 : 1, xp, moe_shared, t, n);
       } else {
       quantize(w.gate_up_q, w.gate_up16, h, hidden);
       linear(w.gate_up, w.gate_up_q, w.gate_up16, h, hidden, w.gate_up_b, gu, up_out, ia, ib);

@@ -236,7 +236,8 @@ struct PagedllmCpuOps {
   // reads its context once.
   void* (*decoder_create)(const DecoderSpec* spec);
   // prompt != 0: the rows are consecutive prompt tokens of one request (positions pos[0], pos[0] + 1, ...), computed
-  // as the layer-by-layer path computes prompt tokens (bf16 panels for quantized weights: AVX512-BF16 builds only).
+  // as the layer-by-layer path computes prompt tokens: their quantized weights on bf16 panels (prompt 1: AVX512-BF16
+  // builds only) or on int8 inputs as generated rows (prompt 2).
   // lora_slot [rows]: each row's LoRA adapter slot in every layer's DecoderLora (-1: none); null: no adapters.
   void (*decoder_run)(const void* decoder, float* x, int64_t rows, const int64_t* pos, const int64_t* slots,
                       const int64_t* tables, int64_t reqs, int64_t width, const int64_t* table_of, int32_t prompt,

@@ -12,8 +12,9 @@ step plan's `RowKinds` (model/step_plan.py), passed to every linear: a generated
 or an output token recomputed after preemption) is quantized to int8 in blocks of 32 and multiplied in int8, as
 llama.cpp does, at any batch size where the kernels keep the weight in their packed layout; a prompt token's row runs on
 de-quantized bf16 or float32 panels (more than a few rows at once; on weights the kernels have not packed, the number of
-rows decides), whose inputs keep 8 significant bits or more, not 8 bits of each block's largest value. Each row's kind
-depends only on its own position, so a request's output does not depend on what else shares its steps.
+rows decides), whose inputs keep 8 significant bits or more, not 8 bits of each block's largest value
+(PAGEDLLM_PROMPT_INT8=1: int8 for every row, faster without AMX tiles). Each row's kind depends only on its own
+position, so a request's output does not depend on what else shares its steps.
 """
 
 from __future__ import annotations
