@@ -119,6 +119,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A streamed request's chunks gather this many generated tokens (raised to the server's --stream-interval; the
+    # first and the last are sent at once)
+    stream_interval: int | None = None
+    # Parameters for extensions (vLLM's extra_args; the server's vllm_xargs): carried with the request, unused here
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -192,6 +197,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             not self.allowed_token_ids or not all(isinstance(t, int) for t in self.allowed_token_ids)
         ):
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.stream_interval is not None and (
+            isinstance(self.stream_interval, bool)
+            or not isinstance(self.stream_interval, int)
+            or self.stream_interval < 1
+        ):
+            raise bad("stream_interval", self.stream_interval, "an integer of at least 1")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", self.extra_args, "a dict")
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise bad("bad_words", self.bad_words, "a list of non-blank strings")
         if self.bad_words_token_ids is not None and not all(

@@ -239,6 +239,11 @@ class EngineArgs:
         None, f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
     max_num_seqs: int = _arg(128, "most requests running in one step")
+    stream_interval: int = _arg(
+        1,
+        "generated tokens a streamed response gathers before it sends a chunk (the first and the last are sent at "
+        "once); a request's own stream_interval may raise it",
+    )
     scheduling_policy: str | None = _arg(
         None,
         "order of the waiting queue: fcfs, priority (lowest value first), shortest (fewest prompt tokens first); "
@@ -507,7 +512,13 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override", "num_threads"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+            "num_threads",
+            "stream_interval",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

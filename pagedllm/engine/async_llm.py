@@ -130,7 +130,7 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(self.engine_args, connect=False, core=core)
         name = self.engine_args.reasoning_parser
         self.tokenizer, self.input_processor, self.output_processor = start_front_end(
-            mc, self.engine_core, name, self.engine_args.enable_lora
+            mc, self.engine_core, name, self.engine_args.enable_lora, self.engine_args.stream_interval
         )
         self.loras = LoRARegistry()  # the adapters the engines hold (--enable-lora)
         # The split of thinking from content (the server's reasoning_content), when the model thinks.

@@ -62,7 +62,7 @@ def make_client(engine_args: EngineArgs, kind: str) -> tuple[EngineConfig, Any]:
 
 
 def start_front_end(
-    mc: Any, client: Any, reasoning_parser: str | None = None, lora_enabled: bool = False
+    mc: Any, client: Any, reasoning_parser: str | None = None, lora_enabled: bool = False, stream_interval: int = 1
 ) -> tuple[Any, InputProcessor, OutputProcessor]:
     """The front end's tokenizer and processors, loaded while the core process (started, not yet connected) loads
     the model; then the client connects. A failure stops the core (also a reasoning parser the tokenizer cannot
@@ -73,7 +73,7 @@ def start_front_end(
             ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
         processors = (
             InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config), lora_enabled),
-            OutputProcessor(tokenizer),
+            OutputProcessor(tokenizer, stream_interval),
         )
         client.connect()
     except BaseException:

@@ -112,6 +112,7 @@ class RequestState:
     core_first_token_ts: float | None = None
     core_last_token_ts: float | None = None
     pooling: bool = False  # a pooling request: one output, its pooled result (no detokenizer)
+    stream_interval: int = 1  # an output is made once this many tokens wait (and for the first and the last)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -220,9 +221,10 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.stream_interval = stream_interval  # --stream-interval: tokens a streamed chunk gathers
 
     def add_engine_request(
         self, prompt: str | None, req: EngineCoreRequest, queue: Any = None
@@ -273,6 +275,7 @@ class OutputProcessor:
             queue=queue,
             eos_token_id=eos_token_id,
             pooling=pooling,
+            stream_interval=max(self.stream_interval, params.stream_interval or 1),
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -406,6 +409,13 @@ class OutputProcessor:
         finished = state.finish_reason is not None
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if (
+            not finished
+            and state.stream_interval > 1
+            and state.sent_tokens > 0
+            and len(state.token_ids) - state.sent_tokens < state.stream_interval
+        ):
+            return None  # gathering tokens for the next chunk
         delta = kind == RequestOutputKind.DELTA
         text = state.detokenizer.get_next_output_text(finished, delta)
         if delta:

@@ -318,6 +318,9 @@ def test_priority_argument(llm):
         ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"n": 0}, "n"),
+        ({"stream_interval": 0}, "stream_interval must be an integer of at least 1, got 0"),
+        ({"stream_interval": 2.5}, "stream_interval"),
+        ({"extra_args": ["a"]}, "extra_args must be a dict"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

@@ -382,3 +382,24 @@ def test_use_beam_search_gives_the_offline_beams(client, model_name):
         kw["extra_body"] = {"use_beam_search": True, **kw.get("extra_body", {})}
         with pytest.raises(openai.BadRequestError, match=match):
             greedy(client, model_name, **kw)
+
+
+def _token_counts(chunks) -> list[int]:
+    """The number of tokens each streamed chunk carries (its logprobs' tokens)."""
+    return [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+
+
+def test_stream_interval_gathers_tokens_in_each_chunk(server, client, model_name):
+    """vLLM's stream_interval: a chunk once N tokens wait, the first and the last at once; the text is the whole
+    one's. vllm_xargs is accepted (SamplingParams.extra_args)."""
+    full = greedy(client, model_name, max_tokens=13, extra_body={"ignore_eos": True})
+    body = {"ignore_eos": True, "stream_interval": 4, "vllm_xargs": {"tag": "a", "ids": [1, 2.5]}}
+    chunks = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, temperature=0, max_tokens=13, stream=True, logprobs=1, extra_body=body
+        )
+    )
+    assert _token_counts(chunks) == [1, 4, 4, 4]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        greedy(client, model_name, stream=True, extra_body={"stream_interval": 0})

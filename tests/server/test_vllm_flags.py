@@ -4,9 +4,9 @@
 also renders tools, documents and its own variables) is what chat requests and /tokenize run on, with or without
 tools; a request's chat_template_kwargs override the flag's; top_logprobs 6 is a 400 naming 5; the reply's role is "bot"
 (the last message's without a generation prompt); the remote-code note is logged once, and no request nor stats line.
-One started with `--enable-log-requests --max-log-len 12 --generation-config FOLDER`: each request is logged with its
-prompt cut to 12 characters and its sampling params, which take the folder's generation config where the request
-leaves them unset."""
+One started with `--enable-log-requests --max-log-len 12 --generation-config FOLDER --stream-interval 3`: each request
+is logged with its prompt cut to 12 characters and its sampling params, which take the folder's generation config
+where the request leaves them unset; its streamed chunks gather 3 tokens, or a request's larger stream_interval."""
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def servers(tmp_path_factory):
         start=False,
     )
     logging = RemoteServer(
-        "--enable-log-requests", "--max-log-len", "12", "--generation-config", str(gen), env=STATS_EVERY, start=False
+        *("--enable-log-requests", "--max-log-len", "12", "--generation-config", str(gen), "--stream-interval", "3"),
+        env=STATS_EVERY,
+        start=False,
     )
     try:
         vllm_line.wait_ready()
@@ -222,3 +224,22 @@ def test_disable_log_stats_leaves_out_the_stats_line(servers):
         assert time.monotonic() < deadline, "the server without the flag logged no stats line"
         time.sleep(0.1)
     assert STATS_LINE not in servers["vllm_line"].log_text()
+
+
+@pytest.mark.timeout(600)
+def test_stream_interval_flag_and_a_requests_larger_one(servers):
+    """--stream-interval 3: chunks of 3 tokens (the first and the last at once); a request's 2 is raised to the
+    server's 3, its 5 is kept."""
+    srv = servers["logging"]
+    for asked, counts in ((None, [1, 3, 3]), (2, [1, 3, 3]), (5, [1, 5, 1])):
+        body = {"prompt": "Once upon a time", "max_tokens": 7, "ignore_eos": True, "logprobs": 1, "stream": True}
+        if asked is not None:
+            body["stream_interval"] = asked
+        conn = srv.connect()
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers=srv.headers())
+            events = read_sse(conn.getresponse())
+        finally:
+            conn.close()
+        got = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1] if e["choices"]]
+        assert got == counts, (asked, got)

@@ -137,6 +137,9 @@ class SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server flag)
     truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None  # keep the prompt's last N tokens (-1: max)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # prefix-cache hits only among the same salt
+    # tokens a streamed chunk gathers (raised to --stream-interval; the first and last chunks are sent at once)
+    stream_interval: Annotated[Int64, Field(ge=1)] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None  # SamplingParams.extra_args
     allowed_token_ids: list[Int64] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output may not contain
     include_stop_str_in_output: bool = False
@@ -622,6 +625,7 @@ class ResponsesRequest(OpenAIBaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat template's `reasoning_effort`
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's, as in a chat request
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None  # vLLM's, as in a chat request
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, as in a chat request
     stream: bool = False
     store: bool = True

@@ -347,6 +347,8 @@ class OpenAIServing:
             bad_words=request.bad_words or None,
             structured_outputs=structured_outputs_of(request),
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            stream_interval=request.stream_interval,
+            extra_args=request.vllm_xargs,
         )
 
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:

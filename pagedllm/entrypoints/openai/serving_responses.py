@@ -201,6 +201,7 @@ class OpenAIServingResponses:
             "priority": request.priority,
             "chat_template_kwargs": request.chat_template_kwargs,
             "cache_salt": request.cache_salt,
+            "vllm_xargs": request.vllm_xargs,
             "reasoning_effort": (request.reasoning or {}).get("effort"),
         }
         if not request.parallel_tool_calls:
