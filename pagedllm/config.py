@@ -241,6 +241,8 @@ class ModelConfig:
     # and the generation_config.json they came from (None: none).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sampling_defaults_source: str | None = None
+    # the generation config's eos_token_id list (generation_eos_ids): more tokens that end a request
+    generation_eos_ids: tuple[int, ...] = ()
     # --hf-overrides: config fields set over the model's own (already applied to hf_config)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 

@@ -91,6 +91,31 @@ def _convert_gguf_tokenizer(folder: str, gguf_file: str) -> Any:
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
+# llama.cpp's end-of-generation tokens, found by their text among a GGUF file's special tokens (llama-vocab.cpp): the
+# file names one eos, but a chat model also ends its turns with one of these (Phi-3's <|end|>, Gemma's
+# <end_of_turn>, Llama 3's <|eot_id|> and <|eom_id|>, gpt-oss's <|return|> and <|call|>).
+GGUF_EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>",
+)  # fmt: skip
+
+
+def end_token_ids(tokenizer: Any, mc: ModelConfig, eos: int | None) -> list[int]:
+    """The tokens besides `eos` that end a request (unless it ignores eos): the generation config's eos_token_id
+    list (vLLM's rule), and for a GGUF file the special tokens of GGUF_EOG_TEXTS (llama.cpp's rule; as llama.cpp, not
+    <|end|> where <|return|> and <|call|> exist: gpt-oss ends a message, not its turn, with it). Only ids inside the
+    model's vocabulary."""
+    ids = list(mc.generation_eos_ids)
+    if mc.gguf_file is not None:
+        added = tokenizer.get_added_vocab()
+        found = {text: added[text] for text in GGUF_EOG_TEXTS if text in added}
+        if "<|return|>" in found and "<|call|>" in found:
+            found.pop("<|end|>", None)
+        ids += found.values()
+    vocab = mc.vocab_size
+    return [i for i in dict.fromkeys(ids) if i != eos and 0 <= i < vocab]
+
+
 def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         return int(tokenizer.eos_token_id)

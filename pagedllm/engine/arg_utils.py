@@ -51,7 +51,7 @@ from pagedllm.config import (
     ray_address_from_env,
 )
 from pagedllm.distributed.parallel_state import check_tensor_parallel
-from pagedllm.model.generation_config import generation_overrides, sampling_defaults
+from pagedllm.model.generation_config import generation_eos_ids, generation_overrides, sampling_defaults
 from pagedllm.model.registry import CONVERTS, RUNNERS
 from pagedllm.reasoning import REASONING_PARSERS
 
@@ -487,6 +487,7 @@ class EngineArgs:
                 source = f"{source} and --override-generation-config" if source else "--override-generation-config"
             _check_sampling_defaults(defaults, source)
             changes.update(sampling_defaults=defaults, sampling_defaults_source=source)
+            changes["generation_eos_ids"] = generation_eos_ids(self.generation_config, model_dir)
         return dataclasses.replace(model_config, **changes)
 
     def _max_logprobs(self, vocab_size: int) -> int:

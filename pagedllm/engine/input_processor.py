@@ -58,12 +58,20 @@ def _token_list(ids: Any) -> list[int]:
 
 class InputProcessor:
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Any, eos_token_id: int | None, lora_enabled: bool = False
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        eos_token_id: int | None,
+        lora_enabled: bool = False,
+        end_token_ids: list[int] | None = None,
     ) -> None:
         self.model_config = model_config
         self.lora_enabled = lora_enabled  # --enable-lora: requests may name an adapter
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        # More tokens that end a request unless it ignores eos (tokenizer.end_token_ids), added to its stop tokens
+        # as vLLM adds its generation config's: a stop there reports the token id as its stop_reason.
+        self.end_token_ids = list(end_token_ids or ())
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs  # --max-logprobs
@@ -180,6 +188,11 @@ class InputProcessor:
             text, ids = self.truncate_prompt(text, ids, params.truncate_prompt_tokens)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        if self.end_token_ids and not params.ignore_eos:
+            stops = params.stop_token_ids or []
+            more = [t for t in self.end_token_ids if t not in stops]
+            if more:
+                params = params.clone(stop_token_ids=[*stops, *more])
         self.validate(ids, params)  # also the bad words' ids: an added token may lie past the model's vocabulary
         req = EngineCoreRequest(
             request_id=request_id,

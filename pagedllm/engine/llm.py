@@ -36,7 +36,7 @@ from pagedllm.outputs import (
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import ReasoningParser
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from pagedllm.tokenizer import eos_token_id, get_tokenizer
+from pagedllm.tokenizer import end_token_ids, eos_token_id, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,11 @@ def start_front_end(
     serve: its end tag must be one token)."""
     try:
         tokenizer = get_tokenizer(mc)
+        eos = eos_token_id(tokenizer, mc.hf_config)
         if reasoning_parser is not None:
             ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
         processors = (
-            InputProcessor(mc, tokenizer, eos_token_id(tokenizer, mc.hf_config), lora_enabled),
+            InputProcessor(mc, tokenizer, eos, lora_enabled, end_token_ids(tokenizer, mc, eos)),
             OutputProcessor(tokenizer, stream_interval),
         )
         client.connect()

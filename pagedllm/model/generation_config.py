@@ -13,6 +13,8 @@ recommendation and is left out, and so is a null. `source`:
 * "vllm": none (SamplingParams' own defaults, as `vllm serve --generation-config vllm`);
 * a folder: its `generation_config.json`, which must exist (ValueError otherwise).
 A file that is not a JSON object, or a value of the wrong type, is a ValueError naming the file.
+`generation_eos_ids(source, model_dir)`: the `eos_token_id` (one or a list) of that file, which vLLM adds to every
+request's stop tokens (Llama 3's <|eom_id|>, Phi-3's <|end|>, Gemma's <end_of_turn>).
 Reads one small JSON file; imports neither torch nor transformers.
 """
 
@@ -89,6 +91,20 @@ def sampling_defaults(
     if not isinstance(config, dict):
         raise ValueError(f"generation config {path}: expected a JSON object, got {type(config).__name__}")
     return _read_values(config, path), path
+
+
+def generation_eos_ids(source: str, model_dir: str) -> tuple[int, ...]:
+    """The end-of-sequence token ids of `--generation-config source`'s generation_config.json (none: ())."""
+    path = generation_config_path(source, model_dir)
+    if path is None:
+        return ()
+    try:
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()  # sampling_defaults reports an unreadable file
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
 def _gguf_value(value: Any) -> Any:
