@@ -35,7 +35,7 @@ from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARegistry, LoRARequest, lora_errors
 from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.reasoning import ReasoningParser
+from pagedllm.reasoning import ReasoningParser, default_reasoning_parser
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ class AsyncLLM:
         )
         self.loras = LoRARegistry()  # the adapters the engines hold (--enable-lora)
         # The split of thinking from content (the server's reasoning_content), when the model thinks.
+        # (gpt-oss: its harmony channels by default; the engine core needs no parser for them, see reasoning/)
+        name = name or default_reasoning_parser(getattr(mc.hf_config, "model_type", None), self.tokenizer)
         self.reasoning_parser = ReasoningParser.for_tokenizer(name, self.tokenizer) if name else None
         self._handler: asyncio.Task | None = None
         self.errored: BaseException | None = None

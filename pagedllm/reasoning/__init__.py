@@ -1,34 +1,51 @@
 """Reasoning parsers: split a thinking model's output into `reasoning_content` and `content` (`--reasoning-parser`).
 
-Contract. A parser is registered by name (vLLM's: "deepseek_r1", "qwen3") with the text of its start and end
-tags. `ReasoningParser.for_tokenizer(name, tokenizer)` checks that the tokenizer has the end tag as one token
-(ValueError naming the parser otherwise: the engine core detects the end of reasoning by that token id).
+Contract. A parser is registered by name (vLLM's: "deepseek_r1", "qwen3", "openai_gptoss") with the text of its start
+and end tags; "openai_gptoss" reads gpt-oss's harmony channels instead (harmony.py; the default reasoning parser of
+a gpt-oss model, `default_reasoning_parser`). `ReasoningParser.for_tokenizer(name, tokenizer)` checks that the
+tokenizer has the end tag as one token (ValueError naming the parser otherwise: the engine core detects the end of
+reasoning by that token id; openai_gptoss: that it has harmony's tokens).
 * Whole text: `extract_reasoning(text)` -> (reasoning, content), either None when empty.
   - deepseek_r1: the prompt opens the thinking (its template ends with `<think>`), so everything before `</think>`
     is reasoning; a `<think>` the model writes anyway is dropped; no `</think>` at all: all of it is reasoning.
   - qwen3: reasoning only after a `<think>` the model writes, up to `</think>` (or the end, if the thinking was
     cut off); without `<think>`, all of it is content.
-* Streamed: `ReasoningStream(parser).step(delta_text)` -> (reasoning piece, content piece); a tag split across
-  deltas is held back until it is whole; `finish()` flushes at the end. The pieces join into the whole split.
+* Streamed: `parser.stream().step(delta_text)` (`ReasoningStream` for tags) -> (reasoning piece, content piece); a
+  tag split across deltas is held back until it is whole; `finish()` flushes at the end. The pieces join into the
+  whole split.
 * In the engine core, structured output applies only after reasoning ends: `is_reasoning_end(token_ids)` says
   whether these (prompt) tokens already close the thinking; the scheduler then watches the output for the end
-  token id and starts the grammar with the tokens after it.
+  token id and starts the grammar with the tokens after it. (openai_gptoss: the grammar applies from the first
+  token, and the reply, not in harmony then, is all content.)
+* `needs_special_tokens`: the parser reads markers that are special tokens; the server keeps them in the text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.reasoning import harmony
 from pagedllm.text_tags import partial_tag_length
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+
+
+def default_reasoning_parser(model_type: str | None, tokenizer: Any) -> str | None:
+    """The reasoning parser the server reads a model's replies with when none is named: a gpt-oss model's harmony
+    channels (as vLLM does), where its vocabulary has harmony's tokens; else none. Only the front end: openai_gptoss
+    changes nothing in the engine core (`is_reasoning_end` is always true)."""
+    if model_type not in ("gpt_oss", "gpt-oss"):
+        return None
+    vocab = tokenizer.get_vocab()
+    return "openai_gptoss" if harmony.CHANNEL in vocab and harmony.MESSAGE in vocab else None
 
 
 class ReasoningParser:
     name = ""
     start_tag = "<think>"
-    end_tag = "</think>"
+    end_tag: str | None = "</think>"
     prompt_opens_thinking = False  # deepseek_r1: output before the end tag is reasoning even without a start tag
+    needs_special_tokens = False
 
     def __init__(self, end_token_id: int | None = None, start_token_id: int | None = None) -> None:
         self.end_token_id = end_token_id
@@ -40,12 +57,23 @@ class ReasoningParser:
         if cls is None:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
         vocab = tokenizer.get_vocab()
+        if cls.end_tag is None:
+            return cls.checked(name, vocab)
         end_id = vocab.get(cls.end_tag)
         if end_id is None:
             raise ValueError(
                 f"reasoning_parser {name!r} needs the token {cls.end_tag!r} in the model's vocabulary, which has none"
             )
         return cls(end_id, vocab.get(cls.start_tag))
+
+    @classmethod
+    def checked(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
+        """A parser without an end tag, for a tokenizer whose vocabulary it checks."""
+        raise NotImplementedError
+
+    def stream(self) -> Any:
+        """The streamed split of one output: `step(delta)` and `finish()`, each -> (reasoning, content) pieces."""
+        return ReasoningStream(self)
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         """Whether these tokens (a prompt) close the thinking: the last start/end tag among them is an end tag. With
@@ -84,7 +112,39 @@ class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
 
-_PARSERS: dict[str, type[ReasoningParser]] = {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser}
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony format (harmony.py): the analysis channel is the reasoning, the rest the content."""
+
+    name = "openai_gptoss"
+    end_tag = None
+    needs_special_tokens = True
+
+    @classmethod
+    def checked(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
+        missing = [t for t in (harmony.CHANNEL, harmony.MESSAGE) if t not in vocab]
+        if missing:
+            raise ValueError(
+                f"reasoning_parser {name!r} reads gpt-oss's harmony format, whose tokens {', '.join(missing)} the "
+                "model's vocabulary lacks"
+            )
+        return cls()
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        return True
+
+    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        parts = harmony.split(text)
+        return _none_if_empty(parts.reasoning), _none_if_empty(parts.content)
+
+    def stream(self) -> Any:
+        return harmony.HarmonyStream()
+
+
+_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "qwen3": Qwen3ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
+}
 
 
 def _none_if_empty(text: str) -> str | None:

@@ -10,8 +10,6 @@ import json
 import shutil
 from types import SimpleNamespace
 
-import pytest
-
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.generation_config import generation_eos_ids
 from pagedllm.tokenizer import end_token_ids

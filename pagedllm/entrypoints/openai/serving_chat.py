@@ -84,7 +84,6 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 from pagedllm.entrypoints.openai.tool_parsers.abstract import new_tool_call_id
 from pagedllm.entrypoints.openai.tool_parsers.required import RequiredToolCallsParser, required_calls_schema
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.reasoning import ReasoningStream
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import validate_structured_outputs
 
@@ -351,7 +350,9 @@ class OpenAIServingChat(OpenAIServing):
                 except ValueError as e:
                     raise OpenAIError(f"tools: the parameters schema does not compile: {e}", 400, "tools") from None
                 params = params.clone(structured_outputs=constraint)
-            if plan.needs_special_tokens() and "skip_special_tokens" not in request.model_fields_set:
+            reasoner = getattr(self.engine, "reasoning_parser", None)
+            special = plan.needs_special_tokens() or getattr(reasoner, "needs_special_tokens", False)
+            if special and "skip_special_tokens" not in request.model_fields_set:
                 params = params.clone(skip_special_tokens=False)
             self.validate_prompt(ids, params)
         except OpenAIError:
@@ -603,7 +604,7 @@ class ChoiceStream:
     out, with the finish reason ("tool_calls" once a call was made). What every streaming API renders."""
 
     def __init__(self, plan: ToolPlan, tokenizer: Any, reasoner: Any = None) -> None:
-        self.reasoning = ReasoningStream(reasoner) if reasoner is not None else None
+        self.reasoning = reasoner.stream() if reasoner is not None else None
         self.tools = _ToolStream(plan, tokenizer) if plan.mode != "none" else None
 
     def step(

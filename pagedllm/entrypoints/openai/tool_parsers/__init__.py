@@ -11,7 +11,8 @@ exactly. (Re-serialising partial parses cannot promise that: `1.5e3` parsed earl
 `1500.0`.) `finish()` flushes what the stream still holds at the end of the output.
 
 Parsers (vLLM's names): `hermes` (`<tool_call>{json}</tool_call>`), `llama3_json` (alias `llama4_json`),
-`mistral`, `pythonic` (alias `llama4_pythonic`) and `qwen3_coder`; each module's docstring gives its format. A
+`mistral`, `pythonic` (alias `llama4_pythonic`), `qwen3_coder` and `openai` (gpt-oss's harmony calls, as the
+`openai_gptoss` reasoning parser hands them on); each module's docstring gives its format. A
 parser is made with the tokenizer and the request's tools (`Parser(tokenizer, tools=None)`: qwen3_coder types its
 values by them). The newer ones are `IncrementalToolParser`s: written once as a stream, the whole-text parse being
 the same machine fed the whole text. `FirstCallOnly` wraps a parser for `parallel_tool_calls: false`.
@@ -29,6 +30,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract import (
     ToolParser,
     ToolParserManager,
 )
+from pagedllm.entrypoints.openai.tool_parsers.harmony_calls import HarmonyToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -39,6 +41,7 @@ __all__ = [
     "ExtractedToolCalls",
     "FirstCallOnly",
     "FunctionCall",
+    "HarmonyToolParser",
     "HermesToolParser",
     "IncrementalToolParser",
     "Llama3JsonToolParser",
