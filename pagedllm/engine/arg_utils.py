@@ -289,8 +289,9 @@ class EngineArgs:
     )
     reasoning_parser: str | None = _arg(
         None,
-        "how the model marks its thinking (<think>...</think>): deepseek_r1 or qwen3; the server then returns it as "
-        "reasoning_content, and structured output applies after it",
+        "how the model marks its thinking (<think>...</think>): deepseek_r1 or qwen3; or openai_gptoss (gpt-oss's "
+        "harmony channels, the default for gpt-oss); the server then returns it as reasoning_content, and structured "
+        "output applies after it",
         choices=REASONING_PARSERS,
     )
     speculative_config: dict[str, Any] | str | None = _arg(

@@ -158,7 +158,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are written in the model's output: hermes (<tool_call>{json}</tool_call>: the Hermes "
         'and Qwen families), llama3_json or llama4_json (<|python_tag|>{"name": ..., "parameters": ...}; ...: '
         "Llama 3.1/3.2/4), mistral ([TOOL_CALLS]...), pythonic or llama4_pythonic ([f(x=1), g()]: Llama 3.2/4), "
-        "qwen3_coder (<tool_call><function=f><parameter=x>...: Qwen3-Coder)",
+        "qwen3_coder (<tool_call><function=f><parameter=x>...: Qwen3-Coder), openai (harmony calls: gpt-oss)",
     )
     g.add_argument(
         "--lora-modules",
