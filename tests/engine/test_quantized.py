@@ -190,11 +190,8 @@ def _runner(llm: LLM):
     return llm.engine_core.engine_core.executor.worker.model_runner
 
 
-def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None:
-    """The model runner marks a row for int8 inputs when its token is a generated one, never a prompt token's: the
-    prompts' forward and their first tokens' logits run on the precise panels, every later row on int8 (decode
-    steps' forward in the fused decoder, whose quantized linears take int8 inputs: no mark needed). Short prompts
-    run in the fused decoder too where it takes prompt rows (test below), on the same panels: no mark either."""
+def _record_row_kinds(monkeypatch) -> list[list[bool]]:
+    """Every RowKinds the model runner makes from here on, as lists of bools (int8 inputs or not)."""
     import pagedllm.worker.model_runner as runner_module
 
     seen: list[list[bool]] = []
@@ -205,6 +202,15 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
         return inner(rows)
 
     monkeypatch.setattr(runner_module, "RowKinds", recording)
+    return seen
+
+
+def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None:
+    """The model runner marks a row for int8 inputs when its token is a generated one, never a prompt token's: the
+    prompts' forward and their first tokens' logits run on the precise panels, every later row on int8 (decode
+    steps' forward in the fused decoder, whose quantized linears take int8 inputs: no mark needed). Short prompts
+    run in the fused decoder too where it takes prompt rows (test below), on the same panels: no mark either."""
+    seen = _record_row_kinds(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     quantized.generate(PROMPTS[:2], params, use_tqdm=False)  # two prompts in a step: layer by layer
     assert seen[0] and not any(seen[0])  # the prompts' forward (the tokens not in the prefix cache)
@@ -219,16 +225,7 @@ def test_generated_tokens_alone_take_int8_inputs(quantized, monkeypatch) -> None
 def test_int8_prompt_rows_mark_every_row(quantized_int8, monkeypatch) -> None:
     """PAGEDLLM_PROMPT_INT8=1: the prompts' rows are marked for int8 inputs too, and a lone short prompt runs in the
     fused decoder (on any build with int8 kernels: no bf16 panels needed)."""
-    import pagedllm.worker.model_runner as runner_module
-
-    seen: list[list[bool]] = []
-    inner = runner_module.RowKinds
-
-    def recording(rows):
-        seen.append(rows.tolist())
-        return inner(rows)
-
-    monkeypatch.setattr(runner_module, "RowKinds", recording)
+    seen = _record_row_kinds(monkeypatch)
     quantized_int8.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     quantized_int8.generate(PROMPTS[:2], params, use_tqdm=False)
