@@ -74,18 +74,20 @@ class BeamSearch:
         self,
         starts: list[list[int]],
         params: BeamSearchParams,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         max_model_len: int,
         max_logprobs: int,
         lora_request: LoRARequest | None = None,
     ) -> None:
+        """`eos_token_id`: the token, or the tokens, that end a sequence (the tokenizer's eos and the model's other
+        end tokens: InputProcessor.eos_token_ids)."""
         if 2 * params.beam_width > max_logprobs:
             raise ValueError(
                 f"beam_width {params.beam_width} needs the top {2 * params.beam_width} log-probabilities of each "
                 f"step, above --max-logprobs {max_logprobs}"
             )
         self.params = params
-        self.eos = eos_token_id
+        self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.max_len = max_model_len
         self.lora_request = lora_request
         self.live = [[BeamSearchSequence(tokens=list(ids), lora_request=lora_request)] for ids in starts]
@@ -96,7 +98,8 @@ class BeamSearch:
         return SamplingParams(max_tokens=1, logprobs=2 * self.params.beam_width, temperature=self.params.temperature)
 
     def _key(self, beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty)
+        last = beam.tokens[-1] if beam.tokens and beam.tokens[-1] in self.eos else None
+        return beam_search_score(beam.tokens, beam.cum_logprob, last, self.params.length_penalty)
 
     def pending(self) -> list[list[int]]:
         if self.steps >= self.params.max_tokens:
@@ -118,7 +121,7 @@ class BeamSearch:
                         lora_request=self.lora_request,
                         cum_logprob=beam.cum_logprob + lp.logprob,
                     )
-                    if token == self.eos and not self.params.ignore_eos:
+                    if token in self.eos and not self.params.ignore_eos:
                         child.finish_reason = "stop"  # stop_reason None: the end-of-sequence token, as in outputs
                         self.done[i].append(child)
                     else:
@@ -156,7 +159,7 @@ def beam_search(
     search = BeamSearch(
         [_prompt_ids(llm, p) for p in prompts],
         params,
-        llm.input_processor.eos_token_id,
+        llm.input_processor.eos_token_ids,
         mc.max_model_len,
         mc.max_logprobs,
         lora_request,

@@ -102,12 +102,15 @@ GGUF_EOG_TEXTS = (
 
 def end_token_ids(tokenizer: Any, mc: ModelConfig, eos: int | None) -> list[int]:
     """The tokens besides `eos` that end a request (unless it ignores eos): the generation config's eos_token_id
-    list (vLLM's rule), and for a GGUF file the special tokens of GGUF_EOG_TEXTS (llama.cpp's rule; as llama.cpp, not
-    <|end|> where <|return|> and <|call|> exist: gpt-oss ends a message, not its turn, with it). Only ids inside the
-    model's vocabulary."""
-    ids = list(mc.generation_eos_ids)
+    list (vLLM's rule), and for a GGUF file its end-of-turn and end-of-message tokens and the special tokens of
+    GGUF_EOG_TEXTS (llama.cpp's rule; as llama.cpp, not <|end|> where <|return|> and <|call|> exist: gpt-oss ends a
+    message, not its turn, with it). Only special or added tokens of this tokenizer: a generation config read for
+    another model (--generation-config FOLDER, a folder of GGUF files) names ordinary tokens of this one."""
+    added = tokenizer.get_added_vocab()
+    special = set(added.values()) | set(getattr(tokenizer, "all_special_ids", ()) or ())
+    ids = [i for i in mc.generation_eos_ids if i in special]
     if mc.gguf_file is not None:
-        added = tokenizer.get_added_vocab()
+        ids += [i for i in (getattr(mc.hf_config, k, None) for k in ("eot_token_id", "eom_token_id")) if i is not None]
         found = {text: added[text] for text in GGUF_EOG_TEXTS if text in added}
         if "<|return|>" in found and "<|call|>" in found:
             found.pop("<|end|>", None)

@@ -76,6 +76,11 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs  # --max-logprobs
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every token that ends a sequence (beam search's): the eos and the model's other end tokens."""
+        return ([] if self.eos_token_id is None else [self.eos_token_id]) + self.end_token_ids
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids. A text of more than `max_prompt_chars` characters is first tokenized in part, its
         first `max_prompt_chars`: when those alone overflow the context (with a margin for the cut), it is a

@@ -25,7 +25,7 @@ from pagedllm.model.registry import MODEL_TYPES, resolve_architecture, resolve_r
 logger = logging.getLogger(__name__)
 QUANTIZATIONS = (None, "gguf", "none")
 # Bumped when what the config cache holds changes.
-_CONFIG_CACHE_FORMAT = 3  # 3: with general.sampling.*
+_CONFIG_CACHE_FORMAT = 4  # 3: with general.sampling.*; 4: eot and eom token ids
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _config_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     """The part of a GGUF file's metadata that `gguf_to_hf_config` reads (small, JSON-serialisable)."""
     arch = meta.get("general.architecture")
     keep = {"general.architecture", "tokenizer.ggml.tokens.len", "tokenizer.ggml.bos_token_id"}
-    keep.add("tokenizer.ggml.eos_token_id")
+    keep |= {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}
     out: dict[str, Any] = {}
     for key, value in meta.items():
         if key in keep or (arch and key.startswith(f"{arch}.")) or key.startswith("general.sampling."):
@@ -187,6 +187,9 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> GgufConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         architectures=[MODEL_TYPES[arch]],
     )
+    for key in ("eot_token_id", "eom_token_id"):  # llama.cpp's end of turn and of message: they end a request too
+        if meta.get(f"tokenizer.ggml.{key}") is not None:
+            kwargs[key] = int(meta[f"tokenizer.ggml.{key}"])
     if experts:  # what llama.cpp reads of a mixture-of-experts file (docs/moe-notes.md)
         used = get("expert_used_count")
         if not used:

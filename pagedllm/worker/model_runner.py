@@ -91,7 +91,8 @@ class ModelRunner:
         # with PAGEDLLM_PROMPT_INT8=1 int8 inputs as generated tokens' rows (llama.cpp's arithmetic; the faster
         # without AMX tiles: docs/quantization.md).
         quantized = model_config.quantization == "gguf" and cpu_ops is not None
-        self.prompt_int8 = quantized and config.device_config.prompt_int8
+        # (not a pooling model's prompts, which are all it computes: an encoder's rows are prompt rows alike)
+        self.prompt_int8 = quantized and config.device_config.prompt_int8 and model_config.runner != "pooling"
         if self.prompt_int8:
             logger.info("prompt rows on quantized weights: int8 inputs, as generated rows (PAGEDLLM_PROMPT_INT8=1)")
         self.model = load_model(model_config, device, kernels)

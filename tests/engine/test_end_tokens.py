@@ -37,15 +37,21 @@ class _Tokenizer:
         return self.added
 
 
-def _mc(gguf: bool, eos_ids: tuple[int, ...] = (), vocab: int = 1000):
-    return SimpleNamespace(gguf_file="m.gguf" if gguf else None, generation_eos_ids=eos_ids, vocab_size=vocab)
+def _mc(gguf: bool, eos_ids: tuple[int, ...] = (), vocab: int = 1000, **hf):
+    gguf_file = "m.gguf" if gguf else None
+    return SimpleNamespace(
+        gguf_file=gguf_file, generation_eos_ids=eos_ids, vocab_size=vocab, hf_config=SimpleNamespace(**hf)
+    )
 
 
 def test_the_rules_for_gguf_files_and_folders():
     phi3 = _Tokenizer({"<|endoftext|>": 32, "<|end|>": 37, "<|user|>": 40, "<|assistant|>": 42})
     assert end_token_ids(phi3, _mc(True), 32) == [37]  # the eos itself is not repeated
     assert end_token_ids(phi3, _mc(False), 32) == []  # a folder: its generation config only
-    assert end_token_ids(phi3, _mc(False, (32, 37, 38)), 32) == [37, 38]
+    assert end_token_ids(phi3, _mc(False, (32, 37, 40)), 32) == [37, 40]
+    # a generation config's ids that are ordinary tokens here (another model's, e.g. Llama 3's 128009 for Qwen)
+    assert end_token_ids(phi3, _mc(False, (37, 38, 500)), 32) == [37]
+    assert end_token_ids(phi3, _mc(True, eot_token_id=40, eom_token_id=None), 32) == [40, 37]  # the file's own eot
     harmony = _Tokenizer({"<|return|>": 200, "<|call|>": 212, "<|end|>": 207, "<|endoftext|>": 199})
     assert sorted(end_token_ids(harmony, _mc(True, vocab=300), 199)) == [200, 212]  # <|end|> ends a message only
     assert end_token_ids(harmony, _mc(True, (500,), vocab=201), 199) == [200]  # inside the vocabulary only
@@ -64,6 +70,9 @@ def test_the_default_gguf_also_ends_at_its_endoftext():
         out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason) == ([0, 0, 0], "length")
         params = SamplingParams(max_tokens=4, logit_bias=forced, stop_token_ids=[5])  # the caller's stay first
+        stops = [llm.input_processor.process("r", "Hi", p)[1].sampling_params.stop_token_ids
+                 for p in (params, params.clone(ignore_eos=True))]  # fmt: skip
+        assert stops == [[5, 0], [5]]
         assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].stop_reason == 0
 
 
@@ -72,12 +81,23 @@ def test_a_folders_generation_config_eos_list_ends_requests(tiny_model_dir, tmp_
     shutil.copytree(make_tiny_model(tiny_model_dir, "LlamaForCausalLM"), folder)
     config = json.loads((folder / "generation_config.json").read_text())
     eos = config["eos_token_id"]
-    config["eos_token_id"] = [eos, 77]
+    config["eos_token_id"] = [eos, 1, 77]  # <s> (a special token of this vocabulary) and t77 (an ordinary one)
     (folder / "generation_config.json").write_text(json.dumps(config))
     with LLM(str(folder), **TINY) as llm:
-        assert llm.input_processor.end_token_ids == [77]
-        params = SamplingParams(max_tokens=5, logit_bias={77: 100.0})
+        assert llm.input_processor.end_token_ids == [1]
+        params = SamplingParams(max_tokens=5, logit_bias={1: 100.0})
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
-        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([77], "stop", 77)
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([1], "stop", 1)
     with LLM(str(folder), generation_config="vllm", **TINY) as llm:  # no generation config: no more ends
         assert llm.input_processor.end_token_ids == []
+
+
+def test_beam_search_ends_a_beam_at_any_end_token():
+    from pagedllm.beam_search import BeamSearch
+    from pagedllm.outputs import Logprob
+    from pagedllm.sampling_params import BeamSearchParams
+
+    search = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=3), [2, 7], 100, 20)
+    assert search.pending() == [[1, 2]]
+    search.advance([{7: Logprob(-0.1, 1, "x"), 9: Logprob(-3.0, 2, "y")}])
+    assert [b.tokens for b in search.done[0]] == [[1, 2, 7]] and search.done[0][0].finish_reason == "stop"

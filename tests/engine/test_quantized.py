@@ -241,6 +241,7 @@ def test_fused_prompt_chunks_match_the_layer_path(either, monkeypatch) -> None:
     quantized = either
     runner = _runner(quantized)
     if not runner._prompt_rows:
+        assert not runner.prompt_int8, "int8 prompt rows run in the fused decoder on any build"
         pytest.skip("prompt rows on panels run in the fused decoder only where the CPU has AVX512-BF16")
     tok = quantized.get_tokenizer()
     base = [tok.encode(p) for p in PROMPTS] + [tok.encode(TEXT)[:60], tok.encode(TEXT)[:100]]

@@ -350,9 +350,11 @@ class OpenAIServingChat(OpenAIServing):
                 except ValueError as e:
                     raise OpenAIError(f"tools: the parameters schema does not compile: {e}", 400, "tools") from None
                 params = params.clone(structured_outputs=constraint)
-            reasoner = getattr(self.engine, "reasoning_parser", None)
-            special = plan.needs_special_tokens() or getattr(reasoner, "needs_special_tokens", False)
-            if special and "skip_special_tokens" not in request.model_fields_set:
+            # a tool parser's markers are kept unless the request says otherwise; a reasoning parser's always
+            # (gpt-oss's channels: without them its thinking would be content)
+            if getattr(getattr(self.engine, "reasoning_parser", None), "needs_special_tokens", False):
+                params = params.clone(skip_special_tokens=False)
+            elif plan.needs_special_tokens() and "skip_special_tokens" not in request.model_fields_set:
                 params = params.clone(skip_special_tokens=False)
             self.validate_prompt(ids, params)
         except OpenAIError:

@@ -225,7 +225,7 @@ class OpenAIServing:
         )
         mc = self.engine.model_config
         search = BeamSearch(
-            [ids], beam, self.engine.input_processor.eos_token_id, self.max_model_len, mc.max_logprobs, lora_request
+            [ids], beam, self.engine.input_processor.eos_token_ids, self.max_model_len, mc.max_logprobs, lora_request
         )
         step_params = search.step_params()
         step = 0
