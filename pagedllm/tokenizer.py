@@ -111,10 +111,9 @@ def end_token_ids(tokenizer: Any, mc: ModelConfig, eos: int | None) -> list[int]
     ids = [i for i in mc.generation_eos_ids if i in special]
     if mc.gguf_file is not None:
         ids += [i for i in (getattr(mc.hf_config, k, None) for k in ("eot_token_id", "eom_token_id")) if i is not None]
-        found = {text: added[text] for text in GGUF_EOG_TEXTS if text in added}
-        if "<|return|>" in found and "<|call|>" in found:
-            found.pop("<|end|>", None)
-        ids += found.values()
+        ids += [added[text] for text in GGUF_EOG_TEXTS if text in added]
+    if "<|return|>" in added and "<|call|>" in added:  # harmony, whatever named <|end|> (a file's eot, say)
+        ids = [i for i in ids if i != added.get("<|end|>")]
     vocab = mc.vocab_size
     return [i for i in dict.fromkeys(ids) if i != eos and 0 <= i < vocab]
 

@@ -54,6 +54,7 @@ def test_the_rules_for_gguf_files_and_folders():
     assert end_token_ids(phi3, _mc(True, eot_token_id=40, eom_token_id=None), 32) == [40, 37]  # the file's own eot
     harmony = _Tokenizer({"<|return|>": 200, "<|call|>": 212, "<|end|>": 207, "<|endoftext|>": 199})
     assert sorted(end_token_ids(harmony, _mc(True, vocab=300), 199)) == [200, 212]  # <|end|> ends a message only
+    assert sorted(end_token_ids(harmony, _mc(True, vocab=300, eot_token_id=207), 199)) == [200, 212]  # also as eot
     assert end_token_ids(harmony, _mc(True, (500,), vocab=201), 199) == [200]  # inside the vocabulary only
     plain_text = _Tokenizer({})  # "</s>" or "<|im_end|>" as ordinary pieces of the vocabulary: not special
     assert end_token_ids(plain_text, _mc(True), 2) == []
