@@ -81,7 +81,7 @@ class CpuDecodeRunner:
         self.model = model
         self.ops = ops
         self.tp = tp or TensorParallelGroup()
-        self.prompt_int8 = prompt_int8  # prompt rows take int8 inputs, as the layer path's (kernels.prompt_rows_int8)
+        self.prompt_int8 = prompt_int8  # prompt rows take int8 inputs, as the layer path's (PAGEDLLM_PROMPT_INT8)
         self._plan: tuple[Any, Any] | None = None  # (layer 0's kv_cache, the native DecodeModel) once built
         self.max_rows = MAX_ROWS
 
@@ -92,7 +92,7 @@ class CpuDecodeRunner:
         """A runner for `model`, or None where the fused path does not apply. With tensor parallelism (`tp` above
         one rank) it applies when the ranks share a native all-reduce (the shared-memory one), whose C hook the
         decoder calls after the output and down projections. `prompt_int8`: the model runner gives prompt rows int8
-        inputs on quantized weights (model/kernels.py prompt_rows_int8), which the prompt chunks here then do too."""
+        inputs on quantized weights (PAGEDLLM_PROMPT_INT8=1), which the prompt chunks here then do too."""
         tp = tp or TensorParallelGroup()
         if ops is None or not cls._applies(model, tp.world_size):
             return None
@@ -147,10 +147,10 @@ class CpuDecodeRunner:
         """Whether a request's short prompt chunk may run here (`prompt=True`) as the layer path would compute it:
         one rank, every linear quantized and wholly packed, and prompt rows on int8 inputs (`prompt_int8`) or a CPU with
         AVX512-BF16 (the de-quantized bf16 panels prompt rows take in the layer path), here without the layer path's
-        dozen dispatches a layer. Not where the layer path's
-        arithmetic differs from the decoder's: a bias on the output or down projection (added after the products
-        there, inside them here). Limited to the layers checked bit for bit against the layer path on prompt rows
-        (tests/engine/test_quantized.py): RMSNorm, gated and sequential, without q/k norms."""
+        dozen dispatches a layer. Not where the layer path's arithmetic differs from the decoder's: a bias on the
+        output or down projection (added after the products there, inside them here). Limited to the layers checked
+        bit for bit against the layer path on prompt rows (tests/engine/test_quantized.py): RMSNorm, gated and
+        sequential, without q/k norms."""
         if self.tp.world_size != 1 or not (self.prompt_int8 or self.ops.bf16_native()):
             return False
         desc = self.model.description

@@ -899,8 +899,9 @@ class DecodeModel {
       for (int64_t r = 0; r < rows; ++r)
         TORCH_CHECK(lora[r] >= -1 && lora[r] < lora_slots_, "LoRA slot ", lora[r], " of row ", r, " out of range");
     }
-    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, prompt ? (prompt_int8 ? 2 : 1) : 0,
-                    at::get_num_threads(), lora);
+    const int32_t mode = prompt ? (prompt_int8 ? 2 : 1) : 0;  // decoder_run's prompt: 1 bf16 panels, 2 int8 inputs
+    t_->decoder_run(handle_, x.data_ptr<float>(), rows, pp, slots, table, reqs, width, of, mode, at::get_num_threads(),
+                    lora);
   }
 
  private:
