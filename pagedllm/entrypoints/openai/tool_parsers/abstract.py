@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.text_tags import partial_tag_length
+
 
 @dataclass
 class FunctionCall:
@@ -246,6 +248,16 @@ class IncrementalToolParser(ToolParser):
     def _stop(self) -> None:
         """The calls are over: the rest of the text is dropped (as with Hermes, text after the calls is no content)."""
         self._stopped = True
+
+    def _content_until(self, marker: str, final: bool) -> int | None:
+        """Send the text from `_pos` up to the next `marker` as content and return the marker's index; while no
+        marker has come, send what cannot be its start (all of it when `final`) and return None."""
+        text, pos = self._text, self._pos
+        i = text.find(marker, pos)
+        end = i if i >= 0 else len(text) if final else len(text) - partial_tag_length(text[pos:], marker)
+        self._emit_content(text[pos:end])
+        self._pos = end
+        return i if i >= 0 else None
 
     def _emit_content(self, text: str) -> None:
         if text:

@@ -30,14 +30,9 @@ class HarmonyToolParser(IncrementalToolParser):
         self._run_steps({"content": self._content_step, "name": self._name_step, "args": self._args_step}, final)
 
     def _content_step(self, final: bool) -> bool:
-        text, pos = self._text, self._pos
-        i = text.find(CALL_PREFIX, pos)
-        if i < 0:
-            end = len(text) if final else len(text) - partial_tag_length(text[pos:], CALL_PREFIX)
-            self._emit_content(text[pos:end])
-            self._pos = end
+        i = self._content_until(CALL_PREFIX, final)
+        if i is None:
             return False
-        self._emit_content(text[pos:i])
         self._region, self._pos, self._mode = i, i + len(CALL_PREFIX), "name"
         return True
 

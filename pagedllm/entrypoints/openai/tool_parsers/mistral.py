@@ -17,7 +17,6 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract import ToolParserManager, value_end
 from pagedllm.entrypoints.openai.tool_parsers.json_calls import JsonObjectCalls, skip_whitespace
-from pagedllm.text_tags import partial_tag_length
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _ID_CHARS = string.ascii_letters + string.digits
@@ -59,14 +58,9 @@ class MistralToolParser(JsonObjectCalls):
         self._give_up(self._region)
 
     def _content_step(self, final: bool) -> bool:
-        text, pos = self._text, self._pos
-        i = text.find(TOOL_CALLS, pos)
-        if i < 0:
-            end = len(text) if final else len(text) - partial_tag_length(text[pos:], TOOL_CALLS)
-            self._emit_content(text[pos:end])
-            self._pos = end
+        i = self._content_until(TOOL_CALLS, final)
+        if i is None:
             return False
-        self._emit_content(text[pos:i])
         self._region, self._pos, self._mode = i, i + len(TOOL_CALLS), "start"
         return True
 
