@@ -36,14 +36,13 @@ def default_reasoning_parser(model_type: str | None, tokenizer: Any) -> str | No
     changes nothing in the engine core (`is_reasoning_end` is always true)."""
     if model_type not in ("gpt_oss", "gpt-oss"):
         return None
-    vocab = tokenizer.get_vocab()
-    return "openai_gptoss" if harmony.CHANNEL in vocab and harmony.MESSAGE in vocab else None
+    return "openai_gptoss" if not GptOssReasoningParser.missing(tokenizer.get_vocab()) else None
 
 
 class ReasoningParser:
     name = ""
     start_tag = "<think>"
-    end_tag: str | None = "</think>"
+    end_tag = "</think>"
     prompt_opens_thinking = False  # deepseek_r1: output before the end tag is reasoning even without a start tag
     needs_special_tokens = False
 
@@ -56,20 +55,17 @@ class ReasoningParser:
         cls = _PARSERS.get(name)
         if cls is None:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
-        vocab = tokenizer.get_vocab()
-        if cls.end_tag is None:
-            return cls.checked(name, vocab)
+        return cls.from_vocab(name, tokenizer.get_vocab())
+
+    @classmethod
+    def from_vocab(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
+        """The parser for a tokenizer of this vocabulary, which must hold the end tag as one token."""
         end_id = vocab.get(cls.end_tag)
         if end_id is None:
             raise ValueError(
                 f"reasoning_parser {name!r} needs the token {cls.end_tag!r} in the model's vocabulary, which has none"
             )
         return cls(end_id, vocab.get(cls.start_tag))
-
-    @classmethod
-    def checked(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
-        """A parser without an end tag, for a tokenizer whose vocabulary it checks."""
-        raise NotImplementedError
 
     def stream(self) -> Any:
         """The streamed split of one output: `step(delta)` and `finish()`, each -> (reasoning, content) pieces."""
@@ -116,12 +112,16 @@ class GptOssReasoningParser(ReasoningParser):
     """gpt-oss's harmony format (harmony.py): the analysis channel is the reasoning, the rest the content."""
 
     name = "openai_gptoss"
-    end_tag = None
     needs_special_tokens = True
 
+    @staticmethod
+    def missing(vocab: dict[str, int]) -> list[str]:
+        """The harmony tokens the parser reads that `vocab` lacks."""
+        return [t for t in (harmony.CHANNEL, harmony.MESSAGE) if t not in vocab]
+
     @classmethod
-    def checked(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
-        missing = [t for t in (harmony.CHANNEL, harmony.MESSAGE) if t not in vocab]
+    def from_vocab(cls, name: str, vocab: dict[str, int]) -> ReasoningParser:
+        missing = cls.missing(vocab)
         if missing:
             raise ValueError(
                 f"reasoning_parser {name!r} reads gpt-oss's harmony format, whose tokens {', '.join(missing)} the "

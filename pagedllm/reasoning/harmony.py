@@ -89,8 +89,9 @@ def split(text: str) -> Split:
     for marker in (RETURN, CALL):  # a stop token the detokenizer kept
         if text.endswith(marker):
             text = text[: -len(marker)]
-    if is_harmony(text) is not True:
-        return Split("", "" if is_harmony(text) is None else text)
+    kind = is_harmony(text)
+    if kind is not True:
+        return Split("", "" if kind is None else text)
     reasoning: list[str] = []
     content: list[str] = []
     for msg in messages(text):
