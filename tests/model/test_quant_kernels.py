@@ -206,10 +206,10 @@ def _packs(ops) -> bool:
 
 
 def _packed_types(ops) -> tuple[int, ...]:
-    """The types this build keeps in its interleaved layout: Q4_K, Q5_K and Q6_K too where it has AVX-512 VNNI."""
+    """The types a SIMD build keeps in its interleaved layout."""
     if not _packs(ops):
         return ()
-    return PACKED + ((Q4_K, 13, Q6_K) if ops.isa == "avx512bf16" else ())
+    return PACKED + (Q4_K, 13, Q6_K)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])

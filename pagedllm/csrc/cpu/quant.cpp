@@ -10,11 +10,11 @@
 // a weight as stored up to kQuantDotMaxRows input rows (internal.h), y = x W^T runs as ggml does: each input row
 // is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
 // a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
-// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in whole groups of 16 rows, and with AVX-512
-//   VNNI Q4_K, Q5_K and Q6_K, rewritten in place at load by quant_pack): one vpdpbusd (AVX-512 VNNI; without it,
-//   vpmaddubsw on 8 rows at a time) multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk
-//   is decoded once for every input row, no horizontal sum is needed, and the float step serves 8 or 16 outputs at
-//   once. Compute bound from a few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
+// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K in whole groups of 16 rows,
+//   rewritten in place at load by quant_pack): one vpdpbusd (AVX-512 VNNI; without it, vpmaddubsw on 8 rows at a
+//   time) multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk is decoded once for every
+//   input row, no horizontal sum is needed, and the float step serves 8 or 16 outputs at once. Compute bound from a
+//   few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
 // * As stored (every other type, build or row): AVX2 vpmaddubsw then vpmaddwd by the 16-bit scales, or vpdpbusd where
 //   the scales are all 1 and the build has VNNI; each output row's chunks are decoded once for a group of up to kGroup
 //   input rows, the rows in tiles whose int8 copy stays in L2. Without AVX2 the same integer arithmetic in plain C++.
@@ -660,14 +660,11 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 // every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
 constexpr int64_t kPackRows = 16;
 
-// Q4_K, Q5_K and Q6_K have their packed layout (pack_group_k) in builds with AVX-512 VNNI only.
+// Q4_K, Q5_K and Q6_K have their own packed layout (pack_group_k).
 constexpr bool packed_k(int32_t type) { return type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K; }
 
 inline bool packable(int32_t type) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (packed_k(type)) return true;
-#endif
-  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0;
+  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 || packed_k(type);
 }
 constexpr bool has_min(int32_t type) { return type == PQ_Q4_1 || type == PQ_Q5_1; }  // b from the block, not a
 constexpr bool five_bit(int32_t type) { return type == PQ_Q5_0 || type == PQ_Q5_1; }
@@ -798,6 +795,30 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
 inline void prefetch_weights(const uint8_t* p, int64_t ahead, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64)
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + ahead + l), _MM_HINT_T0);
+}
+#endif
+
+#if defined(PAGEDLLM_QUANT_AVX2)
+// Chunk j's scale a = d sc and offset b = -dmin m for rows 8 half .. 8 half + 7 of a packed Q4_K or Q5_K super-block
+// (scale_min_k4's bit fields, lane-wise from the halves of its three scale vectors).
+inline void k4_scales_avx2(const uint8_t* sb, int half, int j, __m256 d, __m256 dmin, __m256& a, __m256& b) {
+  const __m256i m6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
+  auto vec = [&](int w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 + 64 * w + 32 * half)); };
+  const __m256i w0 = vec(0), w1 = vec(1);
+  __m256i sc, mn;
+  if (j < 4) {
+    sc = _mm256_and_si256(_mm256_srli_epi32(w0, 8 * j), m6);
+    mn = _mm256_and_si256(_mm256_srli_epi32(w1, 8 * j), m6);
+  } else {
+    const int k = 8 * (j - 4);
+    const __m256i w2 = vec(2);
+    sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, k), low4),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, k + 6), three), 4));
+    mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, k + 4), low4),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, k + 6), three), 4));
+  }
+  a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+  b = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), _mm256_cvtepi32_ps(mn));
 }
 #endif
 
@@ -1211,6 +1232,165 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
   }
 }
 
+// The half's 8 output lanes of each input row: stored where `keep` says.
+template <int RB>
+inline void store_half(const __m256* acc, float* y, int64_t ldy, int h, uint32_t keep) {
+  const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
+  for (int r = 0; r < RB; ++r) {
+    float* o = y + r * ldy + 8 * h;
+    if (k8 == 0xFFu) {
+      _mm256_storeu_ps(o, acc[r]);
+    } else if (k8 != 0) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[r]);
+      for (int l = 0; l < 8; ++l)
+        if (k8 >> l & 1u) o[l] = t[l];
+    }
+  }
+}
+
+// Q4_K and Q5_K in their packed layout (pack_group_k), each group in two halves of 8 rows as above: a chunk's scale
+// and offset for the half's 8 rows from the super-block's scale vectors (k4_scales_avx2), its nibbles (u <= 15, or
+// <= 31 with Q5_K's fifth bits) summed in 16 bits as Q4_0's (Q5_0's), then w = a u + b.
+template <int32_t T, int RB>
+void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                    int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  (void)x16;
+  constexpr int64_t sbb = kPackRows * block_bytes(T);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+      const uint8_t* sb = grp + sbi * sbb;
+      if (h == 0) prefetch_weights(sb, kPrefetchAhead, sbb);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 32 + 16 * h)));
+      for (int g = 0; g < 4; ++g) {
+        const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * g + 32 * h;
+        __m256i raw[8];
+        for (int t = 0; t < 8; ++t) raw[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs + 64 * t));
+#pragma GCC unroll 2
+        for (int hi = 0; hi < 2; ++hi) {
+          const int j = 2 * g + hi;
+          __m256 a, b;
+          k4_scales_avx2(sb, h, j, d, dmin, a, b);
+          __m256i v[8];
+          for (int t = 0; t < 8; ++t) {
+            v[t] = hi ? _mm256_and_si256(_mm256_srli_epi16(raw[t], 4), m4) : _mm256_and_si256(raw[t], m4);
+            if constexpr (T == PQ_Q5_K) {  // bit j of the fifth-bit bytes: weight 4t + k's bit 4
+              const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQh + 64 * t + 32 * h));
+              const __m256i bit = _mm256_and_si256(_mm256_srli_epi32(qh, j), _mm256_set1_epi8(1));
+              v[t] = _mm256_or_si256(v[t], _mm256_slli_epi32(bit, 4));
+            }
+          }
+          const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r) {
+            const int8_t* x = xq + r * ldq + 32 * c;
+            auto x4 = [&](int t) {
+              int32_t w;
+              std::memcpy(&w, x + 4 * t, 4);
+              return _mm256_set1_epi32(w);
+            };
+            __m256i s;
+            if constexpr (T == PQ_Q5_K) {  // u <= 31: four vectors' pair sums fit 16 bits (4 * 2 * 31 * 127)
+              __m256i p = _mm256_maddubs_epi16(v[0], x4(0)), q = _mm256_maddubs_epi16(v[4], x4(4));
+#pragma GCC unroll 4
+              for (int t = 1; t < 4; ++t) {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], x4(t)));
+                q = _mm256_add_epi16(q, _mm256_maddubs_epi16(v[t + 4], x4(t + 4)));
+              }
+              s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+            } else {  // u <= 15: all eight (8 * 2 * 15 * 127)
+              __m256i p = _mm256_maddubs_epi16(v[0], x4(0));
+#pragma GCC unroll 8
+              for (int t = 1; t < 8; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], x4(t)));
+              s = _mm256_madd_epi16(p, ones);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
+          }
+        }
+      }
+    }
+    store_half<RB>(acc, y, ldy, h, keep);
+  }
+}
+
+// Q6_K in its packed layout, in halves of 8 rows: w = d sc (u - 32), u of 6 bits (unsigned for vpmaddubsw) and a
+// scale per 16 weights, so each half of a chunk sums apart (two vectors' pair sums fit 16 bits: 2 * 2 * 63 * 127),
+// less 32 times its 16 inputs' sum.
+template <int32_t T, int RB>
+void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                      int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  static_assert(T == PQ_Q6_K);
+  (void)xs;
+  constexpr int64_t sbb = kPackRows * 210;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    auto chunk = [&](const uint8_t* sb, __m256 d, int64_t sbi, int hh, auto part) {
+      constexpr int P = decltype(part)::value;
+      const int j = 4 * hh + P;
+      // scales 8 hh + 2 P and + 1: bytes (2 P) % 4 and + 1 of scale vector 2 hh + P / 2, sign-extended
+      const __m256i sw =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ6Scales + 64 * (2 * hh + P / 2) + 32 * h));
+      constexpr int sh = 8 * ((2 * P) % 4);
+      const __m256 a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - sh), 24)));
+      const __m256 a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - sh), 24)));
+      __m256i v[8];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m256i lo = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(sb + kQ6Low + 64 * (16 * hh + 8 * (P % 2) + t) + 32 * h));
+        const __m256i hb =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ6High + 64 * (8 * hh + t) + 32 * h));
+        const __m256i nib = P < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+        // bits 2P, 2P + 1 of each high-bit byte to bits 4, 5 (what a 16-bit shift carries across bytes is masked off)
+        const __m256i at = P < 2 ? _mm256_slli_epi16(hb, 4 - 2 * P) : P == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        v[t] = _mm256_or_si256(nib, _mm256_and_si256(at, m30));
+      }
+      const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + 32 * c;
+        auto x4 = [&](int t) {
+          int32_t w;
+          std::memcpy(&w, x + 4 * t, 4);
+          return _mm256_set1_epi32(w);
+        };
+        const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
+        auto half_sum = [&](int t0, int32_t sum16) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0], x4(t0)),
+                                             _mm256_maddubs_epi16(v[t0 + 1], x4(t0 + 1)));
+          const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0 + 2], x4(t0 + 2)),
+                                             _mm256_maddubs_epi16(v[t0 + 3], x4(t0 + 3)));
+          return _mm256_add_epi32(_mm256_set1_epi32(-32 * sum16),
+                                  _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones)));
+        };
+        const __m256i p0 = half_sum(0, sums[0]), p1 = half_sum(4, sums[1]);
+        const __m256 dx = _mm256_set1_ps(xd[r * ldb + c]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(a0, dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(a1, dx), acc[r]);
+      }
+    };
+    for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+      const uint8_t* sb = grp + sbi * sbb;
+      if (h == 0) prefetch_weights(sb, kPrefetchAhead, sbb);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      for (int hh = 0; hh < 2; ++hh) {
+        chunk(sb, d, sbi, hh, std::integral_constant<int, 0>{});
+        chunk(sb, d, sbi, hh, std::integral_constant<int, 1>{});
+        chunk(sb, d, sbi, hh, std::integral_constant<int, 2>{});
+        chunk(sb, d, sbi, hh, std::integral_constant<int, 3>{});
+      }
+    }
+    store_half<RB>(acc, y, ldy, h, keep);
+  }
+}
+
 constexpr int kPackedTile = 6;  // input rows per packed_group call (6 is ~8% faster than 4 at 5-6 rows on Zen 3)
 #endif
 
@@ -1225,7 +1405,6 @@ PackedFn packed_pick(int rb, std::integer_sequence<int, RB...>) {
   return fn;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
 template <int32_t T, int... RB>
 PackedFn packed_pick_k(int rb, std::integer_sequence<int, RB...>) {
   PackedFn fn = nullptr;
@@ -1235,7 +1414,6 @@ PackedFn packed_pick_k(int rb, std::integer_sequence<int, RB...>) {
     ((fn = (rb == RB + 1 ? packed_group_k<T, RB + 1> : fn)), ...);
   return fn;
 }
-#endif
 
 PackedFn packed_fn(int32_t type, int rb) {
   const auto all = std::make_integer_sequence<int, kPackedTile>{};
@@ -1245,11 +1423,9 @@ PackedFn packed_fn(int32_t type, int rb) {
     case PQ_Q5_0: return packed_pick<PQ_Q5_0>(rb, all);
     case PQ_Q5_1: return packed_pick<PQ_Q5_1>(rb, all);
     case PQ_Q8_0: return packed_pick<PQ_Q8_0>(rb, all);
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
     case PQ_Q4_K: return packed_pick_k<PQ_Q4_K>(rb, all);
     case PQ_Q5_K: return packed_pick_k<PQ_Q5_K>(rb, all);
     case PQ_Q6_K: return packed_pick_k<PQ_Q6_K>(rb, all);
-#endif
     default: return nullptr;
   }
 }
@@ -1368,7 +1544,60 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
   }
 }
 
+// The same for a packed group of Q4_K, Q5_K or Q6_K rows (move_block_k's layout): dequant_row's arithmetic
+// (w = fma(u, d sc, -dmin m); Q6_K: (u - 32) d sc), each chunk's scales for a half's 8 rows from the super-block's
+// scale vectors as the int8 kernels read them.
+template <int32_t T>
+void packed_group_k_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int64_t n0) {
+  constexpr int64_t sbb = kPackRows * block_bytes(T);
+  const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    prefetch_weights(sb, kPrefetchAhead, sbb);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      for (int j = 0; j < 8; ++j) {
+        float* o = panel + 32 * (sbi * 8 + j) * kPanel + n0 + 8 * h;
+        if constexpr (T == PQ_Q6_K) {
+          const int hh = j / 4, part = j % 4, sh = 8 * ((2 * part) % 4);
+          const __m256i sw = load(sb + kQ6Scales + 64 * (2 * hh + part / 2) + 32 * h);
+          const __m256 a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - sh), 24)));
+          const __m256 a1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - sh), 24)));
+          for (int k = 0; k < 32; ++k) {
+            const int t = k / 4, at = 8 * (k % 4);
+            const __m256i lo = load(sb + kQ6Low + 64 * (16 * hh + 8 * (part % 2) + t) + 32 * h);
+            const __m256i hi = load(sb + kQ6High + 64 * (8 * hh + t) + 32 * h);
+            const __m256i nib = _mm256_and_si256(_mm256_srli_epi32(lo, at + (part < 2 ? 0 : 4)), low4);
+            const __m256i top = _mm256_and_si256(_mm256_srli_epi32(hi, at + 2 * part), three);
+            const __m256i u = _mm256_sub_epi32(_mm256_or_si256(nib, _mm256_slli_epi32(top, 4)), _mm256_set1_epi32(32));
+            _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), k < 16 ? a0 : a1, _mm256_setzero_ps()));
+          }
+        } else {
+          const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 32 + 16 * h)));
+          __m256 a, b;
+          k4_scales_avx2(sb, h, j, d, dmin, a, b);
+          const uint8_t* vs = sb + k_nibbles_at(T) + 64 * 8 * (j / 2) + 32 * h;
+          for (int k = 0; k < 32; ++k) {
+            const int t = k / 4, at = 8 * (k % 4);
+            __m256i u = _mm256_and_si256(_mm256_srli_epi32(load(vs + 64 * t), at + 4 * (j % 2)), low4);
+            if constexpr (T == PQ_Q5_K) {
+              const __m256i qh = load(sb + kQh + 64 * t + 32 * h);
+              u = _mm256_or_si256(u, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, at + j), one), 4));
+            }
+            _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), a, b));
+          }
+        }
+      }
+    }
+  }
+}
+
 bool packed_f32_panel(const QMatrix& w, int64_t base, float* panel) {
+  if (packed_panel_groups<true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+        packed_group_k_to_f32_panel<decltype(type)::value>(grp, nb, panel, n0);
+      }))
+    return true;
   return packed_panel_groups(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
     packed_group_to_f32_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
