@@ -6,6 +6,9 @@
 # The build is tied to the CPU it was made on (a Zen 3 build has no AVX-512 paths for a Zen 4 or 5): the CPU's
 # model name and ISA flags are kept beside the virtualenv, and a different CPU rebuilds it.
 #
+# LLAMACPP_ISA=avx2 builds it for AVX2 at most (no AVX-512), beside PAGEDLLM_CPU_ISA=avx2: a Zen 3's instruction set on
+# a newer CPU (use its own VENV: LLAMACPP_VENV=.venv-llamacpp-avx2).
+#
 # Usage: bench/peers/setup_llamacpp.sh [VENV]     (default: .venv-llamacpp at the repository root, or $LLAMACPP_VENV)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -13,7 +16,9 @@ VENV="${1:-${LLAMACPP_VENV:-$ROOT/.venv-llamacpp}}"
 PYTHON="${PYTHON:-python3}"
 VERSION="0.3.36"
 BUILD="isa-by-name"  # bumped when the build flags change: a venv of other flags is rebuilt
-CPU="$BUILD $( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
+LIMIT="${LLAMACPP_ISA:-native}"
+case "$LIMIT" in native|avx2) ;; *) echo "LLAMACPP_ISA must be avx2 or unset, got $LIMIT" >&2; exit 2 ;; esac
+CPU="$BUILD $LIMIT $( (grep -m1 'model name' /proc/cpuinfo; grep -m1 -o -w 'avx512[a-z_0-9]*\|avx2\|avx_vnni\|f16c\|fma' /proc/cpuinfo | sort -u) | tr '\n' ' ')"
 MARK="$VENV/.built-for-cpu"
 
 if [ -x "$VENV/bin/python" ] && [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$CPU" ] \
@@ -28,7 +33,10 @@ $PIP install --quiet --upgrade pip
 # Not GGML_NATIVE: the VMs we measure on list amx_tile/amx_int8 in /proc/cpuinfo but trap on the first tileloadd
 # (SIGILL, seen on a Xeon of 2026-11-27), and -march=native compiles llama.cpp's AMX kernels in whatever
 # GGML_AMX_* says. Instead every other instruction set this CPU lists, named one by one.
-has() { grep -m1 -q -w "$1" /proc/cpuinfo; }
+has() {
+  if [ "$LIMIT" = avx2 ]; then case "$1" in avx512*|avx_vnni) return 1 ;; esac; fi
+  grep -m1 -q -w "$1" /proc/cpuinfo
+}
 ISA="-DGGML_NATIVE=OFF"
 has avx && ISA="$ISA -DGGML_AVX=ON"
 has avx2 && ISA="$ISA -DGGML_AVX2=ON"
