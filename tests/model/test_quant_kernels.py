@@ -20,7 +20,23 @@ import pytest
 import torch
 
 from pagedllm.model.quant import type_name
-from tests.quant_utils import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, TYPES, block_size, dequantize, quantize
+from tests.quant_utils import (
+    IQ4_NL,
+    IQ4_XS,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    TYPES,
+    block_size,
+    dequantize,
+    quantize,
+)
 
 NAMES = {t: type_name(t) for t in TYPES}
 # Byte offsets of each type's float16 fields within its block (the rest of a block is integers and bit fields).
@@ -198,7 +214,8 @@ def test_many_panel_rows_in_blocks_are_the_same_bits(ops, qtype: int) -> None:
     assert torch.all((whole[rows].double() - ref).abs() <= bound)
 
 
-PACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the types AVX2 and AVX-512 builds keep in their interleaved layout
+# The types AVX2 and AVX-512 builds keep in their interleaved layout (all but Q2_K and MXFP4).
+PACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
 
 
 def _packs(ops) -> bool:
@@ -209,12 +226,12 @@ def _packed_types(ops) -> tuple[int, ...]:
     """The types a SIMD build keeps in its interleaved layout."""
     if not _packs(ops):
         return ()
-    return PACKED + (Q4_K, 13, Q6_K)
+    return PACKED
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
 def test_packed_layout_where_the_build_has_one(ops, qtype: int) -> None:
-    """SIMD builds rewrite Q4_0, Q4_1 and Q8_0 rows in groups of 16 (the rest stay as stored); generic keeps all."""
+    """SIMD builds rewrite the PACKED types' rows in groups of 16 (the rest stay as stored); generic keeps all."""
     qm, w = _matrix(ops, [(qtype, 37)], 512)
     assert qm.packed_rows == (32 if qtype in _packed_types(ops) else 0)
     assert qm.nbytes == 37 * ops.quant_row_bytes(qtype, 512)  # in place: no byte more

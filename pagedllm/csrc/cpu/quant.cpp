@@ -95,6 +95,8 @@ constexpr int64_t block_bytes(int32_t type) {
 // The 16 values of IQ4_NL and IQ4_XS nibbles (llama.cpp's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
+// The same plus 128, as unsigned bytes (the packed kernels' u, for vpdpbusd).
+alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 // The 16 values of MXFP4 nibbles (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), doubled to integers
 // (llama.cpp's kvalues_mxfp4); the block scale is then 2^(e - 128) (ggml_e8m0_to_fp32_half).
@@ -660,11 +662,20 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 // every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
 constexpr int64_t kPackRows = 16;
 
-// Q4_K, Q5_K and Q6_K have their own packed layout (pack_group_k).
-constexpr bool packed_k(int32_t type) { return type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K; }
+// The super-block types Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS have a packed layout of their own (pack_group_k).
+constexpr bool packed_k(int32_t type) {
+  return type == PQ_Q3_K || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K || type == PQ_IQ4_XS;
+}
+// The types whose packed groups go straight into panels (packed_panel_groups); the others' panels are built from
+// their rows de-quantized.
+constexpr bool panel_direct(int32_t type) {
+  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
+         type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K;
+}
 
 inline bool packable(int32_t type) {
-  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 || packed_k(type);
+  return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
+         type == PQ_IQ4_NL || packed_k(type);
 }
 constexpr bool has_min(int32_t type) { return type == PQ_Q4_1 || type == PQ_Q5_1; }  // b from the block, not a
 constexpr bool five_bit(int32_t type) { return type == PQ_Q5_0 || type == PQ_Q5_1; }
@@ -673,7 +684,10 @@ constexpr bool five_bit(int32_t type) { return type == PQ_Q5_0 || type == PQ_Q5_
 constexpr int64_t packed_qh_at(int32_t type) { return has_min(type) ? 64 : 32; }
 constexpr int64_t packed_weights_at(int32_t type) { return packed_qh_at(type) + (five_bit(type) ? 64 : 0); }
 // b of a type without a min, as a multiple of a: w = a u + b with u the unsigned integer the packed layout holds.
-constexpr float packed_offset(int32_t type) { return type == PQ_Q8_0 ? -128.f : type == PQ_Q5_0 ? -16.f : -8.f; }
+// IQ4_NL's (and IQ4_XS's) nibbles index kIq4Values: u is the value + 128 for vpdpbusd.
+constexpr float packed_offset(int32_t type) {
+  return type == PQ_Q8_0 || type == PQ_IQ4_NL || type == PQ_IQ4_XS ? -128.f : type == PQ_Q5_0 ? -16.f : -8.f;
+}
 
 // Q5_0 and Q5_1: the fifth bit of weight w (0..31) of a chunk goes to bit 8 (w % 4) + j of its row's packed word,
 // j = (w % 16) / 4 + 4 (w / 16) the index of the weight vector that holds the weight's nibble (vectors 0-3 the low
@@ -722,6 +736,15 @@ constexpr int64_t k_nibbles_at(int32_t type) { return type == PQ_Q5_K ? kQh + 51
 // (likewise of qh).
 constexpr int64_t kQ6Scales = 32, kQ6Low = 32 + 256, kQ6High = 32 + 256 + 2048;
 
+// IQ4_XS's: d (16 f16), scales_h (16 u16), scales_l as one vector (lane r: row r's 4 bytes), then the 128 nibble
+// bytes as 32 vectors (vector 4j + t lane r: bytes 16j + 4t .. + 3 of row r's, chunk j's weights 4t .. 4t + 3 in the
+// low nibbles and 16 + 4t .. in the high ones, as Q4_0's).
+constexpr int64_t kXsHigh = 32, kXsLow = 64, kXsNibbles = 128;
+
+// Q3_K's: d (16 f16), the 12 scale bytes as 3 vectors (vector w lane r: bytes 4w .. 4w + 3 of row r's), the 32
+// high-bit mask bytes as 8 vectors, the 64 low-bit bytes as 16 (lane r of vector v: bytes 4v .. 4v + 3 of row r's).
+constexpr int64_t kQ3Scales = 32, kQ3Mask = 32 + 192, kQ3Low = 32 + 192 + 512;
+
 // Moves row r's block between its GGUF layout (blk) and its lanes of a packed super-block (sb): `pack` true writes
 // sb, false writes blk.
 void move_block_k(int32_t type, uint8_t* sb, int r, uint8_t* blk, bool pack) {
@@ -729,6 +752,20 @@ void move_block_k(int32_t type, uint8_t* sb, int r, uint8_t* blk, bool pack) {
     if (pack) std::memcpy(sb + at_sb, blk + at_blk, n);
     else std::memcpy(blk + at_blk, sb + at_sb, n);
   };
+  if (type == PQ_IQ4_XS) {  // d, scales_h [2], scales_l [4], qs [128]
+    mv(2 * r, 0, 2);
+    mv(kXsHigh + 2 * r, 2, 2);
+    mv(kXsLow + 4 * r, 4, 4);
+    for (int v = 0; v < 32; ++v) mv(kXsNibbles + 64 * v + 4 * r, 8 + 4 * v, 4);
+    return;
+  }
+  if (type == PQ_Q3_K) {  // hmask [32], qs [64], scales [12], d
+    mv(2 * r, 108, 2);
+    for (int w = 0; w < 3; ++w) mv(kQ3Scales + 64 * w + 4 * r, 96 + 4 * w, 4);
+    for (int t = 0; t < 8; ++t) mv(kQ3Mask + 64 * t + 4 * r, 4 * t, 4);
+    for (int v = 0; v < 16; ++v) mv(kQ3Low + 64 * v + 4 * r, 32 + 4 * v, 4);
+    return;
+  }
   if (type == PQ_Q6_K) {  // ql [128], qh [64], scales [16], d
     mv(2 * r, 208, 2);
     for (int w = 0; w < 4; ++w) mv(kQ6Scales + 64 * w + 4 * r, 192 + 4 * w, 4);
@@ -774,6 +811,14 @@ void dequant_packed_row(int32_t type, const uint8_t* grp, int lane, int64_t nb, 
     if (type == PQ_Q8_0) {
       for (int j = 0; j < 8; ++j)
         for (int k = 0; k < 4; ++k) o[4 * j + k] = a * static_cast<float>(static_cast<int>(u[64 * j + k]) - 128);
+      continue;
+    }
+    if (type == PQ_IQ4_NL) {  // nibbles as Q4_0's, each the index of its value
+      for (int t = 0; t < 4; ++t)
+        for (int k = 0; k < 4; ++k) {
+          o[4 * t + k] = a * static_cast<float>(kIq4Values[u[64 * t + k] & 0xF]);
+          o[16 + 4 * t + k] = a * static_cast<float>(kIq4Values[u[64 * t + k] >> 4]);
+        }
       continue;
     }
     uint32_t word = 0;
@@ -842,6 +887,10 @@ inline __m512 add_chunk(__m512 acc, __m512i s, __m512 a, __m512 b, float dx, flo
   return _mm512_fmadd_ps(b, _mm512_set1_ps(sx), acc);
 }
 
+inline __m512i iq4u_table512() {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned)));
+}
+
 template <int RB>
 inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, const float* xs, int64_t ldq, int64_t ldb,
                        int64_t c, __m512 a, __m512 b, __m512* acc) {
@@ -859,8 +908,8 @@ inline void chunk_rows(const __m512i* v, const int8_t* xq, const float* xd, cons
   }
 }
 
-// A packed chunk of 16 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): its scale a and offset b per row, and its 32 unsigned
-// weights as 8 vectors (lane r: 4 weights of row r), as vpdpbusd reads them.
+// A packed chunk of 16 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): its scale a and offset b per row, and its 32
+// unsigned weights as 8 vectors (lane r: 4 weights of row r), as vpdpbusd reads them.
 template <int32_t T>
 inline void unpack_chunk(const uint8_t* ch, __m512& a, __m512& b, __m512i* v) {
   constexpr int64_t wo = packed_weights_at(T);
@@ -876,6 +925,8 @@ inline void unpack_chunk(const uint8_t* ch, __m512& a, __m512& b, __m512i* v) {
       v[t] = _mm512_and_si512(p, m4);
       v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
     }
+    if constexpr (T == PQ_IQ4_NL)  // each nibble's value + 128
+      for (int j = 0; j < 8; ++j) v[j] = _mm512_shuffle_epi8(iq4u_table512(), v[j]);
     if constexpr (five_bit(T)) {  // vector j's fifth bits at bit 4 of each byte: (word << 4 - j) & 0x10
       const __m512i word = _mm512_loadu_si512(ch + packed_qh_at(T)), b4 = _mm512_set1_epi8(0x10);
 #pragma GCC unroll 8
@@ -1044,6 +1095,102 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
 }
 
+// The same for a packed group of IQ4_XS rows (kXsNibbles' layout): chunk j's scale a = d (scale - 32) for the 16 rows
+// from the super-block's scale fields (scale_iq4_xs's, lane-wise), its nibbles' values + 128 as u, w = a (u - 128).
+template <int32_t T, int RB>
+void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                     int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  static_assert(T == PQ_IQ4_XS);
+  (void)x16;
+  constexpr int64_t sbb = kPackRows * 136;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3);
+  const __m512i tab = iq4u_table512();
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    prefetch_weights(sb, kPrefetchAhead, sbb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsHigh)));
+    const __m512i lo = _mm512_loadu_si512(sb + kXsLow);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4 * j), low4),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2 * j), three), 4));
+      const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+      const __m512 b = _mm512_mul_ps(a, _mm512_set1_ps(-128.f));
+      __m512i v[8];
+      for (int t = 0; t < 4; ++t) {
+        const __m512i p = _mm512_loadu_si512(sb + kXsNibbles + 64 * (4 * j + t));
+        v[t] = _mm512_shuffle_epi8(tab, _mm512_and_si512(p, m4));
+        v[t + 4] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4));
+      }
+      chunk_rows<RB>(v, xq, xd, xs, ldq, ldb, sbi * 8 + j, a, b, acc);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
+// Q3_K's signed 6-bit scale s (0..15) for the 16 rows of a packed super-block, from its three scale vectors
+// (scales_q3_k's bit fields, lane-wise).
+inline __m512 q3_scale(const __m512i* w, int s) {
+  const int b1 = s % 8;
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(w[b1 / 4], 8 * (b1 % 4) + (s >= 8 ? 4 : 0)),
+                                       _mm512_set1_epi32(0xF));
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi32(w[2], 8 * (s % 4) + 2 * (s / 4)), _mm512_set1_epi32(3));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32)));
+}
+
+// The same for a packed group of Q3_K rows (kQ3Low's layout): w = d sc (u - 4) with u = the 2 low bits | the mask bit
+// << 2 (0..7, unsigned for vpdpbusd) and a scale per 16 weights, so each half of a chunk sums apart, less 4 times the
+// sum of its 16 inputs (as Q6_K's less 32).
+template <int32_t T, int RB>
+void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                      int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  static_assert(T == PQ_Q3_K);
+  (void)xs;
+  constexpr int64_t sbb = kPackRows * 110;
+  const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+    const uint8_t* sb = grp + sbi * sbb;
+    prefetch_weights(sb, kPrefetchAhead, sbb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512i w[3] = {_mm512_loadu_si512(sb + kQ3Scales), _mm512_loadu_si512(sb + kQ3Scales + 64),
+                          _mm512_loadu_si512(sb + kQ3Scales + 128)};
+    for (int j = 0; j < 8; ++j) {
+      const __m512 a0 = _mm512_mul_ps(d, q3_scale(w, 2 * j)), a1 = _mm512_mul_ps(d, q3_scale(w, 2 * j + 1));
+      const int hh = j / 4, shift = 2 * (j % 4);
+      __m512i v[8];
+      for (int t = 0; t < 8; ++t) {
+        const __m512i q = _mm512_loadu_si512(sb + kQ3Low + 64 * (8 * hh + t));
+        const __m512i m = _mm512_loadu_si512(sb + kQ3Mask + 64 * t);
+        v[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, shift), m3),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(m, j), one), 2));
+      }
+      const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + 32 * c;
+        const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
+        __m512i p0 = _mm512_set1_epi32(-4 * sums[0]), p1 = _mm512_set1_epi32(-4 * sums[1]);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          int32_t x4a, x4b;
+          std::memcpy(&x4a, x + 4 * t, 4);
+          std::memcpy(&x4b, x + 16 + 4 * t, 4);
+          p0 = _mm512_dpbusd_epi32(p0, v[t], _mm512_set1_epi32(x4a));
+          p1 = _mm512_dpbusd_epi32(p1, v[t + 4], _mm512_set1_epi32(x4b));
+        }
+        const __m512 dx = _mm512_set1_ps(xd[r * ldb + c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(a0, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(a1, dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
+}
+
 constexpr int kPackedTile = 8;  // input rows per packed_group call
 
 #if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__)
@@ -1168,6 +1315,13 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
                                   flip);
           av[j] = _mm256_abs_epi8(v[j]);
         }
+      } else if constexpr (T == PQ_IQ4_NL) {  // the nibbles' signed values, summed as Q8_0's
+        for (int t = 0; t < 4; ++t) {
+          const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * t + 32 * h));
+          v[t] = _mm256_shuffle_epi8(iq4_table(), _mm256_and_si256(p, m4));
+          v[t + 4] = _mm256_shuffle_epi8(iq4_table(), _mm256_and_si256(_mm256_srli_epi16(p, 4), m4));
+        }
+        for (int j = 0; j < 8; ++j) av[j] = _mm256_abs_epi8(v[j]);
       } else {
         for (int t = 0; t < 4; ++t) {
           const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * t + 32 * h));
@@ -1193,7 +1347,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
           return _mm256_set1_epi32(w);
         };
         __m256i s;
-        if constexpr (T == PQ_Q8_0) {
+        if constexpr (T == PQ_Q8_0 || T == PQ_IQ4_NL) {
           s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(x4(0), v[0])), ones);
 #pragma GCC unroll 8
           for (int j = 1; j < 8; ++j)
@@ -1214,7 +1368,7 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
           s = _mm256_madd_epi16(p, ones);
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
-        if constexpr (T != PQ_Q8_0) acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
+        if constexpr (T != PQ_Q8_0 && T != PQ_IQ4_NL) acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
       }
     }
     const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
@@ -1391,6 +1545,122 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   }
 }
 
+// IQ4_XS in its packed layout, in halves of 8 rows: the nibbles' signed values (iq4_table) summed as Q8_0's (|q|
+// times x with q's sign, each vector's pairs widened), w = d (scale - 32) q.
+template <int32_t T, int RB>
+void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                     int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  static_assert(T == PQ_IQ4_XS);
+  (void)xs, (void)x16;
+  constexpr int64_t sbb = kPackRows * 136;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), table = iq4_table();
+  const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+      const uint8_t* sb = grp + sbi * sbb;
+      if (h == 0) prefetch_weights(sb, kPrefetchAhead, sbb);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kXsHigh + 16 * h)));
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsLow + 32 * h));
+      for (int j = 0; j < 8; ++j) {
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lo, 4 * j), low4),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), three), 4));
+        const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+        __m256i v[8], av[8];
+        for (int t = 0; t < 4; ++t) {
+          const __m256i p =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsNibbles + 64 * (4 * j + t) + 32 * h));
+          v[t] = _mm256_shuffle_epi8(table, _mm256_and_si256(p, m4));
+          v[t + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p, 4), m4));
+        }
+        for (int t = 0; t < 8; ++t) av[t] = _mm256_abs_epi8(v[t]);
+        const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* x = xq + r * ldq + 32 * c;
+          auto x4 = [&](int t) {
+            int32_t w;
+            std::memcpy(&w, x + 4 * t, 4);
+            return _mm256_set1_epi32(w);
+          };
+          __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(x4(0), v[0])), ones);
+#pragma GCC unroll 8
+          for (int t = 1; t < 8; ++t)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[t], _mm256_sign_epi8(x4(t), v[t])), ones));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
+        }
+      }
+    }
+    store_half<RB>(acc, y, ldy, h, keep);
+  }
+}
+
+// Q3_K in its packed layout, in halves of 8 rows: u = the 2 low bits | the mask bit << 2 (0..7), w = d sc (u - 4),
+// a scale per 16 weights (each half of a chunk sums apart: four vectors' pair sums fit 16 bits, 4 * 2 * 7 * 127), less
+// 4 times the half's input sum.
+template <int32_t T, int RB>
+void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
+                      int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
+  static_assert(T == PQ_Q3_K);
+  (void)xs;
+  constexpr int64_t sbb = kPackRows * 110;
+  const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
+      const uint8_t* sb = grp + sbi * sbb;
+      if (h == 0) prefetch_weights(sb, kPrefetchAhead, sbb);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      __m256i w[3];
+      for (int k = 0; k < 3; ++k)
+        w[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Scales + 64 * k + 32 * h));
+      auto scale = [&](int sidx) {  // scales_q3_k's bit fields, lane-wise
+        const int b1 = sidx % 8;
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(w[b1 / 4], 8 * (b1 % 4) + (sidx >= 8 ? 4 : 0)), low4);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(w[2], 8 * (sidx % 4) + 2 * (sidx / 4)), three);
+        return _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32)));
+      };
+      for (int j = 0; j < 8; ++j) {
+        const __m256 a0 = _mm256_mul_ps(d, scale(2 * j)), a1 = _mm256_mul_ps(d, scale(2 * j + 1));
+        const int hh = j / 4, shift = 2 * (j % 4);
+        __m256i v[8];
+        for (int t = 0; t < 8; ++t) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Low + 64 * (8 * hh + t) + 32 * h));
+          const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Mask + 64 * t + 32 * h));
+          v[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q, shift), m3),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(m, j), one8), 2));
+        }
+        const int64_t c = sbi * 8 + j;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* x = xq + r * ldq + 32 * c;
+          auto x4 = [&](int t) {
+            int32_t wd;
+            std::memcpy(&wd, x + 4 * t, 4);
+            return _mm256_set1_epi32(wd);
+          };
+          const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
+          auto half_sum = [&](int t0, int32_t sum16) {
+            __m256i p = _mm256_maddubs_epi16(v[t0], x4(t0));
+            for (int t = 1; t < 4; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t0 + t], x4(t0 + t)));
+            return _mm256_add_epi32(_mm256_set1_epi32(-4 * sum16), _mm256_madd_epi16(p, ones));
+          };
+          const __m256i p0 = half_sum(0, sums[0]), p1 = half_sum(4, sums[1]);
+          const __m256 dx = _mm256_set1_ps(xd[r * ldb + c]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(a0, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(a1, dx), acc[r]);
+        }
+      }
+    }
+    store_half<RB>(acc, y, ldy, h, keep);
+  }
+}
+
 constexpr int kPackedTile = 6;  // input rows per packed_group call (6 is ~8% faster than 4 at 5-6 rows on Zen 3)
 #endif
 
@@ -1410,6 +1680,10 @@ PackedFn packed_pick_k(int rb, std::integer_sequence<int, RB...>) {
   PackedFn fn = nullptr;
   if constexpr (T == PQ_Q6_K)
     ((fn = (rb == RB + 1 ? packed_group_q6k<T, RB + 1> : fn)), ...);
+  else if constexpr (T == PQ_Q3_K)
+    ((fn = (rb == RB + 1 ? packed_group_q3k<T, RB + 1> : fn)), ...);
+  else if constexpr (T == PQ_IQ4_XS)
+    ((fn = (rb == RB + 1 ? packed_group_xs<T, RB + 1> : fn)), ...);
   else
     ((fn = (rb == RB + 1 ? packed_group_k<T, RB + 1> : fn)), ...);
   return fn;
@@ -1423,9 +1697,12 @@ PackedFn packed_fn(int32_t type, int rb) {
     case PQ_Q5_0: return packed_pick<PQ_Q5_0>(rb, all);
     case PQ_Q5_1: return packed_pick<PQ_Q5_1>(rb, all);
     case PQ_Q8_0: return packed_pick<PQ_Q8_0>(rb, all);
+    case PQ_IQ4_NL: return packed_pick<PQ_IQ4_NL>(rb, all);
+    case PQ_Q3_K: return packed_pick_k<PQ_Q3_K>(rb, all);
     case PQ_Q4_K: return packed_pick_k<PQ_Q4_K>(rb, all);
     case PQ_Q5_K: return packed_pick_k<PQ_Q5_K>(rb, all);
     case PQ_Q6_K: return packed_pick_k<PQ_Q6_K>(rb, all);
+    case PQ_IQ4_XS: return packed_pick_k<PQ_IQ4_XS>(rb, all);
     default: return nullptr;
   }
 }
@@ -1472,7 +1749,8 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     const QSegment& g = w.seg[s];
     if (base < first + g.rows) {
       const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K) return false;
+      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K || !panel_direct(g.type))
+        return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
