@@ -10,8 +10,8 @@
 // a weight as stored up to kQuantDotMaxRows input rows (internal.h), y = x W^T runs as ggml does: each input row
 // is quantized to int8 in blocks of 32 (dx, qx; sx = dx * sum qx), and a chunk's product is
 // a * dx * sum(sc * q * qx) + b * sx, the integer sum by int8 dot products. Two layouts:
-// * Packed (AVX2 and AVX-512 builds; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K in whole groups of 16 rows,
-//   rewritten in place at load by quant_pack): one vpdpbusd (AVX-512 VNNI; without it, vpmaddubsw on 8 rows at a
+// * Packed (AVX2 and AVX-512 builds; every type but Q2_K and MXFP4, in whole groups of 16 rows, rewritten in place at
+//   load by quant_pack): one vpdpbusd (AVX-512 VNNI; without it, vpmaddubsw on 8 rows at a
 //   time) multiplies 4 weights of 16 output rows by 4 inputs broadcast, so a group's chunk is decoded once for every
 //   input row, no horizontal sum is needed, and the float step serves 8 or 16 outputs at once. Compute bound from a
 //   few rows on, at ~480 GFLOP/s on two Zen 4 cores (bench/RESULTS.md).
@@ -649,7 +649,8 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 
 
 // ---------------------------------------------------------------------------------------------------------------
-// The interleaved layout of AVX2 and AVX-512 builds (quant_pack): Q4_0, Q4_1 and Q8_0 rows in groups of 16 output rows.
+// The interleaved layout of AVX2 and AVX-512 builds (quant_pack): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL rows in
+// groups of 16 output rows (the super-block types' below).
 // A group holds its rows' chunks in order, chunk c in as many bytes as the 16 rows' blocks c: first the 16 scales a
 // (f16), for Q4_1 then the 16 offsets b (f16), then the weights as vectors of 16 lanes of 4 bytes, lane r of vector j
 // holding row r's weights 4j .. 4j + 3 of the chunk as unsigned bytes u, so that w = a u + b:
@@ -657,6 +658,7 @@ void dot_group(const uint8_t* row, int64_t in, const int8_t* xq, const float* xd
 //   in its low nibble and 16 + 4t + k in its high one (vector t & 15 and (vector t >> 4) & 15 give u for vectors t
 //   and t + 4); b = -8 a for Q4_0, the block's min for Q4_1.
 // * Q8_0: 8 vectors of u = q + 128, and b = -128 a.
+// * IQ4_NL: the file's nibble bytes as Q4_0's, each nibble the index of its value (kIq4Values).
 // One vpdpbusd then multiplies 4 weights of 16 output rows by 4 int8 inputs broadcast, and a chunk's float step
 // (convert, scale, offset) serves 16 outputs: no horizontal sums, and the weights of a group are decoded once for
 // every input row. A group is as many bytes as its 16 rows were, so packing happens in place.
