@@ -72,20 +72,27 @@ FTYPES = {"MXFP4_MOE": 38, "Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "Q4_0": 2, "Q3
 
 
 def _tokenizer_source() -> Any:
-    """The packaged Qwen2.5-Coder GGUF, whose tokenizer (a real BPE vocabulary both engines load) the models take."""
-    from pagedllm.model.gguf_file import open_gguf
+    """The packaged Qwen2.5-Coder GGUF, whose tokenizer (a real BPE vocabulary both engines load) the models take:
+    every item parsed (open_gguf skips over the vocabulary's arrays)."""
+    from pagedllm.model.gguf_file import reader_classes
     from pagedllm.model.packaged import packaged_model
 
-    return open_gguf(packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
+    return reader_classes()[1](packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
+
+
+def _byte_strings(field: Any) -> list[bytes]:
+    """A string array field's items as bytes (gguf's `contents()` decodes them as UTF-8, which fails on a token
+    that holds part of a character)."""
+    return [bytes(field.parts[i]) for i in field.data]
 
 
 def _copy_tokenizer(w: Any, source: Any) -> None:
     """The source file's tokenizer metadata into writer `w`."""
     w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
     w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_list(_byte_strings(source.fields["tokenizer.ggml.tokens"]))
     w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    w.add_token_merges(_byte_strings(source.fields["tokenizer.ggml.merges"]))
     for key in ("bos", "eos", "padding"):
         field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
         if field is not None:
@@ -96,7 +103,7 @@ def write_f16(path: str, shape: dict, seed: int = 0) -> None:
     import gguf
 
     source = _tokenizer_source()
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     arch = shape.get("arch", "llama")
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"synthetic {os.path.basename(path)}")
@@ -172,7 +179,7 @@ def write_gpt_oss_direct(path: str, shape: dict, seed: int = 0) -> None:
     import gguf
 
     source = _tokenizer_source()
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     h, d, inter, experts = shape["hidden"], shape["head_dim"], shape["inter"], shape["experts"]
     q_out, kv_out = shape["heads"] * d, shape["kv_heads"] * d
     w = gguf.GGUFWriter(path, "gpt-oss")
