@@ -80,19 +80,13 @@ def _tokenizer_source() -> Any:
     return reader_classes()[1](packaged_model("qwen2.5-coder-0.5b-q4_k_m"))
 
 
-def _byte_strings(field: Any) -> list[bytes]:
-    """A string array field's items as bytes (gguf's `contents()` decodes them as UTF-8, which fails on a token
-    that holds part of a character)."""
-    return [bytes(field.parts[i]) for i in field.data]
-
-
 def _copy_tokenizer(w: Any, source: Any) -> None:
     """The source file's tokenizer metadata into writer `w`."""
     w.add_tokenizer_model(source.fields["tokenizer.ggml.model"].contents())
     w.add_tokenizer_pre(source.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(_byte_strings(source.fields["tokenizer.ggml.tokens"]))
+    w.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
     w.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(_byte_strings(source.fields["tokenizer.ggml.merges"]))
+    w.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
     for key in ("bos", "eos", "padding"):
         field = source.fields.get(f"tokenizer.ggml.{key}_token_id")
         if field is not None:
