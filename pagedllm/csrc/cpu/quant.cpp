@@ -843,9 +843,45 @@ inline void prefetch_weights(const uint8_t* p, int64_t ahead, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64)
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + ahead + l), _MM_HINT_T0);
 }
-#endif
 
-#if defined(PAGEDLLM_QUANT_AVX2)
+// Inputs 4t .. 4t + 3 of a chunk's int8 copy x, broadcast to every 32-bit lane (vpmaddubsw's second operand).
+inline __m256i inputs4(const int8_t* x, int t) {
+  int32_t w;
+  std::memcpy(&w, x + 4 * t, 4);
+  return _mm256_set1_epi32(w);
+}
+
+// sum over the 8 weight vectors v (signed, |v| in av) of v times their inputs, as int32 lanes: the sign of v moved
+// onto x and |v| multiplied (ggml's way: at most 2 * 128 * 127 per pair), each vector's pairs widened by vpmaddwd.
+inline __m256i signed_sum8(const __m256i* v, const __m256i* av, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(inputs4(x, 0), v[0])), ones);
+#pragma GCC unroll 8
+  for (int t = 1; t < 8; ++t)
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[t], _mm256_sign_epi8(inputs4(x, t), v[t])), ones));
+  return s;
+}
+
+// sum over the 8 weight vectors v (unsigned) of v times their inputs, as int32 lanes: the pair sums added in 16 bits,
+// all eight where u <= 15 (8 * 2 * 15 * 127), four at a time where u <= 31 (`five`: 4 * 2 * 31 * 127).
+template <bool five>
+inline __m256i unsigned_sum8(const __m256i* v, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (five) {
+    __m256i p = _mm256_maddubs_epi16(v[0], inputs4(x, 0)), q = _mm256_maddubs_epi16(v[4], inputs4(x, 4));
+#pragma GCC unroll 4
+    for (int t = 1; t < 4; ++t) {
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], inputs4(x, t)));
+      q = _mm256_add_epi16(q, _mm256_maddubs_epi16(v[t + 4], inputs4(x, t + 4)));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+  }
+  __m256i p = _mm256_maddubs_epi16(v[0], inputs4(x, 0));
+#pragma GCC unroll 8
+  for (int t = 1; t < 8; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], inputs4(x, t)));
+  return _mm256_madd_epi16(p, ones);
+}
+
 // Chunk j's scale a = d sc and offset b = -dmin m for rows 8 half .. 8 half + 7 of a packed Q4_K or Q5_K super-block
 // (scale_min_k4's bit fields, lane-wise from the halves of its three scale vectors).
 inline void k4_scales_avx2(const uint8_t* sb, int half, int j, __m256 d, __m256 dmin, __m256& a, __m256& b) {
@@ -1293,11 +1329,28 @@ AmxGroupFn amx_group_fn(int32_t type) {
 // at 1 row and worse at 5 in a harness; 5 KiB up to 2 rows was no better in the real kernels.
 constexpr int64_t kPrefetchAhead = 2560;
 
+// The half's 8 output lanes of each input row: stored where `keep` says.
+template <int RB>
+inline void store_half(const __m256* acc, float* y, int64_t ldy, int h, uint32_t keep) {
+  const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
+  for (int r = 0; r < RB; ++r) {
+    float* o = y + r * ldy + 8 * h;
+    if (k8 == 0xFFu) {
+      _mm256_storeu_ps(o, acc[r]);
+    } else if (k8 != 0) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[r]);
+      for (int l = 0; l < 8; ++l)
+        if (k8 >> l & 1u) o[l] = t[l];
+    }
+  }
+}
+
 template <int32_t T, int RB>
 void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t ldq,
                   int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   constexpr int64_t cb = kPackRows * block_bytes(T), wo = packed_weights_at(T);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
@@ -1343,65 +1396,16 @@ void packed_group(const uint8_t* grp, int64_t nb, const int8_t* xq, const float*
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
         const int8_t* x = xq + r * ldq + 32 * c;
-        auto x4 = [&](int j) {
-          int32_t w;
-          std::memcpy(&w, x + 4 * j, 4);
-          return _mm256_set1_epi32(w);
-        };
         __m256i s;
-        if constexpr (T == PQ_Q8_0 || T == PQ_IQ4_NL) {
-          s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(x4(0), v[0])), ones);
-#pragma GCC unroll 8
-          for (int j = 1; j < 8; ++j)
-            s = _mm256_add_epi32(
-                s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(x4(j), v[j])), ones));
-        } else if constexpr (five_bit(T)) {  // u <= 31: four vectors' pair sums fit 16 bits (4 * 2 * 31 * 127)
-          __m256i p = _mm256_maddubs_epi16(v[0], x4(0)), q = _mm256_maddubs_epi16(v[4], x4(4));
-#pragma GCC unroll 4
-          for (int j = 1; j < 4; ++j) {
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[j], x4(j)));
-            q = _mm256_add_epi16(q, _mm256_maddubs_epi16(v[j + 4], x4(j + 4)));
-          }
-          s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
-        } else {
-          __m256i p = _mm256_maddubs_epi16(v[0], x4(0));
-#pragma GCC unroll 8
-          for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[j], x4(j)));
-          s = _mm256_madd_epi16(p, ones);
-        }
+        if constexpr (T == PQ_Q8_0 || T == PQ_IQ4_NL)
+          s = signed_sum8(v, av, x);
+        else
+          s = unsigned_sum8<five_bit(T)>(v, x);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
         if constexpr (T != PQ_Q8_0 && T != PQ_IQ4_NL) acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
       }
     }
-    const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
-    for (int r = 0; r < RB; ++r) {
-      float* o = y + r * ldy + 8 * h;
-      if (k8 == 0xFFu) {
-        _mm256_storeu_ps(o, acc[r]);
-      } else if (k8 != 0) {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, acc[r]);
-        for (int l = 0; l < 8; ++l)
-          if (k8 >> l & 1u) o[l] = t[l];
-      }
-    }
-  }
-}
-
-// The half's 8 output lanes of each input row: stored where `keep` says.
-template <int RB>
-inline void store_half(const __m256* acc, float* y, int64_t ldy, int h, uint32_t keep) {
-  const uint32_t k8 = (keep >> (8 * h)) & 0xFFu;
-  for (int r = 0; r < RB; ++r) {
-    float* o = y + r * ldy + 8 * h;
-    if (k8 == 0xFFu) {
-      _mm256_storeu_ps(o, acc[r]);
-    } else if (k8 != 0) {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, acc[r]);
-      for (int l = 0; l < 8; ++l)
-        if (k8 >> l & 1u) o[l] = t[l];
-    }
+    store_half<RB>(acc, y, ldy, h, keep);
   }
 }
 
@@ -1413,7 +1417,7 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
                     int64_t ldb, float* y, int64_t ldy, uint32_t keep, const int32_t* x16) {
   (void)x16;
   constexpr int64_t sbb = kPackRows * block_bytes(T);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -1444,26 +1448,7 @@ void packed_group_k(const uint8_t* grp, int64_t nb, const int8_t* xq, const floa
 #pragma GCC unroll 8
           for (int r = 0; r < RB; ++r) {
             const int8_t* x = xq + r * ldq + 32 * c;
-            auto x4 = [&](int t) {
-              int32_t w;
-              std::memcpy(&w, x + 4 * t, 4);
-              return _mm256_set1_epi32(w);
-            };
-            __m256i s;
-            if constexpr (T == PQ_Q5_K) {  // u <= 31: four vectors' pair sums fit 16 bits (4 * 2 * 31 * 127)
-              __m256i p = _mm256_maddubs_epi16(v[0], x4(0)), q = _mm256_maddubs_epi16(v[4], x4(4));
-#pragma GCC unroll 4
-              for (int t = 1; t < 4; ++t) {
-                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], x4(t)));
-                q = _mm256_add_epi16(q, _mm256_maddubs_epi16(v[t + 4], x4(t + 4)));
-              }
-              s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
-            } else {  // u <= 15: all eight (8 * 2 * 15 * 127)
-              __m256i p = _mm256_maddubs_epi16(v[0], x4(0));
-#pragma GCC unroll 8
-              for (int t = 1; t < 8; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t], x4(t)));
-              s = _mm256_madd_epi16(p, ones);
-            }
+            const __m256i s = unsigned_sum8<T == PQ_Q5_K>(v, x);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
             acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * ldb + c]), acc[r]);
           }
@@ -1512,17 +1497,12 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
         const int8_t* x = xq + r * ldq + 32 * c;
-        auto x4 = [&](int t) {
-          int32_t w;
-          std::memcpy(&w, x + 4 * t, 4);
-          return _mm256_set1_epi32(w);
-        };
         const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
         auto half_sum = [&](int t0, int32_t sum16) {
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0], x4(t0)),
-                                             _mm256_maddubs_epi16(v[t0 + 1], x4(t0 + 1)));
-          const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0 + 2], x4(t0 + 2)),
-                                             _mm256_maddubs_epi16(v[t0 + 3], x4(t0 + 3)));
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0], inputs4(x, t0)),
+                                             _mm256_maddubs_epi16(v[t0 + 1], inputs4(x, t0 + 1)));
+          const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0 + 2], inputs4(x, t0 + 2)),
+                                             _mm256_maddubs_epi16(v[t0 + 3], inputs4(x, t0 + 3)));
           return _mm256_add_epi32(_mm256_set1_epi32(-32 * sum16),
                                   _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones)));
         };
@@ -1555,7 +1535,7 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
   static_assert(T == PQ_IQ4_XS);
   (void)xs, (void)x16;
   constexpr int64_t sbb = kPackRows * 136;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), table = iq4_table();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table();
   const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
@@ -1582,15 +1562,7 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
           const int8_t* x = xq + r * ldq + 32 * c;
-          auto x4 = [&](int t) {
-            int32_t w;
-            std::memcpy(&w, x + 4 * t, 4);
-            return _mm256_set1_epi32(w);
-          };
-          __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(av[0], _mm256_sign_epi8(x4(0), v[0])), ones);
-#pragma GCC unroll 8
-          for (int t = 1; t < 8; ++t)
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(av[t], _mm256_sign_epi8(x4(t), v[t])), ones));
+          const __m256i s = signed_sum8(v, av, x);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(a, _mm256_set1_ps(xd[r * ldb + c])), acc[r]);
         }
       }
@@ -1641,15 +1613,10 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
           const int8_t* x = xq + r * ldq + 32 * c;
-          auto x4 = [&](int t) {
-            int32_t wd;
-            std::memcpy(&wd, x + 4 * t, 4);
-            return _mm256_set1_epi32(wd);
-          };
           const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
           auto half_sum = [&](int t0, int32_t sum16) {
-            __m256i p = _mm256_maddubs_epi16(v[t0], x4(t0));
-            for (int t = 1; t < 4; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t0 + t], x4(t0 + t)));
+            __m256i p = _mm256_maddubs_epi16(v[t0], inputs4(x, t0));
+            for (int t = 1; t < 4; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t0 + t], inputs4(x, t0 + t)));
             return _mm256_add_epi32(_mm256_set1_epi32(-4 * sum16), _mm256_madd_epi16(p, ones));
           };
           const __m256i p0 = half_sum(0, sums[0]), p1 = half_sum(4, sums[1]);
