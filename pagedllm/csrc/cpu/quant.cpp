@@ -882,6 +882,21 @@ inline __m256i unsigned_sum8(const __m256i* v, const int8_t* x) {
   return _mm256_madd_epi16(p, ones);
 }
 
+// offset + the sum over the 4 weight vectors v[t0 .. t0 + 3] (unsigned, u <= U) of v times their inputs, as int32
+// lanes: one 16-weight half of a chunk whose halves have scales of their own (Q3_K, Q6_K). The pair sums add up in 16
+// bits all four at a time where u <= 7 (Q3_K: 4 * 2 * 7 * 127), two at a time where u <= 63 (Q6_K: 2 * 2 * 63 * 127).
+template <int U>
+inline __m256i unsigned_sum4(const __m256i* v, const int8_t* x, int t0, int32_t offset) {
+  static_assert(U == 7 || U == 63);
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto pair = [&](int t) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(v[t], inputs4(x, t)), _mm256_maddubs_epi16(v[t + 1], inputs4(x, t + 1)));
+  };
+  const __m256i s = U == 7 ? _mm256_madd_epi16(_mm256_add_epi16(pair(t0), pair(t0 + 2)), ones)
+                           : _mm256_add_epi32(_mm256_madd_epi16(pair(t0), ones), _mm256_madd_epi16(pair(t0 + 2), ones));
+  return _mm256_add_epi32(_mm256_set1_epi32(offset), s);
+}
+
 // Chunk j's scale a = d sc and offset b = -dmin m for rows 8 half .. 8 half + 7 of a packed Q4_K or Q5_K super-block
 // (scale_min_k4's bit fields, lane-wise from the halves of its three scale vectors).
 inline void k4_scales_avx2(const uint8_t* sb, int half, int j, __m256 d, __m256 dmin, __m256& a, __m256& b) {
@@ -1468,7 +1483,7 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   static_assert(T == PQ_Q6_K);
   (void)xs;
   constexpr int64_t sbb = kPackRows * 210;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -1498,15 +1513,7 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
       for (int r = 0; r < RB; ++r) {
         const int8_t* x = xq + r * ldq + 32 * c;
         const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
-        auto half_sum = [&](int t0, int32_t sum16) {
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0], inputs4(x, t0)),
-                                             _mm256_maddubs_epi16(v[t0 + 1], inputs4(x, t0 + 1)));
-          const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(v[t0 + 2], inputs4(x, t0 + 2)),
-                                             _mm256_maddubs_epi16(v[t0 + 3], inputs4(x, t0 + 3)));
-          return _mm256_add_epi32(_mm256_set1_epi32(-32 * sum16),
-                                  _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones)));
-        };
-        const __m256i p0 = half_sum(0, sums[0]), p1 = half_sum(4, sums[1]);
+        const __m256i p0 = unsigned_sum4<63>(v, x, 0, -32 * sums[0]), p1 = unsigned_sum4<63>(v, x, 4, -32 * sums[1]);
         const __m256 dx = _mm256_set1_ps(xd[r * ldb + c]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(a0, dx), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(a1, dx), acc[r]);
@@ -1580,7 +1587,7 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   static_assert(T == PQ_Q3_K);
   (void)xs;
   constexpr int64_t sbb = kPackRows * 110;
-  const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+  const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1);
   const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
@@ -1614,12 +1621,7 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
         for (int r = 0; r < RB; ++r) {
           const int8_t* x = xq + r * ldq + 32 * c;
           const int32_t* sums = x16 + r * 2 * ldb + 2 * c;  // the input's sums over 16 (quantize_row)
-          auto half_sum = [&](int t0, int32_t sum16) {
-            __m256i p = _mm256_maddubs_epi16(v[t0], inputs4(x, t0));
-            for (int t = 1; t < 4; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[t0 + t], inputs4(x, t0 + t)));
-            return _mm256_add_epi32(_mm256_set1_epi32(-4 * sum16), _mm256_madd_epi16(p, ones));
-          };
-          const __m256i p0 = half_sum(0, sums[0]), p1 = half_sum(4, sums[1]);
+          const __m256i p0 = unsigned_sum4<7>(v, x, 0, -4 * sums[0]), p1 = unsigned_sum4<7>(v, x, 4, -4 * sums[1]);
           const __m256 dx = _mm256_set1_ps(xd[r * ldb + c]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(a0, dx), acc[r]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(a1, dx), acc[r]);
