@@ -120,6 +120,7 @@ static void bf16_rows(const uint32_t* __restrict wp, const uint32_t* __restrict 
                       int64_t ys, const float* bias, int64_t nout, bool add) {
 #if defined(PAGEDLLM_NATIVE_BF16)
   __m512 acc0[MB], acc1[MB];
+#pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   for (int64_t i2 = 0; i2 < in2; ++i2) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + i2 * kPanel);
@@ -134,6 +135,7 @@ static void bf16_rows(const uint32_t* __restrict wp, const uint32_t* __restrict 
   }
 #else
   pvec acc0[MB], acc1[MB];
+#pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = pv_zero();
   for (int64_t i2 = 0; i2 < in2; ++i2) {
     const uint32_t* w = wp + i2 * kPanel;
@@ -147,6 +149,9 @@ static void bf16_rows(const uint32_t* __restrict wp, const uint32_t* __restrict 
     }
   }
 #endif
+  // Unrolled, as the set-up above: a loop here kept the accumulators in a stack array (zeroed by memset each call),
+  // ~8% of a 128-pair slice's time.
+#pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) store_sums(y + m * ys, acc0[m], acc1[m], bias, nout, add);
 }
 
