@@ -195,6 +195,22 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
         torch.testing.assert_close(whole.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
+def test_bf16_panels_are_those_of_the_dequantized_rows(ops, qtype: int) -> None:
+    """Where the build multiplies in bf16, a prompt row's product is the same bits whether its panels were written
+    straight from the packed groups (most types) or from rows de-quantized first (the rest, and the unpacked tail
+    rows): both are the rows' values rounded to bf16, and the same kernel sums them. Checked against panels packed
+    from `dequantize_rows`' float32 rows, with a width that is not a multiple of 256 where the type allows."""
+    if not ops.bf16_native():
+        pytest.skip("the build multiplies float32 panels (no AVX512-BF16)")
+    cols = 256 * 3 if block_size(qtype)[0] == 256 else 32 * 29
+    qm, _ = _matrix(ops, [(qtype, 70)], cols, seed=13)  # 64 rows in packed groups, 6 as stored
+    rows = ops.dequantize_rows(qm, torch.arange(70))
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
+    want = ops.bf16_panel_linear(x, ops.bf16_pack_panels(rows), None, 70)
+    assert torch.equal(ops.quant_linear(x, qm, None, False), want)
+
+
 @pytest.mark.parametrize("qtype", (Q4_0, Q8_0, Q4_K), ids=lambda t: NAMES[t])
 def test_many_panel_rows_in_blocks_are_the_same_bits(ops, qtype: int) -> None:
     """Prompt rows beyond about 768 KiB of inputs go in row blocks against panels de-quantized a group at a time

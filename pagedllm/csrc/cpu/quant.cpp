@@ -669,11 +669,13 @@ constexpr bool packed_k(int32_t type) {
   return type == PQ_Q3_K || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K || type == PQ_IQ4_XS;
 }
 // The types whose packed groups go straight into panels (packed_panel_groups); the others' panels are built from
-// their rows de-quantized.
+// their rows de-quantized. IQ4_XS and Q3_K go straight into bf16 panels only (panel_direct_bf16: the AVX-512 build's
+// packed_group_k_to_panel); their float32 panels (AVX2) still come from rows.
 constexpr bool panel_direct(int32_t type) {
   return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
-         type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K;
+         type == PQ_IQ4_NL || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K;
 }
+constexpr bool panel_direct_bf16(int32_t type) { return panel_direct(type) || type == PQ_IQ4_XS || type == PQ_Q3_K; }
 
 inline bool packable(int32_t type) {
   return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
@@ -1710,9 +1712,9 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
 
 // Calls fn(type, group, nb, n0) for each packed group of the panel of outputs [base, base + kPanel) (its rows from
 // column n0; type a std::integral_constant of the segment's type), where they all are in one packed segment's whole
-// groups, of a K type (Q4_K, Q5_K, Q6_K) if K and of an interleaved one otherwise; false otherwise (the caller
-// de-quantizes rows).
-template <bool K = false, class Fn>
+// groups, of a K type (Q4_K, Q5_K, Q6_K; with Bf16 also IQ4_XS and Q3_K) if K and of an interleaved one otherwise;
+// false otherwise (the caller de-quantizes rows).
+template <bool K = false, bool Bf16 = false, class Fn>
 bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
   if (kPanel % kPackRows != 0) return false;
   int64_t first = 0;
@@ -1720,8 +1722,8 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     const QSegment& g = w.seg[s];
     if (base < first + g.rows) {
       const int64_t local = base - first;
-      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K || !panel_direct(g.type))
-        return false;
+      const bool direct = Bf16 ? panel_direct_bf16(g.type) : panel_direct(g.type);
+      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K || !direct) return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
@@ -1729,7 +1731,13 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
           switch (g.type) {
             case PQ_Q4_K: fn(std::integral_constant<int32_t, PQ_Q4_K>{}, grp, nb, h * kPackRows); break;
             case PQ_Q5_K: fn(std::integral_constant<int32_t, PQ_Q5_K>{}, grp, nb, h * kPackRows); break;
-            default: fn(std::integral_constant<int32_t, PQ_Q6_K>{}, grp, nb, h * kPackRows); break;
+            case PQ_Q6_K: fn(std::integral_constant<int32_t, PQ_Q6_K>{}, grp, nb, h * kPackRows); break;
+            default:
+              if constexpr (Bf16) {
+                if (g.type == PQ_IQ4_XS) fn(std::integral_constant<int32_t, PQ_IQ4_XS>{}, grp, nb, h * kPackRows);
+                else fn(std::integral_constant<int32_t, PQ_Q3_K>{}, grp, nb, h * kPackRows);
+              }
+              break;
           }
           continue;
         }
@@ -1738,6 +1746,7 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
           case PQ_Q4_1: fn(std::integral_constant<int32_t, PQ_Q4_1>{}, grp, nb, h * kPackRows); break;
           case PQ_Q5_0: fn(std::integral_constant<int32_t, PQ_Q5_0>{}, grp, nb, h * kPackRows); break;
           case PQ_Q5_1: fn(std::integral_constant<int32_t, PQ_Q5_1>{}, grp, nb, h * kPackRows); break;
+          case PQ_IQ4_NL: fn(std::integral_constant<int32_t, PQ_IQ4_NL>{}, grp, nb, h * kPackRows); break;
           default: fn(std::integral_constant<int32_t, PQ_Q8_0>{}, grp, nb, h * kPackRows); break;
         }
       }
@@ -1769,6 +1778,12 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
         return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(word, fifth_bit_at(w)), _mm256_set1_epi32(1)), 4);
       };
       float* o = panel + 32 * c * kPanel + n0 + 8 * h;
+      // IQ4_NL: a nibble's value from two 8-entry halves of the table (vpermd reads an index's low 3 bits).
+      [[maybe_unused]] auto iq4 = [&](__m256i u) {
+        const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(-127, -104, -83, -65, -49, -35, -22, -10), u);
+        const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(1, 13, 25, 38, 53, 69, 89, 113), u);
+        return _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(u, _mm256_set1_epi32(7)))));
+      };
       for (int j = 0; j < (T == PQ_Q8_0 ? 8 : 4); ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h));
 #pragma GCC unroll 4
@@ -1777,6 +1792,10 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
           if constexpr (T == PQ_Q8_0) {
             const __m256i u = _mm256_sub_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(0xFF)), _mm256_set1_epi32(128));
             _mm256_storeu_ps(o + (4 * j + k) * kPanel, _mm256_mul_ps(a, _mm256_cvtepi32_ps(u)));
+          } else if constexpr (T == PQ_IQ4_NL) {  // dequant_packed_row's a * value
+            _mm256_storeu_ps(o + (4 * j + k) * kPanel, iq4(_mm256_and_si256(sh, _mm256_set1_epi32(0xF))));
+            _mm256_storeu_ps(o + (16 + 4 * j + k) * kPanel,
+                             iq4(_mm256_and_si256(_mm256_srli_epi32(sh, 4), _mm256_set1_epi32(0xF))));
           } else {
             __m256i lo = _mm256_and_si256(sh, _mm256_set1_epi32(0xF));
             __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 4), _mm256_set1_epi32(0xF));
@@ -1885,6 +1904,7 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
                                 : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
     [[maybe_unused]] const __m512i word =
         five_bit(T) ? _mm512_loadu_si512(ch + packed_qh_at(T)) : _mm512_setzero_si512();
+    [[maybe_unused]] const __m512i iq4_values = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
     auto weight = [&](int k) {  // weight k (0..31) of the chunk, for the 16 rows
       if constexpr (T == PQ_Q8_0) {
         const __m512i v = _mm512_loadu_si512(ch + wo + 64 * (k / 4));
@@ -1894,6 +1914,8 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
         const __m512i v = _mm512_loadu_si512(ch + wo + 64 * ((k % 16) / 4));
         const int shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
         __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
+        if constexpr (T == PQ_IQ4_NL)  // the nibble's value (vpermd reads an index's low 4 bits), times a
+          return _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(u, iq4_values)));
         if constexpr (five_bit(T))
           u = _mm512_or_si512(
               u, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(word, fifth_bit_at(k)), _mm512_set1_epi32(1)), 4));
@@ -1915,17 +1937,55 @@ bool packed_panel(const QMatrix& w, int64_t base, uint32_t* panel) {
 // A packed group of Q4_K, Q5_K or Q6_K rows (move_block_k's layout) straight into 16 columns of a bf16 pair panel:
 // dequant_row's arithmetic (w = fma(u, d sc, -dmin m); Q6_K: (u - 32) d sc), the chunk's scales for the 16 rows
 // from the super-block's scale vectors as packed_group_k and packed_group_q6k read them.
+//
+// IQ4_XS (w = value d (ls - 32), ls its sub-block's 6-bit scale) and Q3_K (w = q d sc, q = low 2 bits - 4 unless the
+// high bit is set, sc its 16 weights' signed 6-bit scale) likewise: dequant_row's arithmetic on the fields of their
+// packed layouts (move_block_k), the products as fma(x, y, 0) as there.
 template <int32_t T>
 void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int64_t n0) {
   constexpr int64_t sbb = kPackRows * block_bytes(T);
   const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), one = _mm512_set1_epi32(1);
+  const __m512 zero = _mm512_setzero_ps();
+  [[maybe_unused]] const __m512i iq4_values = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+  [[maybe_unused]] auto field = [](__m512i v, int shift, __m512i mask) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask); };
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     for (int j = 0; j < 8; ++j) {
       const int64_t c = sbi * 8 + j;
-      if constexpr (T == PQ_Q6_K) {
+      if constexpr (T == PQ_IQ4_XS) {
+        // scale_iq4_xs: 4 bits of scales_l byte j / 2, 2 bits of scales_h (16 bits, widened to lanes) at 2 j.
+        const __m512i hw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsHigh)));
+        const __m512i ls = _mm512_or_si512(field(_mm512_loadu_si512(sb + kXsLow), 8 * (j / 2) + 4 * (j % 2), low4),
+                                           _mm512_slli_epi32(field(hw, 2 * j, three), 4));
+        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        auto weight = [&](int k) {  // nibbles as Q4_0's in vectors 4 j + t
+          const __m512i v = _mm512_loadu_si512(sb + kXsNibbles + 64 * (4 * j + (k % 16) / 4));
+          const __m512i u = field(v, 8 * (k % 4) + (k >= 16 ? 4 : 0), low4);
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(u, iq4_values)), a, zero);
+        };
+        chunk_to_panel(weight, panel, c, n0);
+      } else if constexpr (T == PQ_Q3_K) {
+        // scales_q3_k's scale s: its low 4 bits from byte s % 8 (high nibble for s >= 8), its high 2 from byte
+        // 8 + s % 4 at 2 (s / 4); the 12 bytes are scale vectors 0-2.
+        auto scale = [&](int s) {
+          const int lb = s % 8;
+          const __m512i lo = field(_mm512_loadu_si512(sb + kQ3Scales + 64 * (lb / 4)), 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
+          const __m512i hi = field(_mm512_loadu_si512(sb + kQ3Scales + 128), 8 * (s % 4) + 2 * (s / 4), three);
+          const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+          return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        };
+        const __m512 a0 = scale(2 * j), a1 = scale(2 * j + 1);
+        const int h = j / 4, part = j % 4;
+        auto weight = [&](int k) {  // 2 bits of qs byte 32 h + k at 2 part; hmask byte k's bit j
+          const __m512i q2 = field(_mm512_loadu_si512(sb + kQ3Low + 64 * (8 * h + k / 4)), 8 * (k % 4) + 2 * part, three);
+          const __m512i hb = field(_mm512_loadu_si512(sb + kQ3Mask + 64 * (k / 4)), 8 * (k % 4) + j, one);
+          const __m512i q = _mm512_sub_epi32(_mm512_or_si512(q2, _mm512_slli_epi32(hb, 2)), _mm512_set1_epi32(4));
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), k < 16 ? a0 : a1, zero);
+        };
+        chunk_to_panel(weight, panel, c, n0);
+      } else if constexpr (T == PQ_Q6_K) {
         const int h = j / 4, part = j % 4;
         __m512 a0, a1;
         q6_scales(sb, j, d, a0, a1);
@@ -1961,7 +2021,7 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
 
 // The same for a panel of outputs [base, base + kPanel) that lies in whole packed groups of one K-type segment.
 bool packed_panel_k(const QMatrix& w, int64_t base, uint32_t* panel) {
-  return packed_panel_groups<true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+  return packed_panel_groups<true, true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
     packed_group_k_to_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
 }
