@@ -1782,7 +1782,8 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
       [[maybe_unused]] auto iq4 = [&](__m256i u) {
         const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(-127, -104, -83, -65, -49, -35, -22, -10), u);
         const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(1, 13, 25, 38, 53, 69, 89, 113), u);
-        return _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(u, _mm256_set1_epi32(7)))));
+        const __m256i value = _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(u, _mm256_set1_epi32(7)));
+        return _mm256_mul_ps(a, _mm256_cvtepi32_ps(value));
       };
       for (int j = 0; j < (T == PQ_Q8_0 ? 8 : 4); ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h));
@@ -1874,6 +1875,11 @@ bool packed_f32_panel(const QMatrix& w, int64_t base, float* panel) {
 
 #if defined(__AVX512BF16__)
 #define PAGEDLLM_QUANT_PACKED_BF16 1
+// kIq4Values as 16 int32 lanes (vpermd's table: an index's low 4 bits pick its value).
+inline __m512i iq4_values16() {
+  return _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+}
+
 // 32 weights of a packed group's 16 rows (weight(k): a vector of row lanes) -> pairs 16 c .. 16 c + 15 of the
 // panel's columns [n0, n0 + 16): both weights of pair p rounded in one instruction (row n's even weight in bf16 lane
 // n, its odd one in lane 16 + n), then interleaved into row n's pair by one permutation of the 32 bf16 lanes;
@@ -1904,7 +1910,7 @@ void packed_group_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, int6
                                 : _mm512_mul_ps(a, _mm512_set1_ps(packed_offset(T)));
     [[maybe_unused]] const __m512i word =
         five_bit(T) ? _mm512_loadu_si512(ch + packed_qh_at(T)) : _mm512_setzero_si512();
-    [[maybe_unused]] const __m512i iq4_values = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+    [[maybe_unused]] const __m512i iq4_values = iq4_values16();
     auto weight = [&](int k) {  // weight k (0..31) of the chunk, for the 16 rows
       if constexpr (T == PQ_Q8_0) {
         const __m512i v = _mm512_loadu_si512(ch + wo + 64 * (k / 4));
@@ -1946,8 +1952,10 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
   constexpr int64_t sbb = kPackRows * block_bytes(T);
   const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), one = _mm512_set1_epi32(1);
   const __m512 zero = _mm512_setzero_ps();
-  [[maybe_unused]] const __m512i iq4_values = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
-  [[maybe_unused]] auto field = [](__m512i v, int shift, __m512i mask) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask); };
+  [[maybe_unused]] const __m512i iq4_values = iq4_values16();
+  [[maybe_unused]] auto field = [](__m512i v, int shift, __m512i mask) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask);
+  };
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
@@ -1971,7 +1979,8 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
         // 8 + s % 4 at 2 (s / 4); the 12 bytes are scale vectors 0-2.
         auto scale = [&](int s) {
           const int lb = s % 8;
-          const __m512i lo = field(_mm512_loadu_si512(sb + kQ3Scales + 64 * (lb / 4)), 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
+          const __m512i lw = _mm512_loadu_si512(sb + kQ3Scales + 64 * (lb / 4));
+          const __m512i lo = field(lw, 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
           const __m512i hi = field(_mm512_loadu_si512(sb + kQ3Scales + 128), 8 * (s % 4) + 2 * (s / 4), three);
           const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
           return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
@@ -1979,7 +1988,8 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
         const __m512 a0 = scale(2 * j), a1 = scale(2 * j + 1);
         const int h = j / 4, part = j % 4;
         auto weight = [&](int k) {  // 2 bits of qs byte 32 h + k at 2 part; hmask byte k's bit j
-          const __m512i q2 = field(_mm512_loadu_si512(sb + kQ3Low + 64 * (8 * h + k / 4)), 8 * (k % 4) + 2 * part, three);
+          const __m512i lw = _mm512_loadu_si512(sb + kQ3Low + 64 * (8 * h + k / 4));
+          const __m512i q2 = field(lw, 8 * (k % 4) + 2 * part, three);
           const __m512i hb = field(_mm512_loadu_si512(sb + kQ3Mask + 64 * (k / 4)), 8 * (k % 4) + j, one);
           const __m512i q = _mm512_sub_epi32(_mm512_or_si512(q2, _mm512_slli_epi32(hb, 2)), _mm512_set1_epi32(4));
           return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), k < 16 ? a0 : a1, zero);
