@@ -196,18 +196,20 @@ def test_panel_rows_are_the_same_in_any_batch(ops, qtype: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: NAMES[t])
-def test_bf16_panels_are_those_of_the_dequantized_rows(ops, qtype: int) -> None:
-    """Where the build multiplies in bf16, a prompt row's product is the same bits whether its panels were written
-    straight from the packed groups (most types) or from rows de-quantized first (the rest, and the unpacked tail
-    rows): both are the rows' values rounded to bf16, and the same kernel sums them. Checked against panels packed
-    from `dequantize_rows`' float32 rows, with a width that is not a multiple of 256 where the type allows."""
-    if not ops.bf16_native():
-        pytest.skip("the build multiplies float32 panels (no AVX512-BF16)")
+def test_panels_are_those_of_the_dequantized_rows(ops, qtype: int) -> None:
+    """A prompt row's product is the same bits whether its panels were written straight from the packed groups (the
+    packed types on SIMD builds) or from rows de-quantized first (the others, and the unpacked tail rows): both hold
+    the rows' values (rounded to bf16 where the build multiplies in bf16), and the same kernel sums them. Checked
+    against panels packed from `dequantize_rows`' float32 rows, with a width that is not a multiple of 256 where the
+    type allows."""
     cols = 256 * 3 if block_size(qtype)[0] == 256 else 32 * 29
     qm, _ = _matrix(ops, [(qtype, 70)], cols, seed=13)  # 64 rows in packed groups, 6 as stored
     rows = ops.dequantize_rows(qm, torch.arange(70))
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
-    want = ops.bf16_panel_linear(x, ops.bf16_pack_panels(rows), None, 70)
+    if ops.bf16_native():
+        want = ops.bf16_panel_linear(x, ops.bf16_pack_panels(rows), None, 70)
+    else:
+        want = ops.panel_linear(x, ops.pack_panels(rows), None, 70)
     assert torch.equal(ops.quant_linear(x, qm, None, False), want)
 
 

@@ -668,14 +668,11 @@ constexpr int64_t kPackRows = 16;
 constexpr bool packed_k(int32_t type) {
   return type == PQ_Q3_K || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K || type == PQ_IQ4_XS;
 }
-// The types whose packed groups go straight into panels (packed_panel_groups); the others' panels are built from
-// their rows de-quantized. IQ4_XS and Q3_K go straight into bf16 panels only (panel_direct_bf16: the AVX-512 build's
-// packed_group_k_to_panel); their float32 panels (AVX2) still come from rows.
+// The types whose packed groups go straight into panels (packed_panel_groups): all the packable ones.
 constexpr bool panel_direct(int32_t type) {
   return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
-         type == PQ_IQ4_NL || type == PQ_Q4_K || type == PQ_Q5_K || type == PQ_Q6_K;
+         type == PQ_IQ4_NL || packed_k(type);
 }
-constexpr bool panel_direct_bf16(int32_t type) { return panel_direct(type) || type == PQ_IQ4_XS || type == PQ_Q3_K; }
 
 inline bool packable(int32_t type) {
   return type == PQ_Q4_0 || type == PQ_Q4_1 || type == PQ_Q5_0 || type == PQ_Q5_1 || type == PQ_Q8_0 ||
@@ -1712,9 +1709,9 @@ void packed_range(const QSegment& g, int64_t in, const Q8Rows& x, int64_t rows, 
 
 // Calls fn(type, group, nb, n0) for each packed group of the panel of outputs [base, base + kPanel) (its rows from
 // column n0; type a std::integral_constant of the segment's type), where they all are in one packed segment's whole
-// groups, of a K type (Q4_K, Q5_K, Q6_K; with Bf16 also IQ4_XS and Q3_K) if K and of an interleaved one otherwise;
-// false otherwise (the caller de-quantizes rows).
-template <bool K = false, bool Bf16 = false, class Fn>
+// groups, of a K type (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) if K and of an interleaved one otherwise; false otherwise
+// (the caller de-quantizes rows).
+template <bool K = false, class Fn>
 bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
   if (kPanel % kPackRows != 0) return false;
   int64_t first = 0;
@@ -1722,8 +1719,8 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
     const QSegment& g = w.seg[s];
     if (base < first + g.rows) {
       const int64_t local = base - first;
-      const bool direct = Bf16 ? panel_direct_bf16(g.type) : panel_direct(g.type);
-      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K || !direct) return false;
+      if (local % kPackRows != 0 || local + kPanel > g.packed || packed_k(g.type) != K || !panel_direct(g.type))
+        return false;
       const int64_t nb = w.in / 32, group_bytes = kPackRows * quant_row_bytes(g.type, w.in);
       for (int64_t h = 0; h < kPanel / kPackRows; ++h) {
         const uint8_t* grp = g.data + (local / kPackRows + h) * group_bytes;
@@ -1732,12 +1729,8 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
             case PQ_Q4_K: fn(std::integral_constant<int32_t, PQ_Q4_K>{}, grp, nb, h * kPackRows); break;
             case PQ_Q5_K: fn(std::integral_constant<int32_t, PQ_Q5_K>{}, grp, nb, h * kPackRows); break;
             case PQ_Q6_K: fn(std::integral_constant<int32_t, PQ_Q6_K>{}, grp, nb, h * kPackRows); break;
-            default:
-              if constexpr (Bf16) {
-                if (g.type == PQ_IQ4_XS) fn(std::integral_constant<int32_t, PQ_IQ4_XS>{}, grp, nb, h * kPackRows);
-                else fn(std::integral_constant<int32_t, PQ_Q3_K>{}, grp, nb, h * kPackRows);
-              }
-              break;
+            case PQ_IQ4_XS: fn(std::integral_constant<int32_t, PQ_IQ4_XS>{}, grp, nb, h * kPackRows); break;
+            default: fn(std::integral_constant<int32_t, PQ_Q3_K>{}, grp, nb, h * kPackRows); break;
           }
           continue;
         }
@@ -1758,6 +1751,16 @@ bool packed_panel_groups(const QMatrix& w, int64_t base, Fn&& fn) {
 }
 
 #if defined(PAGEDLLM_QUANT_AVX2)
+// The IQ4 value (kIq4Values) of each lane's index 0..15, as int32: two 8-entry halves (vpermd reads an index's low 3
+// bits), the upper half where the index is past 7.
+inline __m256i iq4_value8(__m256i u) {
+  auto half = [](int at) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kIq4Values + at)));
+  };
+  const __m256i lo = _mm256_permutevar8x32_epi32(half(0), u), hi = _mm256_permutevar8x32_epi32(half(8), u);
+  return _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(u, _mm256_set1_epi32(7)));
+}
+
 // A packed group's 16 rows straight into 16 columns of a float32 panel (panel [in, kPanel], the group's outputs from
 // column n0): dequant_packed_row's arithmetic, bit for bit, the 8 rows of a half's weight k being one vector's lanes.
 template <int32_t T>
@@ -1778,13 +1781,7 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
         return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(word, fifth_bit_at(w)), _mm256_set1_epi32(1)), 4);
       };
       float* o = panel + 32 * c * kPanel + n0 + 8 * h;
-      // IQ4_NL: a nibble's value from two 8-entry halves of the table (vpermd reads an index's low 3 bits).
-      [[maybe_unused]] auto iq4 = [&](__m256i u) {
-        const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(-127, -104, -83, -65, -49, -35, -22, -10), u);
-        const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_setr_epi32(1, 13, 25, 38, 53, 69, 89, 113), u);
-        const __m256i value = _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(u, _mm256_set1_epi32(7)));
-        return _mm256_mul_ps(a, _mm256_cvtepi32_ps(value));
-      };
+      [[maybe_unused]] auto iq4 = [&](__m256i u) { return _mm256_mul_ps(a, _mm256_cvtepi32_ps(iq4_value8(u))); };
       for (int j = 0; j < (T == PQ_Q8_0 ? 8 : 4); ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + wo + 64 * j + 32 * h));
 #pragma GCC unroll 4
@@ -1815,12 +1812,16 @@ void packed_group_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int
 
 // The same for a packed group of Q4_K, Q5_K or Q6_K rows (move_block_k's layout): dequant_row's arithmetic
 // (w = fma(u, d sc, -dmin m); Q6_K: (u - 32) d sc), each chunk's scales for a half's 8 rows from the super-block's
-// scale vectors as the int8 kernels read them.
+// scale vectors as the int8 kernels read them. IQ4_XS and Q3_K as packed_group_k_to_panel reads them.
 template <int32_t T>
 void packed_group_k_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, int64_t n0) {
   constexpr int64_t sbb = kPackRows * block_bytes(T);
   const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
+  const __m256 zero = _mm256_setzero_ps();
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  [[maybe_unused]] auto field = [](__m256i v, int shift, __m256i mask) {
+    return _mm256_and_si256(_mm256_srli_epi32(v, shift), mask);
+  };
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
@@ -1828,7 +1829,35 @@ void packed_group_k_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, i
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
       for (int j = 0; j < 8; ++j) {
         float* o = panel + 32 * (sbi * 8 + j) * kPanel + n0 + 8 * h;
-        if constexpr (T == PQ_Q6_K) {
+        if constexpr (T == PQ_IQ4_XS) {
+          const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kXsHigh + 16 * h));
+          const __m256i hw = _mm256_cvtepu16_epi32(high);
+          const __m256i ls = _mm256_or_si256(field(load(sb + kXsLow + 32 * h), 8 * (j / 2) + 4 * (j % 2), low4),
+                                             _mm256_slli_epi32(field(hw, 2 * j, three), 4));
+          const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+          for (int k = 0; k < 32; ++k) {
+            const __m256i v = load(sb + kXsNibbles + 64 * (4 * j + (k % 16) / 4) + 32 * h);
+            const __m256i u = field(v, 8 * (k % 4) + (k >= 16 ? 4 : 0), low4);
+            _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq4_value8(u)), a, zero));
+          }
+        } else if constexpr (T == PQ_Q3_K) {
+          auto scale = [&](int s) {  // as packed_group_k_to_panel's
+            const int lb = s % 8;
+            const __m256i lw = load(sb + kQ3Scales + 64 * (lb / 4) + 32 * h);
+            const __m256i lo = field(lw, 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
+            const __m256i hi = field(load(sb + kQ3Scales + 128 + 32 * h), 8 * (s % 4) + 2 * (s / 4), three);
+            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+            return _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+          };
+          const __m256 a0 = scale(2 * j), a1 = scale(2 * j + 1);
+          const int hh = j / 4, part = j % 4;
+          for (int k = 0; k < 32; ++k) {
+            const __m256i q2 = field(load(sb + kQ3Low + 64 * (8 * hh + k / 4) + 32 * h), 8 * (k % 4) + 2 * part, three);
+            const __m256i hb = field(load(sb + kQ3Mask + 64 * (k / 4) + 32 * h), 8 * (k % 4) + j, one);
+            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(q2, _mm256_slli_epi32(hb, 2)), _mm256_set1_epi32(4));
+            _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), k < 16 ? a0 : a1, zero));
+          }
+        } else if constexpr (T == PQ_Q6_K) {
           const int hh = j / 4, part = j % 4, sh = 8 * ((2 * part) % 4);
           const __m256i sw = load(sb + kQ6Scales + 64 * (2 * hh + part / 2) + 32 * h);
           const __m256 a0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - sh), 24)));
@@ -2031,7 +2060,7 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
 
 // The same for a panel of outputs [base, base + kPanel) that lies in whole packed groups of one K-type segment.
 bool packed_panel_k(const QMatrix& w, int64_t base, uint32_t* panel) {
-  return packed_panel_groups<true, true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
+  return packed_panel_groups<true>(w, base, [&](auto type, const uint8_t* grp, int64_t nb, int64_t n0) {
     packed_group_k_to_panel<decltype(type)::value>(grp, nb, panel, n0);
   });
 }
