@@ -917,6 +917,50 @@ inline void k4_scales_avx2(const uint8_t* sb, int half, int j, __m256 d, __m256 
   a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
   b = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), _mm256_cvtepi32_ps(mn));
 }
+
+// IQ4_XS chunk j's scale a = d (scale - 32) for 8 rows of a packed super-block (scale_iq4_xs's bit fields, lane-wise
+// from the rows' scales_l words lo and their scales_h widened to lanes, hi).
+inline __m256 xs_scale_avx2(__m256 d, __m256i lo, __m256i hi, int j) {
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * j), _mm256_set1_epi32(0xF));
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), _mm256_set1_epi32(3));
+  const __m256i sc = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+}
+
+// IQ4_XS chunk j of rows 8 half .. 8 half + 7 of a packed super-block as 8 vectors of signed bytes (vector t: weights
+// 4 t .. 4 t + 3 of the chunk, the nibbles' values).
+inline void xs_chunk_avx2(const uint8_t* sb, int half, int j, __m256i* v) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table();
+  for (int t = 0; t < 4; ++t) {
+    const uint8_t* at = sb + kXsNibbles + 64 * (4 * j + t) + 32 * half;
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    v[t] = _mm256_shuffle_epi8(table, _mm256_and_si256(p, m4));
+    v[t + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p, 4), m4));
+  }
+}
+
+// Q3_K's signed 6-bit scale s (0..15) for 8 rows, from the halves of a packed super-block's three scale vectors w
+// (scales_q3_k's bit fields, lane-wise), as floats.
+inline __m256 q3_scale_avx2(const __m256i* w, int s) {
+  const int b1 = s % 8;
+  const __m256i low =
+      _mm256_and_si256(_mm256_srli_epi32(w[b1 / 4], 8 * (b1 % 4) + (s >= 8 ? 4 : 0)), _mm256_set1_epi32(0xF));
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi32(w[2], 8 * (s % 4) + 2 * (s / 4)), _mm256_set1_epi32(3));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32)));
+}
+
+// Q3_K chunk j of rows 8 half .. of a packed super-block as 8 byte vectors u = the 2 low bits | the mask bit << 2
+// (0..7; vector t: weights 4 t .. 4 t + 3).
+inline void q3_chunk_avx2(const uint8_t* sb, int half, int j, __m256i* v) {
+  const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const int hh = j / 4, shift = 2 * (j % 4);
+  for (int t = 0; t < 8; ++t) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Low + 64 * (8 * hh + t) + 32 * half));
+    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Mask + 64 * t + 32 * half));
+    v[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q, shift), m3),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(m, j), one), 2));
+  }
+}
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -1147,6 +1191,26 @@ void packed_group_q6k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>(keep), acc[r]);
 }
 
+// IQ4_XS chunk j's scale a = d (scale - 32) for the 16 rows of a packed super-block (scale_iq4_xs's bit fields,
+// lane-wise from the rows' scales_l words lo and their scales_h widened to lanes, hi).
+inline __m512 xs_scale(__m512 d, __m512i lo, __m512i hi, int j) {
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lo, 4 * j), _mm512_set1_epi32(0xF));
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * j), _mm512_set1_epi32(3));
+  const __m512i sc = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+}
+
+// IQ4_XS chunk j of a packed super-block as vpdpbusd's 8 unsigned vectors (vector t: weights 4 t .. 4 t + 3 of the
+// chunk), each nibble's value + 128 (kIq4Unsigned).
+inline void xs_chunk(const uint8_t* sb, int j, __m512i* v) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), tab = iq4u_table512();
+  for (int t = 0; t < 4; ++t) {
+    const __m512i p = _mm512_loadu_si512(sb + kXsNibbles + 64 * (4 * j + t));
+    v[t] = _mm512_shuffle_epi8(tab, _mm512_and_si512(p, m4));
+    v[t + 4] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4));
+  }
+}
+
 // The same for a packed group of IQ4_XS rows (kXsNibbles' layout): chunk j's scale a = d (scale - 32) for the 16 rows
 // from the super-block's scale fields (scale_iq4_xs's, lane-wise), its nibbles' values + 128 as u, w = a (u - 128).
 template <int32_t T, int RB>
@@ -1155,8 +1219,6 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
   static_assert(T == PQ_IQ4_XS);
   (void)x16;
   constexpr int64_t sbb = kPackRows * 136;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3);
-  const __m512i tab = iq4u_table512();
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
@@ -1166,16 +1228,10 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
     const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsHigh)));
     const __m512i lo = _mm512_loadu_si512(sb + kXsLow);
     for (int j = 0; j < 8; ++j) {
-      const __m512i sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4 * j), low4),
-                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2 * j), three), 4));
-      const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+      const __m512 a = xs_scale(d, lo, hi, j);
       const __m512 b = _mm512_mul_ps(a, _mm512_set1_ps(-128.f));
       __m512i v[8];
-      for (int t = 0; t < 4; ++t) {
-        const __m512i p = _mm512_loadu_si512(sb + kXsNibbles + 64 * (4 * j + t));
-        v[t] = _mm512_shuffle_epi8(tab, _mm512_and_si512(p, m4));
-        v[t + 4] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4));
-      }
+      xs_chunk(sb, j, v);
       chunk_rows<RB>(v, xq, xd, xs, ldq, ldb, sbi * 8 + j, a, b, acc);
     }
   }
@@ -1192,6 +1248,24 @@ inline __m512 q3_scale(const __m512i* w, int s) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32)));
 }
 
+// The three scale vectors of a packed Q3_K super-block (q3_scale's w).
+inline void q3_scale_words(const uint8_t* sb, __m512i* w) {
+  for (int k = 0; k < 3; ++k) w[k] = _mm512_loadu_si512(sb + kQ3Scales + 64 * k);
+}
+
+// Q3_K chunk j of a packed super-block as 8 byte vectors u = the 2 low bits | the mask bit << 2 (0..7, unsigned for
+// vpdpbusd; vector t: weights 4 t .. 4 t + 3 of the chunk).
+inline void q3_chunk(const uint8_t* sb, int j, __m512i* v) {
+  const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+  const int hh = j / 4, shift = 2 * (j % 4);
+  for (int t = 0; t < 8; ++t) {
+    const __m512i q = _mm512_loadu_si512(sb + kQ3Low + 64 * (8 * hh + t));
+    const __m512i m = _mm512_loadu_si512(sb + kQ3Mask + 64 * t);
+    v[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, shift), m3),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(m, j), one), 2));
+  }
+}
+
 // The same for a packed group of Q3_K rows (kQ3Low's layout): w = d sc (u - 4) with u = the 2 low bits | the mask bit
 // << 2 (0..7, unsigned for vpdpbusd) and a scale per 16 weights, so each half of a chunk sums apart, less 4 times the
 // sum of its 16 inputs (as Q6_K's less 32).
@@ -1201,25 +1275,18 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   static_assert(T == PQ_Q3_K);
   (void)xs;
   constexpr int64_t sbb = kPackRows * 110;
-  const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-    const __m512i w[3] = {_mm512_loadu_si512(sb + kQ3Scales), _mm512_loadu_si512(sb + kQ3Scales + 64),
-                          _mm512_loadu_si512(sb + kQ3Scales + 128)};
+    __m512i w[3];
+    q3_scale_words(sb, w);
     for (int j = 0; j < 8; ++j) {
       const __m512 a0 = _mm512_mul_ps(d, q3_scale(w, 2 * j)), a1 = _mm512_mul_ps(d, q3_scale(w, 2 * j + 1));
-      const int hh = j / 4, shift = 2 * (j % 4);
       __m512i v[8];
-      for (int t = 0; t < 8; ++t) {
-        const __m512i q = _mm512_loadu_si512(sb + kQ3Low + 64 * (8 * hh + t));
-        const __m512i m = _mm512_loadu_si512(sb + kQ3Mask + 64 * t);
-        v[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, shift), m3),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(m, j), one), 2));
-      }
+      q3_chunk(sb, j, v);
       const int64_t c = sbi * 8 + j;
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
@@ -1541,8 +1608,6 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
   static_assert(T == PQ_IQ4_XS);
   (void)xs, (void)x16;
   constexpr int64_t sbb = kPackRows * 136;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table();
-  const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -1553,16 +1618,9 @@ void packed_group_xs(const uint8_t* grp, int64_t nb, const int8_t* xq, const flo
       const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kXsHigh + 16 * h)));
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsLow + 32 * h));
       for (int j = 0; j < 8; ++j) {
-        const __m256i sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lo, 4 * j), low4),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), three), 4));
-        const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+        const __m256 a = xs_scale_avx2(d, lo, hi, j);
         __m256i v[8], av[8];
-        for (int t = 0; t < 4; ++t) {
-          const __m256i p =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsNibbles + 64 * (4 * j + t) + 32 * h));
-          v[t] = _mm256_shuffle_epi8(table, _mm256_and_si256(p, m4));
-          v[t + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p, 4), m4));
-        }
+        xs_chunk_avx2(sb, h, j, v);
         for (int t = 0; t < 8; ++t) av[t] = _mm256_abs_epi8(v[t]);
         const int64_t c = sbi * 8 + j;
 #pragma GCC unroll 8
@@ -1586,8 +1644,6 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
   static_assert(T == PQ_Q3_K);
   (void)xs;
   constexpr int64_t sbb = kPackRows * 110;
-  const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1);
-  const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -1598,23 +1654,10 @@ void packed_group_q3k(const uint8_t* grp, int64_t nb, const int8_t* xq, const fl
       __m256i w[3];
       for (int k = 0; k < 3; ++k)
         w[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Scales + 64 * k + 32 * h));
-      auto scale = [&](int sidx) {  // scales_q3_k's bit fields, lane-wise
-        const int b1 = sidx % 8;
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(w[b1 / 4], 8 * (b1 % 4) + (sidx >= 8 ? 4 : 0)), low4);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(w[2], 8 * (sidx % 4) + 2 * (sidx / 4)), three);
-        return _mm256_cvtepi32_ps(
-            _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32)));
-      };
       for (int j = 0; j < 8; ++j) {
-        const __m256 a0 = _mm256_mul_ps(d, scale(2 * j)), a1 = _mm256_mul_ps(d, scale(2 * j + 1));
-        const int hh = j / 4, shift = 2 * (j % 4);
+        const __m256 a0 = _mm256_mul_ps(d, q3_scale_avx2(w, 2 * j)), a1 = _mm256_mul_ps(d, q3_scale_avx2(w, 2 * j + 1));
         __m256i v[8];
-        for (int t = 0; t < 8; ++t) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Low + 64 * (8 * hh + t) + 32 * h));
-          const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kQ3Mask + 64 * t + 32 * h));
-          v[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q, shift), m3),
-                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(m, j), one8), 2));
-        }
+        q3_chunk_avx2(sb, h, j, v);
         const int64_t c = sbi * 8 + j;
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
@@ -1819,9 +1862,6 @@ void packed_group_k_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, i
   const __m256i low4 = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
   const __m256 zero = _mm256_setzero_ps();
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  [[maybe_unused]] auto field = [](__m256i v, int shift, __m256i mask) {
-    return _mm256_and_si256(_mm256_srli_epi32(v, shift), mask);
-  };
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
@@ -1829,32 +1869,23 @@ void packed_group_k_to_f32_panel(const uint8_t* grp, int64_t nb, float* panel, i
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
       for (int j = 0; j < 8; ++j) {
         float* o = panel + 32 * (sbi * 8 + j) * kPanel + n0 + 8 * h;
-        if constexpr (T == PQ_IQ4_XS) {
-          const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kXsHigh + 16 * h));
-          const __m256i hw = _mm256_cvtepu16_epi32(high);
-          const __m256i ls = _mm256_or_si256(field(load(sb + kXsLow + 32 * h), 8 * (j / 2) + 4 * (j % 2), low4),
-                                             _mm256_slli_epi32(field(hw, 2 * j, three), 4));
-          const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
-          for (int k = 0; k < 32; ++k) {
-            const __m256i v = load(sb + kXsNibbles + 64 * (4 * j + (k % 16) / 4) + 32 * h);
-            const __m256i u = field(v, 8 * (k % 4) + (k >= 16 ? 4 : 0), low4);
-            _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq4_value8(u)), a, zero));
+        if constexpr (T == PQ_IQ4_XS || T == PQ_Q3_K) {  // the int8 kernels' byte vectors, lane by lane
+          __m256i v[8];
+          __m256 a0, a1;
+          if constexpr (T == PQ_IQ4_XS) {
+            const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kXsHigh + 16 * h));
+            a0 = a1 = xs_scale_avx2(d, load(sb + kXsLow + 32 * h), _mm256_cvtepu16_epi32(high), j);
+            xs_chunk_avx2(sb, h, j, v);  // signed values
+          } else {
+            const __m256i w[3] = {load(sb + kQ3Scales + 32 * h), load(sb + kQ3Scales + 64 + 32 * h),
+                                  load(sb + kQ3Scales + 128 + 32 * h)};
+            a0 = _mm256_mul_ps(d, q3_scale_avx2(w, 2 * j));
+            a1 = _mm256_mul_ps(d, q3_scale_avx2(w, 2 * j + 1));
+            q3_chunk_avx2(sb, h, j, v);  // u = q + 4
           }
-        } else if constexpr (T == PQ_Q3_K) {
-          auto scale = [&](int s) {  // as packed_group_k_to_panel's
-            const int lb = s % 8;
-            const __m256i lw = load(sb + kQ3Scales + 64 * (lb / 4) + 32 * h);
-            const __m256i lo = field(lw, 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
-            const __m256i hi = field(load(sb + kQ3Scales + 128 + 32 * h), 8 * (s % 4) + 2 * (s / 4), three);
-            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
-            return _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-          };
-          const __m256 a0 = scale(2 * j), a1 = scale(2 * j + 1);
-          const int hh = j / 4, part = j % 4;
           for (int k = 0; k < 32; ++k) {
-            const __m256i q2 = field(load(sb + kQ3Low + 64 * (8 * hh + k / 4) + 32 * h), 8 * (k % 4) + 2 * part, three);
-            const __m256i hb = field(load(sb + kQ3Mask + 64 * (k / 4) + 32 * h), 8 * (k % 4) + j, one);
-            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(q2, _mm256_slli_epi32(hb, 2)), _mm256_set1_epi32(4));
+            __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(v[k / 4], 24 - 8 * (k % 4)), 24);  // byte k % 4
+            if constexpr (T == PQ_Q3_K) q = _mm256_sub_epi32(q, _mm256_set1_epi32(4));
             _mm256_storeu_ps(o + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), k < 16 ? a0 : a1, zero));
           }
         } else if constexpr (T == PQ_Q6_K) {
@@ -1981,47 +2012,30 @@ void packed_group_k_to_panel(const uint8_t* grp, int64_t nb, uint32_t* panel, in
   constexpr int64_t sbb = kPackRows * block_bytes(T);
   const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), one = _mm512_set1_epi32(1);
   const __m512 zero = _mm512_setzero_ps();
-  [[maybe_unused]] const __m512i iq4_values = iq4_values16();
-  [[maybe_unused]] auto field = [](__m512i v, int shift, __m512i mask) {
-    return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask);
-  };
   for (int64_t sbi = 0; sbi < nb / 8; ++sbi) {
     const uint8_t* sb = grp + sbi * sbb;
     prefetch_weights(sb, kPrefetchAhead, sbb);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     for (int j = 0; j < 8; ++j) {
       const int64_t c = sbi * 8 + j;
-      if constexpr (T == PQ_IQ4_XS) {
-        // scale_iq4_xs: 4 bits of scales_l byte j / 2, 2 bits of scales_h (16 bits, widened to lanes) at 2 j.
-        const __m512i hw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsHigh)));
-        const __m512i ls = _mm512_or_si512(field(_mm512_loadu_si512(sb + kXsLow), 8 * (j / 2) + 4 * (j % 2), low4),
-                                           _mm512_slli_epi32(field(hw, 2 * j, three), 4));
-        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
-        auto weight = [&](int k) {  // nibbles as Q4_0's in vectors 4 j + t
-          const __m512i v = _mm512_loadu_si512(sb + kXsNibbles + 64 * (4 * j + (k % 16) / 4));
-          const __m512i u = field(v, 8 * (k % 4) + (k >= 16 ? 4 : 0), low4);
-          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(u, iq4_values)), a, zero);
-        };
-        chunk_to_panel(weight, panel, c, n0);
-      } else if constexpr (T == PQ_Q3_K) {
-        // scales_q3_k's scale s: its low 4 bits from byte s % 8 (high nibble for s >= 8), its high 2 from byte
-        // 8 + s % 4 at 2 (s / 4); the 12 bytes are scale vectors 0-2.
-        auto scale = [&](int s) {
-          const int lb = s % 8;
-          const __m512i lw = _mm512_loadu_si512(sb + kQ3Scales + 64 * (lb / 4));
-          const __m512i lo = field(lw, 8 * (lb % 4) + (s < 8 ? 0 : 4), low4);
-          const __m512i hi = field(_mm512_loadu_si512(sb + kQ3Scales + 128), 8 * (s % 4) + 2 * (s / 4), three);
-          const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
-          return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        };
-        const __m512 a0 = scale(2 * j), a1 = scale(2 * j + 1);
-        const int h = j / 4, part = j % 4;
-        auto weight = [&](int k) {  // 2 bits of qs byte 32 h + k at 2 part; hmask byte k's bit j
-          const __m512i lw = _mm512_loadu_si512(sb + kQ3Low + 64 * (8 * h + k / 4));
-          const __m512i q2 = field(lw, 8 * (k % 4) + 2 * part, three);
-          const __m512i hb = field(_mm512_loadu_si512(sb + kQ3Mask + 64 * (k / 4)), 8 * (k % 4) + j, one);
-          const __m512i q = _mm512_sub_epi32(_mm512_or_si512(q2, _mm512_slli_epi32(hb, 2)), _mm512_set1_epi32(4));
-          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), k < 16 ? a0 : a1, zero);
+      if constexpr (T == PQ_IQ4_XS || T == PQ_Q3_K) {  // the int8 kernels' unsigned byte vectors, lane by lane
+        __m512i v[8];
+        __m512 a0, a1;
+        if constexpr (T == PQ_IQ4_XS) {
+          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kXsHigh));
+          a0 = a1 = xs_scale(d, _mm512_loadu_si512(sb + kXsLow), _mm512_cvtepu16_epi32(high), j);
+          xs_chunk(sb, j, v);  // value + 128
+        } else {
+          __m512i w[3];
+          q3_scale_words(sb, w);
+          a0 = _mm512_mul_ps(d, q3_scale(w, 2 * j));
+          a1 = _mm512_mul_ps(d, q3_scale(w, 2 * j + 1));
+          q3_chunk(sb, j, v);  // q + 4
+        }
+        const __m512i offset = _mm512_set1_epi32(T == PQ_IQ4_XS ? 128 : 4);
+        auto weight = [&](int k) {
+          const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v[k / 4], 8 * (k % 4)), _mm512_set1_epi32(0xFF));
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, offset)), k < 16 ? a0 : a1, zero);
         };
         chunk_to_panel(weight, panel, c, n0);
       } else if constexpr (T == PQ_Q6_K) {
